@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Each installs what it needs.
+# torch==2.13.0 is installed first: it is the local CPU build here; a bare `torch` would pull
+# several GB of CUDA packages.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip --disable-pip-version-check -q
+STAMP = .make-installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): setup.cfg setup.py pyproject.toml
+	$(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[test]"
+	$(PYTHON) -m commpatch install-hook
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) examples/demo.py --nproc 2 --out commpatch_logs
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+bench: $(STAMP)
+	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) benchmarks/memory.py
+
+clean:
+	rm -rf $(STAMP) commpatch_logs build *.egg-info .pytest_cache

@@ -1,0 +1,39 @@
+"""commpatch: what a PyTorch distributed job communicates, and how long it takes.
+
+    import commpatch
+    commpatch.enable()          # wrap every torch.distributed collective
+    ...                         # train as usual
+    df = commpatch.log()        # one row per collective call (pandas DataFrame)
+    commpatch.export_csv("commpatch_logs/rank{rank}.csv")
+
+Or with no code change: ``COMMPATCH=1 torchrun ...`` (after ``commpatch install-hook`` or a
+regular ``pip install``) or ``commpatch run -- torchrun ...``.
+
+Importing commpatch imports neither torch nor pandas.
+"""
+
+from ._config import ConfigError
+from ._session import (capture, disable, enable, export_csv, internal_errors, is_enabled, log,
+                       reset, step, summary, summary_text, tag)
+
+__version__ = "0.1.0"
+
+
+def read_csv(paths):
+    """Read per-rank log files (a file, a directory, a glob or a list) into one DataFrame."""
+    from .export import read
+
+    return read(paths)
+
+
+def schema():
+    """The log's columns: (name, dtype, unit, doc) for each."""
+    from ._log import SCHEMA
+
+    return [(c.name, c.dtype, c.unit, c.doc) for c in SCHEMA]
+
+
+__all__ = [
+    "ConfigError", "capture", "disable", "enable", "export_csv", "internal_errors",
+    "is_enabled", "log", "read_csv", "reset", "schema", "step", "summary", "summary_text", "tag",
+]

@@ -1,0 +1,129 @@
+"""The one table of settings: name, environment variable, type, default, help.
+
+This is the only module that reads ``os.environ`` for settings. Precedence:
+``enable(**kwargs)`` > environment > defaults. A bad value raises ``ConfigError``
+naming the variable and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+class ConfigError(ValueError):
+    """A commpatch setting has a value that is not allowed."""
+
+
+def _parse_bool(name: str, env: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{env}={value!r} (setting {name!r}) is not a boolean: use one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_choice(*allowed: str) -> Callable[[str, str, Any], str]:
+    def parse(name: str, env: str, value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in allowed:
+            raise ConfigError(f"{env}={value!r} (setting {name!r}) is not allowed: use one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
+def _parse_ops(name: str, env: str, value: Any) -> tuple[str, ...] | None:
+    """None means every op in the target table; names are checked against it."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    ops = tuple(op.strip() for op in items if op.strip())
+    if not ops or ops == ("all",):
+        return None
+    from ._targets import TARGET_NAMES
+
+    unknown = [op for op in ops if op not in TARGET_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"{env}={value!r} (setting {name!r}) names unknown op(s) {', '.join(unknown)}: "
+            f"allowed are 'all' or a comma-separated list of {', '.join(TARGET_NAMES)}"
+        )
+    return ops
+
+
+def _parse_output(name: str, env: str, value: Any) -> str:
+    text = "" if value is None else str(value).strip()
+    if text.lower() in ("", "0", "none", "off"):
+        return ""
+    if not text.endswith((".csv", ".parquet")):
+        raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .csv or .parquet, or be 'none' to write nothing at exit")
+    try:
+        text.format(rank=0, pid=0)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"{env}={value!r} (setting {name!r}): only the fields {{rank}} and {{pid}} may appear ({exc})") from None
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    env: str
+    default: Any
+    parse: Callable[[str, str, Any], Any]
+    help: str
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("active", "COMMPATCH", False, _parse_bool,
+            "Instrument every Python process started with this set (via the installed .pth hook or `commpatch run`)."),
+    Setting("output", "COMMPATCH_OUTPUT", "commpatch_logs/rank{rank}.csv", _parse_output,
+            "Per-rank file written at exit (normal exit and SIGTERM); {rank} and {pid} expand; .csv or .parquet; 'none' writes nothing."),
+    Setting("ops", "COMMPATCH_OPS", None, _parse_ops,
+            "Comma-separated torch.distributed function names to wrap, or 'all'."),
+    Setting("timing", "COMMPATCH_TIMING", "auto", _parse_choice("auto", "host"),
+            "auto: CUDA events for CUDA tensors, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
+    Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
+            "Print a per-op summary table to stderr at exit."),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def resolve(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Settings after precedence: overrides > environment > defaults; every value parsed."""
+    environ = os.environ if environ is None else environ
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(BY_NAME))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}: allowed are {', '.join(BY_NAME)}")
+    out = {}
+    for s in SETTINGS:
+        if s.name in overrides:
+            raw, where = overrides[s.name], f"enable({s.name}=...)"
+        elif s.env in environ:
+            raw, where = environ[s.env], s.env
+        else:
+            out[s.name] = s.parse(s.name, s.env, s.default) if s.default is not None else None
+            continue
+        out[s.name] = s.parse(s.name, where, raw)
+    return out
+
+
+def env_active(environ: dict[str, str] | None = None) -> bool:
+    """Whether COMMPATCH asks for activation; raises ConfigError on a bad value."""
+    environ = os.environ if environ is None else environ
+    s = BY_NAME["active"]
+    return s.parse(s.name, s.env, environ.get(s.env, ""))
+
+
+def describe(environ: dict[str, str] | None = None) -> list[tuple[str, str, str, str]]:
+    """(env var, current value, default, help) for `commpatch env` and the README."""
+    environ = os.environ if environ is None else environ
+    return [(s.env, environ.get(s.env, ""), "" if s.default is None else str(s.default), s.help) for s in SETTINGS]

@@ -1,0 +1,165 @@
+"""Apply and remove the patches, driven by the target table only.
+
+One wrapper object per function, installed in every namespace that holds the original
+(``torch.distributed``, ``distributed_c10d``, modules that bound the name at import such as
+``torch.distributed.tensor._collective_utils``, and user modules that did
+``from torch.distributed import all_reduce`` before ``enable()``): torch compares these
+functions by identity (``op.op is isend`` in ``batch_isend_irecv``). Removal restores the
+recorded originals by identity from our own registry. Post-import hooks (wrapt) patch
+modules imported later; they cannot be unregistered, so they check state and identity.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import wrapt
+
+from . import _runtime
+from ._targets import C10D, DIST, TARGETS
+from ._wrapper import MARK, make_wrapper
+
+FUNCOL = "torch.distributed._functional_collectives"
+_ALSO_IN = {t.name: t.also_in for t in TARGETS}
+
+
+def _namespaces(name: str) -> tuple[str, ...]:
+    return (C10D, DIST) + _ALSO_IN.get(name, ())
+
+
+class Patcher:
+    def __init__(self, log, timing) -> None:
+        self.log = log
+        self.timing = timing
+        self.originals: dict[str, object] = {}       # op name -> original function
+        self.wrappers: dict[str, object] = {}        # op name -> the one wrapper object
+        self.installed: list[tuple[object, str]] = []  # (module, attribute) we replaced
+        self.remaps: list[object] = []               # wrappers added to dynamo's remap table
+        self._hooked: set[str] = set()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.wrappers)
+
+    def apply(self, ops, host_only: bool) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        for target in TARGETS:
+            if ops is not None and target.name not in ops:
+                continue
+            orig = getattr(c10d, target.name, None)
+            if orig is None:                       # not in this torch version: skipped
+                continue
+            orig = getattr(orig, MARK, orig)       # already ours (e.g. a stale wrapper): use its original
+            self.originals[target.name] = orig
+            self.wrappers[target.name] = make_wrapper(target, orig, self.log, self.timing, host_only)
+        self._wrap_lifecycle(c10d)
+        for name in self.wrappers:
+            for modname in _namespaces(name):
+                self._patch_module(modname, name)
+                self._hook(modname)
+        self._patch_user_modules()
+        self._add_remaps()
+        self._hook(FUNCOL)
+
+    def remove(self) -> None:
+        for mod, attr in reversed(self.installed):
+            current = getattr(mod, attr, None)
+            orig = getattr(current, MARK, None)
+            if orig is not None:
+                setattr(mod, attr, orig)
+        self.installed.clear()
+        self._remove_remaps()
+        self.originals.clear()
+        self.wrappers.clear()
+
+    # ---- namespaces -------------------------------------------------------------
+    def _patch_module(self, modname: str, attr: str) -> None:
+        mod = sys.modules.get(modname)
+        if mod is None or attr not in self.wrappers:
+            return
+        if mod.__dict__.get(attr) is self.originals[attr]:
+            wrapt.apply_patch(mod, attr, self.wrappers[attr])
+            self.installed.append((mod, attr))
+
+    def _hook(self, modname: str) -> None:
+        """Patch ``modname`` whenever it is imported later (hooks are permanent: check state)."""
+        if modname in self._hooked:
+            return
+        self._hooked.add(modname)
+
+        def on_import(module, modname=modname):
+            try:
+                if not self.active:
+                    return
+                if modname == FUNCOL:
+                    self._add_remaps()
+                for attr in list(self.wrappers):
+                    self._patch_module(modname, attr)
+            except Exception as exc:  # noqa: BLE001
+                _runtime.fail("patch.import_hook", exc)
+
+        wrapt.register_post_import_hook(on_import, modname)
+
+    def _patch_user_modules(self) -> None:
+        """Catch ``from torch.distributed import all_reduce`` done before enable().
+
+        Only attributes named like the function: a user's ``raw = dist.all_reduce`` (kept on
+        purpose to call the unpatched function) is left alone.
+        """
+        for modname, mod in list(sys.modules.items()):
+            if mod is None or modname.startswith(("torch.", "commpatch")) or modname == "torch":
+                continue
+            namespace = getattr(mod, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, orig in self.originals.items():
+                if namespace.get(name) is orig:
+                    wrapt.apply_patch(mod, name, self.wrappers[name])
+                    self.installed.append((mod, name))
+
+    # ---- torch.compile: keep dynamo's rewrite of dist.* into functional collectives ----
+    def _add_remaps(self) -> None:
+        funcol = sys.modules.get(FUNCOL)
+        remaps = getattr(funcol, "traceable_collective_remaps", None)
+        if remaps is None:
+            return
+        for name, wrapper in self.wrappers.items():
+            orig = self.originals[name]
+            if orig in remaps and wrapper not in remaps:
+                remaps[wrapper] = remaps[orig]
+                self.remaps.append(wrapper)
+
+    def _remove_remaps(self) -> None:
+        funcol = sys.modules.get(FUNCOL)
+        remaps = getattr(funcol, "traceable_collective_remaps", None)
+        if remaps is not None:
+            for wrapper in self.remaps:
+                remaps.pop(wrapper, None)
+        self.remaps.clear()
+
+    # ---- lifecycle: groups are forgotten and pending timings resolved on destroy ------
+    def _wrap_lifecycle(self, c10d) -> None:
+        orig = getattr(c10d, "destroy_process_group", None)
+        if orig is None or hasattr(orig, MARK):
+            return
+        log, timing = self.log, self.timing
+
+        def destroy_process_group(*args, **kwargs):
+            try:
+                timing.resolve(block=True)
+                if not args and kwargs.get("group") is None:
+                    from . import export
+
+                    export.write_at_exit(reason="destroy_process_group")
+                log.forget_groups()
+            except Exception as exc:  # noqa: BLE001
+                _runtime.fail("destroy_process_group", exc)
+            return orig(*args, **kwargs)
+
+        import functools
+
+        functools.update_wrapper(destroy_process_group, orig)
+        setattr(destroy_process_group, MARK, orig)
+        self.originals["destroy_process_group"] = orig
+        self.wrappers["destroy_process_group"] = destroy_process_group

@@ -1,0 +1,69 @@
+"""Process-wide runtime state shared by the wrapper and the public API.
+
+Kept tiny and free of torch/pandas imports: the hot path reads ``STATE.recording``,
+``STATE.step``, ``STATE.tag`` and the thread-local ``LOCAL.depth``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+
+
+class State:
+    """Mutable process-wide switches (plain attributes: one read each on the hot path)."""
+
+    def __init__(self) -> None:
+        self.enabled = False      # patches installed
+        self.recording = False    # wrappers record (False: pure pass-through)
+        self.step = 0             # commpatch.step() counter
+        self.tag = 0              # index into TAGS; 0 is no tag
+        self.settings: dict = {}
+
+
+class _Local(threading.local):
+    depth = 0       # >0 while inside a recorded call that may issue wrapped calls itself
+    nested = None   # bytes accumulated by inner calls of an object collective, else None
+
+
+STATE = State()
+LOCAL = _Local()
+TAGS: list[str] = [""]
+_TAG_INDEX = {"": 0}
+
+# Internal failures: counted per kind, warned once per kind. The user's call proceeds.
+ERRORS: dict[str, int] = {}
+_warned: set[str] = set()
+_errors_lock = threading.Lock()
+
+
+def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
+    """Record an internal error of commpatch without ever raising."""
+    try:
+        with _errors_lock:
+            ERRORS[kind] = ERRORS.get(kind, 0) + rows
+            first = kind not in _warned
+            _warned.add(kind)
+        if first:
+            warnings.warn(
+                f"commpatch: internal error ({kind}): {type(exc).__name__ if exc else ''}: {exc}; "
+                "the collective proceeds, further errors of this kind are only counted "
+                "(commpatch.internal_errors())",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    except Exception:  # noqa: BLE001 - the last line of defence must not raise
+        try:
+            sys.stderr.write(f"commpatch: internal error ({kind})\n")
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def tag_id(name: str) -> int:
+    with _errors_lock:
+        i = _TAG_INDEX.get(name)
+        if i is None:
+            i = _TAG_INDEX[name] = len(TAGS)
+            TAGS.append(name)
+        return i

@@ -1,0 +1,61 @@
+"""Run a function in N real processes joined by a gloo process group, with a timeout.
+
+Workers are module-level functions (spawned processes import them by name). Each returns
+a picklable result; an exception in any rank fails the test with that rank's traceback,
+and a hang fails it after ``timeout`` seconds instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import traceback
+
+
+def _entry(fn, rank, world_size, store_path, q, kwargs):
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        try:
+            result = fn(rank, world_size, **kwargs)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        q.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int = 2, timeout: float = 90, **kwargs) -> list:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, q, kwargs), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results: dict[int, object] = {}
+        errors = []
+        try:
+            for _ in range(world_size):
+                rank, ok, value = q.get(timeout=timeout)
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank} failed:\n{value}")
+                    break
+        except queue_mod.Empty:
+            errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world_size)]
