@@ -92,6 +92,8 @@ SETTINGS: tuple[Setting, ...] = (
             "auto: CUDA events for CUDA tensors, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
     Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
             "Print a per-op summary table to stderr at exit."),
+    Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,
+            "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (global module hooks: a small cost per module call)."),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

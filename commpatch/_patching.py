@@ -36,6 +36,7 @@ class Patcher:
         self.installed: list[tuple[object, str]] = []  # (module, attribute) we replaced
         self.remaps: list[object] = []               # wrappers added to dynamo's remap table
         self._hooked: set[str] = set()
+        self.integrations = None                     # integrations.Context while applied
 
     @property
     def active(self) -> bool:
@@ -61,8 +62,15 @@ class Patcher:
         self._patch_user_modules()
         self._add_remaps()
         self._hook(FUNCOL)
+        from . import integrations
+
+        self.integrations = integrations.apply(self.log, self.timing, _runtime.STATE.settings)
 
     def remove(self) -> None:
+        from . import integrations
+
+        integrations.remove(self.integrations)
+        self.integrations = None
         for mod, attr in reversed(self.installed):
             current = getattr(mod, attr, None)
             orig = getattr(current, MARK, None)

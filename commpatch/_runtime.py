@@ -19,6 +19,8 @@ class State:
         self.recording = False    # wrappers record (False: pure pass-through)
         self.step = 0             # commpatch.step() counter
         self.tag = 0              # index into TAGS; 0 is no tag
+        self.nesting = 0          # nesting ops (object collectives, send, ...) running in any thread
+        self.where = 0            # (index into MODULES) << 2 | index into PHASES
         self.settings: dict = {}
 
 
@@ -31,6 +33,9 @@ STATE = State()
 LOCAL = _Local()
 TAGS: list[str] = [""]
 _TAG_INDEX = {"": 0}
+MODULES: list[str] = [""]          # module FQNs seen by commpatch.integrations.modules
+PHASES = ("other", "forward", "backward", "optimizer")
+P_OTHER, P_FORWARD, P_BACKWARD, P_OPTIMIZER = range(4)
 
 # Internal failures: counted per kind, warned once per kind. The user's call proceeds.
 ERRORS: dict[str, int] = {}
@@ -58,6 +63,13 @@ def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
             sys.stderr.write(f"commpatch: internal error ({kind})\n")
         except Exception:  # noqa: BLE001
             pass
+
+
+def module_id(name: str) -> int:
+    """Code of a module FQN in MODULES (registered once per module, not per call)."""
+    with _errors_lock:
+        MODULES.append(name)
+        return len(MODULES) - 1
 
 
 def tag_id(name: str) -> int:

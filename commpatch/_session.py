@@ -73,12 +73,15 @@ def reset() -> None:
     LOG.clear()
 
 
-def export_csv(path: str | None = None) -> str:
-    """Write the log to ``path`` (``{rank}``/``{pid}`` expand; default: the output template)."""
+def export_csv(path: str | None = None, df=None) -> str:
+    """Write the log (or ``df``, a log already built) to ``path``; ``.parquet`` writes Parquet.
+
+    ``{rank}``/``{pid}`` expand; the default path is the output template.
+    """
     from . import export
 
     template = path or _runtime.STATE.settings.get("output") or _config.BY_NAME["output"].default
-    return export.write(log(), export.rank_path(str(template)))
+    return export.write(log() if df is None else df, export.rank_path(str(template)))
 
 
 def step(value: int | None = None) -> int:

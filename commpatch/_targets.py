@@ -39,6 +39,7 @@ class Target:
     peer: tuple[str, str] | None = None    # (global-rank parameter, group-rank parameter)
     leaf: bool = True             # False: may call other wrapped functions (depth guard needed)
     also_in: tuple[str, ...] = field(default=())  # modules that bind the name at import
+    runs: tuple[str, ...] = ()    # extra ops only: the collectives issued underneath (profiler names)
 
 
 _T = Target
@@ -77,21 +78,38 @@ TARGETS: tuple[Target, ...] = (
     _T("recv_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
 )
 TARGET_NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
-BY_NAME = {t.name: t for t in TARGETS}
-OP_CODE = {name: i for i, name in enumerate(TARGET_NAMES)}
+
+# Ops recorded by commpatch/integrations (not patch targets of torch.distributed): rows for
+# collectives issued from C++ (DDP's reducer) or by other APIs (functional collectives).
+# Same size rules and bandwidth kinds; ``runs`` names what a profiler sees underneath.
+EXTRA_OPS: tuple[Target, ...] = (
+    _T("ddp_bucket_allreduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
+    _T("ddp_broadcast_coalesced", None, ("list", None), ONE, False, runs=("broadcast",)),
+    _T("ddp_verify_params", None, ("none", None), NO_BW, False, runs=("all_gather", "broadcast")),
+    _T("ddp_rebuild_buckets", None, ("none", None), NO_BW, False, runs=("broadcast", "broadcast")),
+    _T("funcol.all_reduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
+    _T("funcol.all_reduce_coalesced", None, ("list", None), ALLREDUCE, True, runs=("all_reduce",)),
+    _T("funcol.all_gather", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
+    _T("funcol.all_gather_coalesced", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
+    _T("funcol.reduce_scatter", None, ("t", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
+    _T("funcol.reduce_scatter_coalesced", None, ("list", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
+    _T("funcol.all_to_all_single", None, ("t", None), ALLTOALL, True, runs=("all_to_all",)),
+    _T("funcol.broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
+)
+OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
+BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}
+OP_CODE = {name: i for i, name in enumerate(OP_NAMES)}
 
 # dtype sentinels for rows without a tensor of their own
 NO_TENSOR = None
 OBJECT = "object"
 
 
-def make_reader(target: Target, fn) -> "callable":
-    """Compile ``read(args, kwargs) -> (tensor, numel, group, async_op, peer)`` for ``fn``.
+def reader_lines(target: Target, fn) -> list[str]:
+    """Statements that set ``t, numel, group, async_op, peer`` from ``args``/``kwargs``.
 
     Positions come from the installed function's own signature, so the table holds only
     parameter names and works across torch versions whose positional order differs.
-    Generated once per target at patch time (the namedtuple technique): the hot path is
-    then a handful of indexed reads with no per-call introspection.
     """
     params = list(inspect.signature(fn).parameters)
 
@@ -101,52 +119,50 @@ def make_reader(target: Target, fn) -> "callable":
             return f"(args[{i}] if n > {i} else kwargs.get({name!r}, {default}))"
         return f"kwargs.get({name!r}, {default})"
 
-    lines = ["def read(args, kwargs):", "    n = len(args)"]
-    lines.append(f"    group = {arg('group')}" if "group" in params else "    group = None")
+    lines = ["n = len(args)"]
+    lines.append(f"group = {arg('group')}" if "group" in params else "group = None")
     rule, sparam = target.size
     if target.tensor is not None:
-        lines.append(f"    t = {arg(target.tensor)}")
+        lines.append(f"t = {arg(target.tensor)}")
         if target.tensor.endswith(("_list", "tensors")):
-            lines.append("    t = t[0] if t else None")
+            lines.append("t = t[0] if t else None")
     else:
-        lines.append("    t = None")
+        lines.append("t = None")
     if rule in ("t", "xn"):
-        if sparam == target.tensor:
-            lines.append("    numel = t.numel()")
-        else:
-            lines.append(f"    numel = {arg(sparam)}.numel()")
+        lines.append("numel = t.numel()" if sparam == target.tensor else f"numel = {arg(sparam)}.numel()")
     elif rule == "list":
-        lines.append(f"    numel = sum([x.numel() for x in {arg(sparam)}])")
+        lines.append(f"numel = sum([x.numel() for x in {arg(sparam)}])")
     elif rule == "lists":
-        lines.append(f"    numel = sum([x.numel() for xs in {arg(sparam)} for x in xs])")
+        lines.append(f"numel = sum([x.numel() for xs in {arg(sparam)} for x in xs])")
     elif rule == "p2p":
-        lines.append(f"    ops = {arg(sparam)}")
-        lines.append("    t = ops[0].tensor if ops else None")
-        lines.append("    numel = sum([p.tensor.numel() for p in ops])")
-        lines.append("    group = ops[0].group if ops else None")
+        lines += [f"ops = {arg(sparam)}", "t = ops[0].tensor if ops else None",
+                  "numel = sum([p.tensor.numel() for p in ops])", "group = ops[0].group if ops else None"]
     else:
-        lines.append("    numel = 0")
-    if target.asynchronous is True or target.asynchronous is False:
-        lines.append(f"    async_op = {target.asynchronous}")
+        lines.append("numel = 0")
+    if isinstance(target.asynchronous, bool):
+        lines.append(f"async_op = {target.asynchronous}")
     else:
-        lines.append(f"    async_op = {arg(target.asynchronous, 'False')}")
+        lines.append(f"async_op = {arg(target.asynchronous, 'False')}")
     if target.peer:
         gname, lname = target.peer
-        lines.append(f"    peer = {arg(gname)}")
+        lines.append(f"peer = {arg(gname)}")
         if lname in params:
-            lines.append("    if peer is None:")
-            lines.append(f"        peer = group_peer(group, {arg(lname)})")
+            lines += ["if peer is None:", f"    peer = group_peer(group, {arg(lname)})"]
     else:
-        lines.append("    peer = -1")
-    lines.append("    return t, numel, group, async_op, peer")
-    ns = {"group_peer": _group_peer}
-    exec("\n".join(lines), ns)  # noqa: S102 - source built from the table above only
-    read = ns["read"]
-    read.__source__ = "\n".join(lines)
-    return read
+        lines.append("peer = -1")
+    return lines
 
 
-def _group_peer(group, group_rank) -> int:
+def make_reader(target: Target, fn):
+    """``read(args, kwargs) -> (t, numel, group, async_op, peer)`` compiled from reader_lines."""
+    body = "\n".join("    " + line for line in reader_lines(target, fn))
+    source = f"def read(args, kwargs):\n{body}\n    return t, numel, group, async_op, peer\n"
+    ns = {"group_peer": group_peer}
+    exec(source, ns)  # noqa: S102 - source built from the table above only
+    return ns["read"]
+
+
+def group_peer(group, group_rank) -> int:
     """Global rank of a group-local peer, -1 when unknown."""
     if group_rank is None:
         return -1

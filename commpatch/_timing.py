@@ -7,7 +7,7 @@
   events are queried lazily, and synchronized only when the log is read or written.
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
-Durations land in ``Log.done`` (seq -> ns) and are folded into the columns on compaction.
+Durations land in ``Log.done`` (seq -> ns) and are folded into compact arrays by ``Log.maintain``.
 """
 
 from __future__ import annotations

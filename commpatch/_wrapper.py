@@ -14,18 +14,66 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 
 from . import _runtime
-from ._log import CHUNK_MASK, F_ASYNC, F_CUDA, F_ERROR, T_HOST, T_NONE, T_SHIFT
-from ._targets import OBJECT, OP_CODE, Target, make_reader
+from ._log import CHUNK_MASK, ROW, F_ASYNC, F_CUDA, F_ERROR, T_HOST, T_NONE, T_SHIFT
+from ._targets import OBJECT, OP_CODE, Target, group_peer, make_reader, reader_lines
 
 SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
 MARK = "__commpatch_original__"
 
 
+# The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
+# else (CUDA events, async futures, nested object collectives, coalescing) goes to `slow`.
+_FAST = """
+def {name}(*args, **kwargs):
+    if not state.recording:
+        return orig(*args, **kwargs)
+    if state.nesting and local.depth:   # a plain read unless some nesting op is running
+        return inner(args, kwargs)
+    try:
+{read}
+        gid = group_ids.get(group)
+        if gid is None:
+            gid = log.group_id(group)
+        if gid < 0:                 # this rank is not in the group: torch does nothing
+            return orig(*args, **kwargs)
+        go_slow = {slow_test}
+        if not go_slow:
+            dc = {dtype_code}
+            seq = next_seq()
+    except Exception as exc:        # never break the user's call
+        fail("read", exc)
+        return orig(*args, **kwargs)
+    if go_slow:                     # outside the guard: torch's own errors must not re-run the call
+        return slow(args, kwargs, t, numel, group, gid, async_op, peer)
+    start = pc()
+    try:
+        result = orig(*args, **kwargs)
+    except BaseException:
+        error_row(seq, t, numel, gid, peer, async_op, start)
+        raise
+    end = pc()
+    try:
+        extend(pack(seq, code, gid, dc, numel, HOST, start, end, peer, state.step, state.tag, state.where))
+        if not seq & CHUNK_MASK:
+            maintain(seq)
+    except Exception as exc:
+        fail("record", exc)
+    return result
+"""
+
+
 def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
-    read = make_reader(target, orig)
+    """One wrapper function for ``orig``, generated from the target's table row.
+
+    Generated once at patch time (the namedtuple technique) so the hot path is a handful of
+    indexed reads, two clock reads and one packed append: no per-call introspection and no
+    extra Python call frames. Its behaviour is that of ``slow`` below, which handles every
+    case the fast path hands over.
+    """
     code = OP_CODE[target.name]
     leaf = target.leaf
     nested_op = target.size[0] == "nested"
@@ -33,10 +81,14 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     no_tensor_dtype = OBJECT if nested_op else None
     state, local, fail = _runtime.STATE, _runtime.LOCAL, _runtime.fail
     rows_append = log.rows.append
-    group_ids = log.group_ids
     pc = time.perf_counter_ns
     next_seq = SEQ.__next__
     coalescing = _coalesce_state()
+    read = make_reader(target, orig)
+
+    def maintain(seq):
+        timing.resolve()
+        log.maintain(seq)
 
     def record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, err, ev0):
         try:
@@ -53,32 +105,32 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             tcode = T_NONE
         flags = (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
         rows_append((seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel, flags,
-                     start, end, peer, state.step, state.tag))
+                     start, end, peer, state.step, state.tag, state.where))
         if not seq & CHUNK_MASK:
-            timing.resolve()
-            log.compact()
+            maintain(seq)
 
-    def wrapper(*args, **kwargs):
-        if not state.recording:
-            return orig(*args, **kwargs)
-        if local.depth:
-            if local.nested is not None:
-                _add_nested(read, xn, args, kwargs)
-            return orig(*args, **kwargs)
+    def error_row(seq, t, numel, gid, peer, async_op, start):
         try:
-            t, numel, group, async_op, peer = read(args, kwargs)
-            gid = group_ids.get(group)
-            if gid is None:
-                gid = log.group_id(group)
-            if gid < 0:            # this rank is not in the group: torch does nothing
-                return orig(*args, **kwargs)
+            record(seq, t, numel, None, gid, peer, async_op, False, start, pc(), None, True, None)
+        except Exception as exc:  # noqa: BLE001
+            fail("record", exc)
+
+    def inner(args, kwargs):
+        """A call made from inside another recorded call: not a row of its own."""
+        if local.nested is not None:
+            _add_nested(read, xn, args, kwargs)
+        return orig(*args, **kwargs)
+
+    def slow(args, kwargs, t, numel, group, gid, async_op, peer):
+        try:
             cuda = t is not None and t.is_cuda and not host_only
             ev0 = timing.cuda_start() if cuda else None
             seq = next_seq()
-        except Exception as exc:  # noqa: BLE001 - never break the user's call
+        except Exception as exc:  # noqa: BLE001
             fail("read", exc)
             return orig(*args, **kwargs)
         if not leaf:
+            _nesting(1)
             local.depth = 1
             if nested_op:
                 local.nested = 0
@@ -89,6 +141,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             end = pc()
             if not leaf:
                 local.depth = 0
+                _nesting(-1)
                 if nested_op:
                     numel, local.nested = local.nested or 0, None
             try:
@@ -99,6 +152,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         end = pc()
         if not leaf:
             local.depth = 0
+            _nesting(-1)
             if nested_op:
                 numel, local.nested = local.nested, None
         try:
@@ -107,6 +161,22 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             fail("record", exc)
         return result
 
+    slow_test = "async_op or coalescing"
+    if not leaf:
+        slow_test = "True"
+    elif (target.tensor is not None or target.size[0] == "p2p") and not host_only and _cuda_build():
+        slow_test += " or (t is not None and t.is_cuda)"   # a CPU-only torch has no CUDA tensors
+    dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
+        else str(log.dtype_id(no_tensor_dtype))
+    source = _FAST.format(name=target.name, slow_test=slow_test, dtype_code=dtype_code,
+                          read="\n".join(" " * 8 + line for line in reader_lines(target, orig)))
+    ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
+              next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
+              extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
+              HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
+              group_peer=group_peer)
+    exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
+    wrapper = ns[target.name]
     functools.update_wrapper(wrapper, orig)
     setattr(wrapper, MARK, orig)
     return wrapper
@@ -124,6 +194,21 @@ def _add_nested(read, xn, args, kwargs) -> None:
             _runtime.LOCAL.nested += numel * t.element_size()
     except Exception as exc:  # noqa: BLE001
         _runtime.fail("nested", exc)
+
+
+_nesting_lock = threading.Lock()
+
+
+def _nesting(delta: int) -> None:
+    """Count nesting ops running in any thread (the fast path's cheap hint to check LOCAL.depth)."""
+    with _nesting_lock:
+        _runtime.STATE.nesting += delta
+
+
+def _cuda_build() -> bool:
+    import torch
+
+    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
 
 
 def _in_coalescing(coalescing, group) -> bool:

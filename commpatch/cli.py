@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -53,22 +54,122 @@ def cmd_run(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from . import analysis, export, report
+    from . import analysis, merge, report
 
-    df = export.read(args.paths)
+    if args.compare:
+        return _report_compare(args)
+    if not args.paths:
+        print("commpatch report: give log files or directories (or --compare RUN_DIRS...)", file=sys.stderr)
+        return 2
     by = [b.strip() for b in args.by.split(",") if b.strip()]
-    summ = analysis.summary(df, by=by)
+    # the report alone needs a subset of the columns (a large log reads faster); exports need all
+    columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
+    df = merge.read_logs(args.paths, progress=_progress(args, "reading"), columns=columns)
+    steps = _read_steps(args.steps) if args.steps else None
+    cross = merge.cross_rank(df) if df["rank"].nunique() > 1 else None
+    rep = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross)
     if args.format == "csv":
-        sys.stdout.write(summ.to_csv(index=False))
+        frame = rep.sections.get(args.section)
+        if frame is None:
+            print(f"commpatch report: no '{args.section}' section for this log "
+                  f"(available: {', '.join(rep.sections)})", file=sys.stderr)
+            return 2
+        sys.stdout.write(frame.to_csv(index=False))
     elif args.format == "json":
-        sys.stdout.write(summ.to_json(orient="records", indent=1) + "\n")
+        sys.stdout.write(report.render_report_json(rep) + "\n")
     elif args.format == "markdown":
-        sys.stdout.write(report.render_markdown(summ) + "\n")
+        sys.stdout.write(report.render_report_markdown(rep) + "\n")
     else:
-        ranks = sorted(df["rank"].unique().tolist())
-        title = f"commpatch summary: {len(df)} calls, ranks {ranks}"
-        sys.stdout.write(report.render_text(summ, title=title) + "\n")
+        sys.stdout.write(report.render_report_text(rep) + "\n")
+    if args.trace:
+        from .trace import write_chrome_trace
+
+        print(f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
+              "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+    if args.module_tree:
+        from .trace import write_module_tree
+
+        try:
+            print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"commpatch report: {exc}", file=sys.stderr)
+            return 2
+    if args.plots:
+        from . import plots
+
+        try:
+            written = plots.write_plots(args.plots, analysis.summary(df, by=["op", "size_bucket"]),
+                                        rep.sections.get("steps"), cross.arrivals if cross is not None else None)
+        except ImportError as exc:
+            print(f"commpatch report: {exc}", file=sys.stderr)
+            return 2
+        print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
+    return 1 if args.fail_on_mismatch and rep.errors else 0
+
+
+def _report_compare(args) -> int:
+    from . import analysis, merge, report
+
+    runs = {}
+    for i, path in enumerate(args.compare):
+        runs[path] = merge.read_logs(path)
+        _progress(args, "runs")(i + 1, len(args.compare))
+    table, by_op = analysis.scaling(runs), analysis.scaling_by_op(runs)
+    if args.format == "csv":
+        sys.stdout.write((by_op if args.section == "by_op" else table).to_csv(index=False))
+    elif args.format == "json":
+        sys.stdout.write(json.dumps({"scaling": json.loads(table.to_json(orient="records")),
+                                     "by_op": json.loads(by_op.to_json(orient="records"))}, indent=1) + "\n")
+    elif args.format == "markdown":
+        sys.stdout.write("## Scaling\n\n" + report.render_markdown(table) + "\n\n## Bus bandwidth per op\n\n"
+                         + report.render_markdown(by_op) + "\n")
+    else:
+        sys.stdout.write(report.render_text(table, title="commpatch scaling: runs by world size") + "\n\n"
+                         + report.render_text(by_op, title="bus bandwidth per op and world size") + "\n")
+    if args.plots:
+        from . import plots
+
+        try:
+            path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
+        except ImportError as exc:
+            print(f"commpatch report: {exc}", file=sys.stderr)
+            return 2
+        print(f"commpatch: plots written: {path}", file=sys.stderr)
     return 0
+
+
+def _read_steps(path):
+    import pandas as pd
+
+    steps = pd.read_csv(path)
+    if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
+        raise SystemExit(f"commpatch report: {path}: a steps file needs columns step and duration_us "
+                         "(or start_ns and end_ns), optionally rank")
+    return steps
+
+
+def _progress(args, what):
+    """A progress callback on stderr (tqdm when installed), or a no-op when not wanted."""
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    state = {}
+
+    def update(done, total):
+        if not show or total < 2:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = state.setdefault("bar", tqdm(total=total, desc=what, file=sys.stderr, leave=False))
+            bar.update(done - bar.n)
+            if done == total:
+                bar.close()
+            return
+        sys.stderr.write(f"\rcommpatch: {what} {done}/{total}" + ("\n" if done == total else ""))
+        sys.stderr.flush()
+
+    return update
 
 
 def cmd_env(args) -> int:
@@ -104,10 +205,27 @@ def main(argv=None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("report", help="summarise per-rank log files")
-    p.add_argument("paths", nargs="+", help="files, directories or globs")
-    p.add_argument("--by", default="op", help="comma-separated columns (and/or size_bucket), default op")
+    p = sub.add_parser("report", help="summarise per-rank log files (cross-rank checks, trace, plots)")
+    p.add_argument("paths", nargs="*", help="files, directories or globs (every rank's file for cross-rank checks)")
+    p.add_argument("--by", default="op,size_bucket",
+                   help="summary grouping: comma-separated columns and/or size_bucket, default op,size_bucket")
     p.add_argument("--format", choices=("text", "markdown", "json", "csv"), default="text")
+    p.add_argument("--section", default="summary",
+                   help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "
+                        "(with --compare: scaling or by_op)")
+    p.add_argument("--steps", metavar="CSV", help="step times: columns step and duration_us (or start_ns, end_ns), "
+                                                  "optionally rank; default: derived from the log's step column")
+    p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
+    p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)")
+    p.add_argument("--plots", metavar="DIR", help="also write PNG plots (needs matplotlib)")
+    p.add_argument("--module-tree", metavar="FILE",
+                   help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
+    p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                   help="compare runs of one job at several world sizes instead (one directory per run)")
+    p.add_argument("--fail-on-mismatch", action="store_true", help="exit with status 1 when ranks disagree")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress on stderr while reading (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("env", help="show settings and their environment variables")

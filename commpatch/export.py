@@ -63,10 +63,13 @@ def write(df, path: str) -> str:
             import pyarrow.csv as pacsv
 
             table = pa.Table.from_pandas(df, preserve_index=False)
-            # dictionary (categorical) columns are written as their strings
-            table = table.cast(pa.schema([
-                pa.field(f.name, pa.string()) if pa.types.is_dictionary(f.type) else f for f in table.schema]))
-            pacsv.write_csv(table, tmp)
+            try:
+                pacsv.write_csv(table, tmp)          # categorical columns written as their strings
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+                # older pyarrow cannot write dictionary columns: decode them first
+                table = table.cast(pa.schema([
+                    pa.field(f.name, pa.string()) if pa.types.is_dictionary(f.type) else f for f in table.schema]))
+                pacsv.write_csv(table, tmp)
         else:
             df.to_csv(tmp, index=False)
         os.replace(tmp, path)   # readers never see a half-written file

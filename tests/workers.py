@@ -143,7 +143,7 @@ def coalescing(rank: int, world_size: int):
             dist.all_reduce(x, async_op=True)
     df = commpatch.log()
     commpatch.disable()
-    expected = sum(range(1, world_size + 1)) ** 2
+    expected = sum(range(1, world_size + 1)) * world_size   # summed once, then again
     return df, [x[0].item() for x in tensors], expected
 
 
@@ -167,3 +167,19 @@ def errors_propagate(rank: int, world_size: int):
     commpatch.disable()
     assert raw is dist.all_gather_into_tensor
     return results, df
+
+
+def non_member(rank: int, world_size: int):
+    """A rank outside a subgroup records nothing for that subgroup's calls."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+
+    sub = dist.new_group([0, 1])
+    commpatch.enable(output="none")
+    dist.all_reduce(torch.ones(2), group=sub)
+    dist.all_reduce(torch.ones(2))
+    df = commpatch.log()
+    commpatch.disable()
+    return df

@@ -1,0 +1,135 @@
+"""Functional collectives (``torch.distributed._functional_collectives``): DTensor, tensor parallel.
+
+They call ``torch.ops._c10d_functional.*`` directly and never reach ``dist.*``. The module's
+leaf functions are wrapped (the wrappers call each other through module globals, and DTensor
+calls ``funcol.<name>`` at call time, so a late patch is seen). Their wait is lazy: the result
+is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the row is timed
+``wait``: issue -> return of that ``wait_tensor`` (an upper bound on the collective: it also
+contains whatever ran before the result was first used). Not seen: the collectives that
+functional collectives' autograd formulas issue in backward (they call the ops directly), and
+everything under torch.compile (see docs/design-notes.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+from .. import _runtime
+from .._log import T_HOST, T_WAIT
+from . import record, when_imported
+
+FUNCOL = "torch.distributed._functional_collectives"
+_pc = time.perf_counter_ns
+
+# function -> (op recorded, is a list of tensors)
+FUNCTIONS = {
+    "all_reduce": ("funcol.all_reduce", False),
+    "all_reduce_coalesced": ("funcol.all_reduce_coalesced", True),
+    "all_gather_single": ("funcol.all_gather", False),
+    "all_gather_single_autograd": ("funcol.all_gather", False),
+    "all_gather_single_coalesced": ("funcol.all_gather_coalesced", True),
+    "reduce_scatter_single": ("funcol.reduce_scatter", False),
+    "reduce_scatter_single_autograd": ("funcol.reduce_scatter", False),
+    "reduce_scatter_single_coalesced": ("funcol.reduce_scatter_coalesced", True),
+    "all_to_all_single": ("funcol.all_to_all_single", False),
+    "all_to_all_single_autograd": ("funcol.all_to_all_single", False),
+    "broadcast": ("funcol.broadcast", False),
+}
+MAX_PENDING = 1 << 16     # results never waited for are dropped beyond this
+
+
+def wanted(settings: dict) -> bool:
+    return True
+
+
+def apply(ctx) -> None:
+    when_imported(FUNCOL, _patch_funcol)
+
+
+def _patch_funcol(ctx, funcol) -> None:
+    pending: dict[int, tuple] = {}          # storage address of a result -> (tensor, seq, start)
+    for name, (op, many) in FUNCTIONS.items():
+        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many: _wrapper(ctx, funcol, orig, op, many, pending))
+    ctx.patches.wrap(funcol, "wait_tensor", lambda orig: _wait_wrapper(ctx.log, orig, pending))
+
+
+def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
+    state = _runtime.STATE
+    log = ctx.log
+    params = list(inspect.signature(orig).parameters)
+    gpos, tpos = params.index("group"), params.index("tag") if "tag" in params else None
+    peer_pos = params.index("src") if "src" in params else None
+    act = funcol.AsyncCollectiveTensor
+    groups: dict = {}
+    import torch
+
+    compiling = torch.compiler.is_compiling
+
+    def wrapper(*args, **kwargs):
+        if not state.recording or compiling():
+            return orig(*args, **kwargs)
+        try:
+            group = args[gpos] if len(args) > gpos else kwargs["group"]
+            tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
+            pg = _process_group(funcol, groups, group, tag)
+            first = args[0] if args else next(iter(kwargs.values()))
+            tensor = first[0] if many else first
+            numel = sum(t.numel() for t in first) if many else first.numel()
+            peer = (args[peer_pos] if len(args) > peer_pos else kwargs.get("src", -1)) if peer_pos is not None else -1
+        except Exception as exc:  # noqa: BLE001
+            _runtime.fail("funcol.read", exc)
+            return orig(*args, **kwargs)
+        start = _pc()
+        try:
+            result = orig(*args, **kwargs)
+        except BaseException:
+            try:
+                record(log, op, pg, tensor, numel, start, _pc(), True, T_HOST, err=True, peer=peer)
+            except Exception as exc:  # noqa: BLE001
+                _runtime.fail("funcol.record", exc)
+            raise
+        end = _pc()
+        try:
+            last = result[-1] if many and result else result
+            lazy = isinstance(last, act)
+            seq = record(log, op, pg, tensor, numel, start, end, True, T_WAIT if lazy else T_HOST, peer=peer)
+            if lazy:                     # the last result's wait marks completion of the batch
+                if len(pending) >= MAX_PENDING:
+                    pending.clear()
+                # keyed by storage, as torch's work registry is: waits on views of it count
+                pending[last.elem.untyped_storage().data_ptr()] = (last.elem, seq, start)
+        except Exception as exc:  # noqa: BLE001
+            _runtime.fail("funcol.record", exc)
+        return result
+
+    return wrapper
+
+
+def _wait_wrapper(log, orig, pending: dict):
+    done = log.done
+
+    def wait_tensor(tensor):
+        out = orig(tensor)
+        if pending:
+            entry = pending.pop(tensor.untyped_storage().data_ptr(), None)
+            if entry is not None:       # the entry holds its tensor: the storage is not reused
+                done[entry[1]] = _pc() - entry[2]
+        return out
+
+    return wait_tensor
+
+
+def _process_group(funcol, cache: dict, group, tag: str):
+    """The ProcessGroup behind any RANK_TYPES form (a group, a mesh, (mesh, dim), a rank list)."""
+    key = (group, tag) if not isinstance(group, list) else None
+    if key is not None:
+        pg = cache.get(key)
+        if pg is not None:
+            return pg
+    import torch.distributed.distributed_c10d as c10d
+
+    pg = c10d._resolve_process_group(funcol._resolve_group_name(group, tag))
+    if key is not None:
+        cache[key] = pg
+    return pg

@@ -1,0 +1,191 @@
+"""Workers for tests/test_integrations_*.py (run in each rank by tests.multiproc.run_ranks).
+
+Each scenario runs once with an independent witness on the same run: torch.profiler's
+``gloo:<op>`` events (what gloo actually executed) and/or CommDebugMode's counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+def witness_counts(prof) -> Counter:
+    """gloo ops the profiler saw: {'all_reduce': 4, ...}."""
+    return Counter(e.name[len("gloo:"):] for e in prof.events() if e.name.startswith("gloo:"))
+
+
+def claimed_counts(df) -> Counter:
+    """gloo ops commpatch's rows say ran (integration ops declare what they issue underneath)."""
+    from commpatch._targets import BY_NAME
+
+    out = Counter()
+    for op in df["op"].astype(str):
+        runs = BY_NAME[op].runs or GLOO_RUNS.get(op, (op,))
+        out.update(runs)
+    return out
+
+
+# torch.distributed functions whose gloo kernels have other names, or that issue several
+GLOO_RUNS = {"all_gather_into_tensor": ("all_gather",), "reduce_scatter_tensor": ("reduce_scatter",),
+             "isend": ("send",), "irecv": ("recv",),
+             "send_object_list": ("send", "send"), "recv_object_list": ("recv", "recv")}
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _train(ddp, rank, steps=4, accumulate=True):
+    """Steps of SGD; the first step accumulates one micro-batch under no_sync(). Returns grads."""
+    import torch
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    grads = []
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(steps):
+        if accumulate and step == 0:
+            with ddp.no_sync():
+                ddp(torch.randn(4, 8, generator=gen)).sum().backward()
+        ddp(torch.randn(4, 8, generator=gen)).sum().backward()
+        grads.append([p.grad.clone() for p in ddp.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return grads
+
+
+def ddp_default(rank, world_size):
+    """Bucket rows, witness counts and bit-identical gradients against an uninstrumented run."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import profile
+
+    import commpatch
+
+    reference = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
+    commpatch.enable(output="none")
+    with profile() as prof:
+        ddp = DDP(_model(), bucket_cap_mb=0.0002)     # several buckets
+        grads = _train(ddp, rank)
+    df = commpatch.log()
+    commpatch.disable()
+    identical = all(torch.equal(a, b) for ga, gb in zip(reference, grads) for a, b in zip(ga, gb))
+    after = _train(ddp, rank, steps=2)        # the hook stays registered: a pass-through now
+    return dict(df=df, witness=witness_counts(prof), identical=identical,
+                rows_after_disable=len(commpatch.log()) - len(df), finite=all(g.isfinite().all() for g in after[-1]),
+                params=[p.numel() * p.element_size() for p in ddp.parameters()])
+
+
+def ddp_hooks(rank, world_size):
+    """User hooks, builtin hooks and enabling after the model is built."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+
+    out = {}
+    built_before = DDP(_model())
+    commpatch.enable(output="none")
+    for name in ("built_before", "user_fp16", "builtin_allreduce", "no_sync_only"):
+        with commpatch.capture() as cap:
+            if name == "built_before":
+                _train(built_before, rank, steps=2, accumulate=False)
+            elif name == "user_fp16":
+                ddp = DDP(_model())
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                _train(ddp, rank, steps=2, accumulate=False)
+            elif name == "builtin_allreduce":
+                ddp = DDP(_model())
+                ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+                _train(ddp, rank, steps=2, accumulate=False)
+            else:
+                ddp = DDP(_model())
+                with ddp.no_sync():
+                    for _ in range(3):
+                        import torch
+
+                        ddp(torch.randn(2, 8)).sum().backward()
+        out[name] = cap.df
+    commpatch.disable()
+    return out
+
+
+def functional(rank, world_size):
+    """Functional collectives and a tensor-parallel MLP, with the profiler and CommDebugMode."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.profiler import profile
+
+    import commpatch
+
+    mesh = init_device_mesh("cpu", (world_size,))       # torch.distributed.tensor imported before enable()
+    commpatch.enable(output="none")
+    out = {}
+    x = torch.ones(4, 6) * (rank + 1)
+    with commpatch.capture() as cap, profile() as prof:
+        a = funcol.all_reduce(x, "sum", mesh)
+        b = funcol.all_gather_single(x, 0, mesh)
+        c = funcol.reduce_scatter_single(x, "sum", 0, mesh)
+        d = funcol.all_to_all_single(x, None, None, mesh)
+        values = [float(r.wait().sum()) for r in (a, b, c, d)]     # every lazy wait completes
+    out["funcol"] = (cap.df, witness_counts(prof), values)
+
+    with commpatch.capture() as cap, profile() as prof:
+        full = torch.arange(24.0).reshape(4, 6)
+        dt_shard = distribute_tensor(full, mesh, [Shard(0)])
+        dt_rep = distribute_tensor(full, mesh, [Replicate()])
+        gathered = dt_shard.redistribute(mesh, [Replicate()]).to_local()
+    out["distribute"] = (cap.df, witness_counts(prof), torch.equal(gathered, full) and dt_rep.to_local().shape == full.shape)
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    inp = torch.randn(3, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    comm_mode = CommDebugMode()
+    with commpatch.capture() as cap, profile() as prof, comm_mode:
+        mlp(inp).sum().backward()
+    counts = {str(k): v for k, v in comm_mode.get_comm_counts().items()}
+    out["tp_mlp"] = (cap.df, witness_counts(prof), counts)
+
+    import torch.distributed as dist
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled(t):
+        dist.all_reduce(t)
+        return t * 2
+
+    with commpatch.capture() as cap, profile() as prof:
+        compiled(torch.ones(4))
+    out["compiled"] = (cap.df, witness_counts(prof))
+    commpatch.disable()
+    return out
+
+
+def pipeline(rank, world_size):
+    """A two-stage GPipe schedule runs unchanged while patched; send/recv rows carry the peer."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.profiler import profile
+
+    import commpatch
+
+    torch.manual_seed(0)
+    stage_mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    commpatch.enable(output="none")
+    stage = PipelineStage(stage_mod, rank, world_size, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.sum())
+    x = torch.randn(4, 8)
+    with commpatch.capture() as cap, profile() as prof:
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=torch.zeros(4, 8))
+    commpatch.disable()
+    return cap.df, witness_counts(prof)

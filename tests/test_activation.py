@@ -1,0 +1,143 @@
+"""Zero-code activation in real subprocesses: `commpatch run`, COMMPATCH=1 with the .pth hook,
+torchrun workers writing one CSV per rank, bad settings, SIGTERM."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import commpatch
+from commpatch.cli import PTH_SOURCE, hook_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "examples", "train.py")
+STEPS = 4
+# per rank: 6 parameters broadcast once; per step 6 gradient all_reduce + 1 all_gather;
+# one extra all_reduce at step 0 through the name imported at the top; object gather; barrier
+EXPECTED = {"broadcast": 6, "all_reduce": 6 * STEPS + 1, "all_gather": STEPS, "all_gather_object": 1, "barrier": 1}
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")}
+    env.update(extra)
+    return env
+
+
+def _torchrun(out, env, prefix=()):
+    cmd = list(prefix) + [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          TRAIN, "--steps", str(STEPS)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
+
+
+def _check_rank_files(out):
+    files = sorted(os.listdir(out / "logs"))
+    assert files == ["rank0.csv", "rank1.csv"], files      # the launcher wrote nothing
+    for rank in (0, 1):
+        df = commpatch.read_csv(str(out / "logs" / f"rank{rank}.csv"))
+        assert (df["rank"] == rank).all() and (df["world_size"] == 2).all()
+        assert df["op"].astype(str).value_counts().to_dict() == EXPECTED
+        assert df["step"].max() == STEPS       # commpatch.step() reached through sys.modules
+        assert df["status"].eq("ok").all()
+
+
+@pytest.mark.slow
+def test_commpatch_run_instruments_torchrun_workers(tmp_path):
+    res = _torchrun(tmp_path, _env(), prefix=[sys.executable, "-m", "commpatch", "run",
+                                               "--output", "logs/rank{rank}.csv", "--"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_rank_files(tmp_path)
+
+
+@pytest.fixture
+def pth_hook():
+    """The .pth hook in site-packages (as `make install` / a regular pip install leaves it)."""
+    path = hook_path()
+    installed_here = not os.path.exists(path)
+    if installed_here:
+        import shutil
+
+        shutil.copyfile(PTH_SOURCE, path)
+    yield path
+    if installed_here:
+        os.unlink(path)
+
+
+@pytest.mark.slow
+def test_env_var_activation_with_no_code_change(tmp_path, pth_hook):
+    res = _torchrun(tmp_path, _env(COMMPATCH="1", COMMPATCH_OUTPUT="logs/rank{rank}.csv"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_rank_files(tmp_path)
+
+
+def test_hook_is_inert_without_the_variable(tmp_path, pth_hook):
+    code = "import sys; import torch.distributed; print('commpatch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "False"
+
+
+def test_bad_env_value_fails_clearly_in_a_subprocess(pth_hook):
+    res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(COMMPATCH="1", COMMPATCH_TIMING="fast"),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "ran" not in res.stdout
+    assert "COMMPATCH_TIMING" in res.stderr and "auto, host" in res.stderr
+    res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(COMMPATCH="perhaps"),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "COMMPATCH=" in res.stderr
+
+
+def test_commpatch_run_rejects_bad_settings_before_starting(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "commpatch", "run", "--ops", "allreduce", "--", sys.executable, "-c", "print('ran')"],
+                         env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "COMMPATCH_OPS" in res.stderr and "all_reduce" in res.stderr
+    assert "ran" not in res.stdout
+
+
+SIGTERM_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    import commpatch
+    if sys.argv[2] == "chain":
+        def user_handler(signum, frame):
+            open(sys.argv[1] + ".user", "w").write("called")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, user_handler)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
+    commpatch.enable(output=sys.argv[1])
+    for _ in range(50):
+        dist.all_reduce(torch.ones(4))
+    print("ready", flush=True)
+    while True:
+        dist.all_reduce(torch.ones(4))
+        time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("mode", ["default", "chain"])
+def test_sigterm_writes_the_rows_and_chains_user_handlers(tmp_path, mode):
+    script = tmp_path / "job.py"
+    script.write_text(SIGTERM_SCRIPT)
+    out = tmp_path / "out.csv"
+    proc = subprocess.Popen([sys.executable, str(script), str(out), mode], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    if mode == "default":
+        assert code == -signal.SIGTERM           # still dies by SIGTERM, as torchrun expects
+    else:
+        assert code == 0 and (tmp_path / "out.csv.user").read_text() == "called"
+    df = commpatch.read_csv(str(out))
+    assert len(df) >= 50 and df["op"].eq("all_reduce").all()
+
+
+def test_commpatch_env_lists_every_setting():
+    res = subprocess.run([sys.executable, "-m", "commpatch", "env"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    for var in ("COMMPATCH", "COMMPATCH_OUTPUT", "COMMPATCH_OPS", "COMMPATCH_TIMING", "COMMPATCH_SUMMARY"):
+        assert var in res.stdout

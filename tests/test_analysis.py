@@ -1,0 +1,121 @@
+"""Analysis functions on hand-built frames: bandwidth formulas (nccl-tests), the summary, the
+per-step view and the scaling view, checked against values computed by hand."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from commpatch import analysis
+from commpatch._log import COLUMNS, SCHEMA
+from commpatch.synthetic import make_log
+
+
+def frame(rows):
+    """A log frame with the SCHEMA's columns; ``rows`` give the interesting values."""
+    defaults = {"category": "", "int64": 0, "float64": np.nan, "bool": False}
+    base = {c.name: defaults[c.dtype] for c in SCHEMA}
+    base.update(group="0", timing="host", status="ok", dtype="float32", peer=-1)
+    df = pd.DataFrame([{**base, **r} for r in rows])
+    for c in SCHEMA:
+        if c.dtype == "category":
+            df[c.name] = df[c.name].astype(str).astype("category")
+        else:
+            df[c.name] = df[c.name].astype(c.dtype)
+    df["host_us"] = df["duration_us"]
+    return analysis.add_bandwidth(df)[list(COLUMNS)]
+
+
+# (op, group size, expected bus factor) by DESIGN.md section 4
+FACTORS = [
+    ("all_reduce", 4, 2 * 3 / 4), ("all_reduce", 2, 1.0), ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 1, 0.0),
+    ("all_gather", 8, 7 / 8), ("all_gather_into_tensor", 4, 3 / 4), ("reduce_scatter_tensor", 2, 1 / 2),
+    ("reduce_scatter", 4, 3 / 4), ("all_to_all_single", 4, 3 / 4), ("all_to_all", 8, 7 / 8),
+    ("broadcast", 4, 1.0), ("reduce", 8, 1.0), ("send", 2, 1.0), ("recv", 2, 1.0), ("isend", 4, 1.0),
+    ("gather", 4, 3 / 4), ("scatter", 8, 7 / 8),
+]
+
+
+@pytest.mark.parametrize("op,n,factor", FACTORS, ids=[f"{o}-n{n}" for o, n, _ in FACTORS])
+def test_bus_bandwidth_by_hand(op, n, factor):
+    # 3 GB in 1.5 s: algbw 2 GB/s whatever the op; busbw = 2 x factor(n)
+    df = frame([dict(op=op, group_size=n, world_size=16, bytes=3_000_000_000, duration_us=1.5e6)])
+    assert df["algbw_gbps"].iloc[0] == pytest.approx(2.0)
+    assert df["busbw_gbps"].iloc[0] == pytest.approx(2.0 * factor)
+    s = analysis.summary(df)
+    assert s["busbw_gbps"].iloc[0] == pytest.approx(2.0 * factor) if factor else math.isnan(s["busbw_gbps"].iloc[0])
+
+
+def test_subgroup_uses_its_own_size_not_the_world():
+    df = frame([dict(op="all_reduce", group="sub", group_size=2, world_size=8, bytes=10**9, duration_us=1e6)])
+    assert df["busbw_gbps"].iloc[0] == pytest.approx(1.0)       # 2(n-1)/n with n=2, not n=8
+
+
+def test_no_bandwidth_for_barriers_and_unmeasured_calls():
+    df = frame([dict(op="barrier", group_size=4, bytes=0, duration_us=10.0),
+                dict(op="all_reduce", group_size=4, bytes=1000, duration_us=np.nan, timing="none")])
+    assert df["busbw_gbps"].isna().all() and df["algbw_gbps"].isna().all()
+
+
+def test_summary_by_op_and_size_bucket():
+    rows = [dict(op="all_reduce", group_size=2, bytes=1000, duration_us=d) for d in (1.0, 2.0, 3.0, 4.0)]
+    rows += [dict(op="all_reduce", group_size=2, bytes=5000, duration_us=10.0),
+             dict(op="all_reduce", group_size=2, bytes=5000, duration_us=np.nan, timing="none"),
+             dict(op="broadcast", group_size=2, bytes=64, duration_us=30.0)]
+    s = analysis.summary(frame(rows), by=["op", "size_bucket"])
+    assert list(s.columns) == ["op", "size_bucket", "count", "total_us", "mean_us", "p50_us", "p95_us", "max_us",
+                               "bytes", "unmeasured", "algbw_gbps", "busbw_gbps", "time_share"]
+    assert s["op"].astype(str).tolist() == ["broadcast", "all_reduce", "all_reduce"]   # by total time
+    small = s[(s["op"] == "all_reduce") & (s["size_bucket"] == 1024)].iloc[0]
+    assert small["count"] == 4 and small["total_us"] == 10.0 and small["p50_us"] == 2.5
+    assert small["p95_us"] == pytest.approx(np.quantile([1, 2, 3, 4], 0.95))
+    assert small["algbw_gbps"] == pytest.approx(4000 / 10e-6 / 1e9)
+    assert small["busbw_gbps"] == pytest.approx(small["algbw_gbps"])                   # 2(n-1)/n = 1 at n=2
+    big = s[s["size_bucket"] == 8192].iloc[0]
+    assert big["count"] == 2 and big["unmeasured"] == 1 and big["bytes"] == 10000
+    assert big["algbw_gbps"] == pytest.approx(5000 / 10e-6 / 1e9)                      # measured bytes only
+    assert s["time_share"].sum() == pytest.approx(1.0)
+    assert s.loc[s["op"] == "broadcast", "time_share"].iloc[0] == pytest.approx(30 / 50)
+
+
+def test_size_buckets_are_powers_of_two():
+    assert analysis.size_bucket([0, 1, 2, 3, 1024, 1025]).tolist() == [0, 1, 2, 4, 1024, 2048]
+
+
+def test_per_step_busy_exposed_and_share():
+    t0 = 1_700_000_000_000_000_000
+    us = 1000
+    rows = [  # rank 0, step 0: a blocking call [0, 10] and an async one [5, 20] us; step 1 starts at 100
+        dict(rank=0, step=0, op="all_reduce", start_ns=t0, duration_us=10.0, group_size=2, bytes=8),
+        dict(rank=0, step=0, op="all_reduce", start_ns=t0 + 5 * us, duration_us=15.0, async_op=True,
+             timing="future", group_size=2, bytes=8),
+        dict(rank=0, step=1, op="all_reduce", start_ns=t0 + 100 * us, duration_us=4.0, group_size=2, bytes=8),
+        dict(rank=1, step=0, op="all_reduce", start_ns=t0, duration_us=30.0, group_size=2, bytes=8),
+        dict(rank=1, step=1, op="all_reduce", start_ns=t0 + 80 * us, duration_us=2.0, group_size=2, bytes=8),
+    ]
+    ps = analysis.per_step(frame(rows))
+    r0 = ps[(ps["rank"] == 0) & (ps["step"] == 0)].iloc[0]
+    assert r0["calls"] == 2 and r0["comm_us"] == 25.0 and r0["busy_us"] == pytest.approx(20.0)
+    assert r0["exposed_us"] == 10.0 and r0["overlap_unknown_us"] == 15.0
+    assert r0["step_us"] == pytest.approx(100.0) and r0["step_source"] == "log"
+    assert r0["comm_share"] == pytest.approx(0.2) and r0["exposed_share"] == pytest.approx(0.1)
+    last = ps[(ps["rank"] == 0) & (ps["step"] == 1)].iloc[0]
+    assert math.isnan(last["step_us"]) and last["step_source"] == "none"
+    mean = analysis.per_step(frame(rows), by_rank=False)
+    s0 = mean[mean["step"] == 0].iloc[0]
+    assert s0["ranks"] == 2 and s0["comm_us"] == pytest.approx((25 + 30) / 2)
+    assert s0["max_comm_us"] == 30.0 and s0["max_rank"] == 1 and s0["step_us"] == pytest.approx(90.0)
+    user = analysis.per_step(frame(rows), steps=pd.DataFrame({"step": [0, 1], "duration_us": [200.0, 50.0]}))
+    assert set(user["step_source"]) == {"user"}
+    assert user.loc[(user["rank"] == 0) & (user["step"] == 1), "comm_share"].iloc[0] == pytest.approx(4 / 50)
+
+
+def test_scaling_tables():
+    runs = {"w2": make_log(2, 4), "w8": make_log(8, 4)}
+    table = analysis.scaling(runs)
+    assert table["world_size"].tolist() == [2, 8] and table["steps"].tolist() == [4, 4]
+    assert (table["comm_per_step_us"] > 0).all() and table["comm_share"].between(0, 1).all()
+    by_op = analysis.scaling_by_op(runs)
+    assert set(by_op["op"]) == {"all_reduce", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor"}
+    assert (by_op.groupby("op")["world_size"].apply(list) == pd.Series([[2, 8]] * 4, index=sorted(set(by_op["op"])))).all()

@@ -1,0 +1,276 @@
+"""Patch management, settings, CSV round trip and failure isolation (one process, fake backend)."""
+
+import sys
+import types
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import commpatch
+from commpatch import _runtime, _session
+from commpatch._targets import TARGET_NAMES
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    yield
+    dist.destroy_process_group()
+
+
+def originals():
+    return {name: getattr(c10d, name) for name in TARGET_NAMES if hasattr(c10d, name)}
+
+
+def test_enable_installs_one_wrapper_in_both_namespaces_and_disable_restores_identity():
+    before = originals()
+    commpatch.enable(output="none")
+    for name, orig in before.items():
+        wrapper = getattr(c10d, name)
+        assert wrapper is not orig, name
+        assert getattr(dist, name) is wrapper, f"{name}: torch.distributed and distributed_c10d differ"
+        assert wrapper.__name__ == orig.__name__ and wrapper.__wrapped__ is orig
+    commpatch.disable()
+    for name, orig in before.items():
+        assert getattr(c10d, name) is orig and getattr(dist, name) is orig, name
+
+
+def test_enable_twice_is_harmless():
+    commpatch.enable(output="none")
+    first = dist.all_reduce
+    commpatch.enable(output="none")
+    assert dist.all_reduce is first
+    dist.all_reduce(torch.ones(2))
+    assert len(commpatch.log()) == 1
+    commpatch.disable()
+    commpatch.disable()
+
+
+def test_names_imported_before_enable_are_patched_and_restored():
+    user = types.ModuleType("user_train_script")
+    user.all_reduce = dist.all_reduce          # from torch.distributed import all_reduce
+    user.raw = dist.all_reduce                 # kept on purpose under another name
+    sys.modules[user.__name__] = user
+    try:
+        orig = dist.all_reduce
+        commpatch.enable(output="none")
+        assert user.all_reduce is dist.all_reduce is not orig
+        assert user.raw is orig
+        user.all_reduce(torch.ones(3))
+        assert commpatch.log()["op"].tolist() == ["all_reduce"]
+        commpatch.disable()
+        assert user.all_reduce is orig
+    finally:
+        del sys.modules[user.__name__]
+
+
+def test_collective_utils_binding_is_patched():
+    import torch.distributed.tensor._collective_utils as cu
+
+    orig = cu.broadcast
+    commpatch.enable(output="none")
+    assert cu.broadcast is dist.broadcast and cu.scatter is dist.scatter
+    commpatch.disable()
+    assert cu.broadcast is orig
+
+
+def test_dynamo_remap_follows_the_wrapper():
+    """torch.compile keeps rewriting dist.all_reduce into a functional collective."""
+    from torch.distributed._functional_collectives import traceable_collective_remaps as remaps
+
+    orig = dist.all_reduce
+    commpatch.enable(output="none")
+    assert remaps[dist.all_reduce] is remaps[orig]
+    wrapper = dist.all_reduce
+    commpatch.disable()
+    assert wrapper not in remaps and orig in remaps
+
+
+def test_ops_setting_limits_what_is_wrapped():
+    orig_bc = dist.broadcast
+    commpatch.enable(output="none", ops="all_reduce,barrier")
+    assert dist.broadcast is orig_bc
+    dist.all_reduce(torch.ones(1))
+    dist.broadcast(torch.ones(1), 0)
+    assert commpatch.log()["op"].tolist() == ["all_reduce"]
+
+
+@pytest.mark.parametrize("env, value, needle", [
+    ("COMMPATCH_OPS", "all_reduce,allreduce", "allreduce"),
+    ("COMMPATCH_TIMING", "gpu", "auto, host"),
+    ("COMMPATCH_SUMMARY", "maybe", "1/0"),
+    ("COMMPATCH_OUTPUT", "logs/rank{rank}.txt", ".csv or .parquet"),
+    ("COMMPATCH_OUTPUT", "logs/rank{node}.csv", "{rank}"),
+])
+def test_bad_env_settings_name_the_variable_and_the_allowed_values(monkeypatch, env, value, needle):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(commpatch.ConfigError) as err:
+        commpatch.enable()
+    assert env in str(err.value) and needle in str(err.value)
+    assert not commpatch.is_enabled()
+
+
+def test_bad_keyword_settings_are_rejected():
+    with pytest.raises(commpatch.ConfigError, match="unknown setting"):
+        commpatch.enable(outptu="x.csv")
+    with pytest.raises(commpatch.ConfigError, match="ops.*all_reduce"):
+        commpatch.enable(ops=["all_reduce", "nope"])
+
+
+def test_unwritable_output_is_reported_at_enable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(commpatch.ConfigError, match="COMMPATCH_OUTPUT|output"):
+        commpatch.enable(output=str(blocker / "rank{rank}.csv"))
+    assert not commpatch.is_enabled()
+
+
+def _some_calls():
+    t = torch.arange(6, dtype=torch.float16)
+    dist.all_reduce(t)
+    commpatch.step()
+    with commpatch.tag("grads"):
+        dist.all_gather_into_tensor(torch.zeros(6 * WORLD, dtype=torch.float16), t)
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), async_op=True).wait()
+    dist.broadcast(t, src=3)
+    dist.barrier()
+
+
+def test_step_and_tag_columns():
+    commpatch.enable(output="none")
+    _some_calls()
+    df = commpatch.log()
+    assert df["op"].tolist() == ["all_reduce", "all_gather_into_tensor", "all_reduce", "broadcast", "barrier"]
+    assert df["step"].tolist() == [0, 1, 1, 1, 1]
+    assert df["tag"].tolist() == ["", "grads", "grads", "", ""]
+    assert df["bytes"].tolist() == [12, 12 * WORLD, 16, 12, 0]
+    assert df["dtype"].tolist() == ["float16", "float16", "int64", "float16", "none"]
+    assert df["peer"].tolist() == [-1, -1, -1, 3, -1]
+    assert df["async_op"].tolist() == [False, False, True, False, False]
+    assert (df["seq"].diff().dropna() == 1).all()
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_file_round_trip_gives_the_same_dataframe(tmp_path, suffix):
+    commpatch.enable(output="none")
+    _some_calls()
+    df = commpatch.log()
+    path = commpatch.export_csv(str(tmp_path / f"rank{{rank}}{suffix}"))
+    assert path.endswith(f"rank0{suffix}")
+    back = commpatch.read_csv(path)
+    pd.testing.assert_frame_equal(back, df)
+    assert list(back.dtypes.astype(str)) == [c[1] for c in commpatch.schema()]
+
+
+def test_round_trip_without_pyarrow(tmp_path, monkeypatch):
+    import commpatch.export as export
+
+    commpatch.enable(output="none")
+    _some_calls()
+    df = commpatch.log()
+    monkeypatch.setattr(export, "_pyarrow", lambda: None)
+    path = export.write(df, str(tmp_path / "r.csv"))
+    pd.testing.assert_frame_equal(export.read(path), df)
+
+
+def test_capture_scopes_recording_and_reset_clears():
+    dist.all_reduce(torch.ones(1))                 # not enabled: nothing
+    with commpatch.capture() as cap:
+        dist.all_reduce(torch.ones(4))
+        dist.broadcast(torch.ones(4), 0)
+    assert not commpatch.is_enabled()
+    dist.all_reduce(torch.ones(1))                 # disabled again: nothing
+    assert cap.df["op"].tolist() == ["all_reduce", "broadcast"]
+    commpatch.enable(output="none")
+    dist.all_reduce(torch.ones(1))
+    with commpatch.capture() as inner:
+        dist.barrier()
+    assert commpatch.is_enabled() and inner.df["op"].tolist() == ["barrier"]
+    seq_before = commpatch.log()["seq"].max()
+    commpatch.reset()
+    assert len(commpatch.log()) == 0
+    dist.all_reduce(torch.ones(1))
+    assert commpatch.log()["seq"].tolist() == [seq_before + 1]
+
+
+def test_internal_failure_never_breaks_the_collective(monkeypatch):
+    """A fault inside commpatch: the collective runs and returns; one warning; counted."""
+    _runtime.ERRORS.clear()
+    _runtime._warned.clear()
+    commpatch.enable(output="none")
+
+    def broken(group):
+        raise KeyError("injected")
+
+    monkeypatch.setattr(_session.LOG, "group_id", broken)
+    _session.LOG.group_ids.clear()
+    t = torch.ones(3)
+    with pytest.warns(RuntimeWarning, match="internal error") as record:
+        for _ in range(5):
+            assert dist.all_reduce(t) is None
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+    assert len([w for w in record if "commpatch" in str(w.message)]) == 1
+    assert commpatch.internal_errors()["read"] == 6
+    assert len(commpatch.log()) == 0
+
+
+def test_timing_failure_keeps_the_row(monkeypatch):
+    _runtime.ERRORS.clear()
+    _runtime._warned.clear()
+    commpatch.enable(output="none")
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(_session.TIMING, "future", broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.all_reduce(torch.ones(3), async_op=True).wait()
+    df = commpatch.log()
+    assert df["timing"].tolist() == ["none"] and commpatch.internal_errors()["timing"] == 1
+
+
+def test_compaction_keeps_every_row_and_late_durations():
+    """More rows than one compaction chunk, async ones resolved after their chunk was compacted."""
+    from commpatch._log import CHUNK
+
+    commpatch.enable(output="none")
+    t = torch.ones(1)
+    n = CHUNK + 100
+    for i in range(n):
+        dist.all_reduce(t, async_op=bool(i % 2))
+    df = commpatch.log()
+    assert len(df) == n and df["seq"].is_unique
+    # group_seq keeps counting across reset(): consecutive from wherever this group stood
+    assert (df["group_seq"].diff().dropna() == 1).all()
+    assert df.loc[df["async_op"], "timing"].eq("future").all()
+    assert df["duration_us"].notna().all()
+    assert _session.LOG.nbytes() / n < 120
+
+
+def test_torch_compile_runs_unchanged_and_its_collectives_are_not_seen():
+    """Pinned limit: dynamo rewrites dist.all_reduce (our wrapper included) into a functional
+    collective inside the graph, so the compiled call is not recorded by the Python wrapper.
+    fullgraph=True proves the wrapper causes no graph break."""
+    import torch._dynamo
+
+    def fn(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    commpatch.enable(output="none")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(4)), fn(torch.ones(4)))
+    assert commpatch.log()["op"].tolist() == ["all_reduce"]     # only the eager call
+    torch._dynamo.reset()

@@ -1,0 +1,150 @@
+"""Renderers, the `commpatch report` command and its outputs: text / Markdown / JSON / CSV,
+the Chrome trace (loaded back), the CommDebugMode module tree, plots and the scaling view."""
+
+import gzip
+import json
+
+import pandas as pd
+import pytest
+
+from commpatch import cli, report, trace
+from commpatch.synthetic import make_log, write_rank_files
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("logs")
+    write_rank_files(str(out), 4, 5, p2p=True, straggler=1, mismatch=(3, 12))
+    return str(out)
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(["report", *argv, "--no-progress"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_text_report_has_every_section_and_the_error(logs, capsys):
+    code, out, _ = run_cli(capsys, logs)
+    assert code == 0
+    assert out.splitlines()[2].startswith("ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
+    for title in ("Per op and message size", "Per step", "stragglers first", "largest arrival skew",
+                  "Point-to-point channels", "Notes:"):
+        assert title in out
+    assert "4 MiB" in out                                   # size buckets in binary units
+    assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "json"])
+def test_markdown_and_json(logs, capsys, fmt):
+    code, out, _ = run_cli(capsys, logs, "--format", fmt)
+    assert code == 0
+    if fmt == "json":
+        rep = json.loads(out)
+        assert set(rep["sections"]) == {"summary", "steps", "mismatches", "ranks", "skew", "p2p"}
+        assert rep["sections"]["ranks"][0]["rank"] == 1
+        assert len(rep["errors"]) == 1 and rep["sections"]["mismatches"][0]["coll_seq"] == 12
+    else:
+        assert out.startswith("# commpatch report") and "## Errors" in out and "| op | size_bucket |" in out
+
+
+def test_csv_sections(logs, capsys):
+    code, out, _ = run_cli(capsys, logs, "--format", "csv")
+    assert code == 0 and out.splitlines()[0].startswith("op,size_bucket,count,total_us")
+    code, out, _ = run_cli(capsys, logs, "--format", "csv", "--section", "ranks", "--by", "op")
+    assert out.splitlines()[1].split(",")[0] == "1"
+    code, _, err = run_cli(capsys, logs, "--format", "csv", "--section", "nope")
+    assert code == 2 and "available" in err
+
+
+def test_single_rank_report_says_no_cross_rank(logs, capsys):
+    code, out, _ = run_cli(capsys, f"{logs}/rank0.csv", "--by", "op")
+    assert code == 0 and "one rank only" in out and "stragglers first" not in out
+
+
+def test_steps_file(logs, capsys, tmp_path):
+    steps = tmp_path / "steps.csv"
+    pd.DataFrame({"step": range(5), "duration_us": [50_000.0] * 5}).to_csv(steps, index=False)
+    code, out, _ = run_cli(capsys, logs, "--format", "json", "--steps", str(steps))
+    per_step = json.loads(out)["sections"]["steps"]
+    assert code == 0 and {s["step_source"] for s in per_step} == {"user"}
+    assert all(s["step_us"] == 50_000.0 for s in per_step)
+
+
+def test_trace_loads_back_with_one_event_per_row(logs, capsys, tmp_path):
+    from commpatch import merge
+
+    df = merge.read_logs(logs)
+    for name in ("trace.json", "trace.json.gz"):
+        path = tmp_path / name
+        assert run_cli(capsys, logs, "--trace", str(path))[0] == 0
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            data = json.load(f)
+        events = data["traceEvents"]
+        slices = [e for e in events if e["ph"] == "X"]
+        assert len(slices) == len(df)
+        assert {e["pid"] for e in slices} == {0, 1, 2, 3}
+        names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
+        assert names == {(r, f"rank {r}") for r in range(4)}
+        assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+        assert sorted(e["args"]["seq"] for e in slices if e["pid"] == 2) == sorted(df.loc[df["rank"] == 2, "seq"])
+    # every track nests: no two slices of one (pid, tid) overlap (sends and receives share a moment)
+    for (pid, tid), part in pd.DataFrame(slices).groupby(["pid", "tid"]):
+        part = part.sort_values("ts")
+        assert (part["ts"].iloc[1:].to_numpy() >= (part["ts"] + part["dur"]).iloc[:-1].to_numpy() - 1e-6).all()
+
+
+def test_module_tree_in_commdebugmode_form(tmp_path):
+    df = make_log(2, 2)
+    with pytest.raises(ValueError, match="module"):
+        trace.module_tree(df.drop(columns="module"))
+    n = len(df)
+    df["module"] = pd.Categorical(["net.layer1" if i % 2 else "net.layer2.attn" for i in range(n)])
+    df["phase"] = pd.Categorical(["backward" if i % 4 == 0 else "forward" for i in range(n)])
+    tree = trace.module_tree(df)
+    keys = {"fqn", "module_type", "parameters", "children", "collectives_forward", "collectives_backward",
+            "operations_forward", "operations_backward", "operations_checkpointing"}
+    assert keys <= set(tree) and tree["fqn"] == "Global"
+    net = tree["children"][0]
+    assert net["fqn"] == "net" and [c["fqn"] for c in net["children"]] == ["net.layer1", "net.layer2"]
+    assert net["children"][1]["children"][0]["fqn"] == "net.layer2.attn"
+    counts = lambda node, k: sum(c for _, c in node[f"collectives_{k}"])  # noqa: E731
+    assert counts(tree, "forward") + counts(tree, "backward") == n          # inclusive at the root
+    assert counts(tree, "backward") == len(range(0, n, 4))
+    assert tree["commpatch"]["bytes"] == df["bytes"].sum()
+    assert tree["commpatch"]["total_us"] == pytest.approx(df["duration_us"].sum())
+    path = trace.write_module_tree(df, str(tmp_path / "tree.json"))
+    assert json.load(open(path))["fqn"] == "Global"
+
+
+def test_plots_are_written(logs, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, _, err = run_cli(capsys, logs, "--plots", str(tmp_path / "plots"))
+    assert code == 0
+    for name in ("bandwidth_vs_size.png", "comm_per_step.png", "skew_heatmap.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+        assert name in err
+
+
+def test_compare_runs(capsys, tmp_path):
+    runs = []
+    for n in (2, 4, 8):
+        runs.append(str(tmp_path / f"w{n}"))
+        write_rank_files(runs[-1], n, 3)
+    code, out, _ = run_cli(capsys, "--compare", *runs, "--format", "json")
+    data = json.loads(out)
+    assert code == 0 and [r["world_size"] for r in data["scaling"]] == [2, 4, 8]
+    assert {r["op"] for r in data["by_op"]} >= {"all_reduce", "broadcast"}
+    code, out, _ = run_cli(capsys, "--compare", *runs)
+    assert "commpatch scaling" in out
+    if pytest.importorskip("matplotlib"):
+        assert run_cli(capsys, "--compare", *runs, "--plots", str(tmp_path / "p"))[0] == 0
+        assert (tmp_path / "p" / "scaling.png").stat().st_size > 5000
+
+
+def test_render_text_truncates_long_tables():
+    rep = report.build_report(make_log(2, 30))
+    text = report.render_report_text(rep, max_rows=5)
+    assert "... 25 more row(s)" in text
