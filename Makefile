@@ -24,6 +24,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py
+	$(PYTHON) benchmarks/compare.py
+	$(PYTHON) benchmarks/ddp_step.py
+	$(PYTHON) benchmarks/merge_scale.py
 
 clean:
 	rm -rf $(STAMP) commpatch_logs build *.egg-info .pytest_cache

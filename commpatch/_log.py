@@ -69,7 +69,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("start_ns", "int64", "ns", "Unix time when the call was issued"),
     Column("host_us", "float64", "us", "wall time spent inside the Python call"),
     Column("duration_us", "float64", "us", "duration from the source named in 'timing' (NaN when unknown)"),
-    Column("timing", "category", "", "source of duration_us: host, future, cuda_event, nccl or none"),
+    Column("timing", "category", "", "source of duration_us: host, future, cuda_event, nccl, wait or none"),
     Column("algbw_gbps", "float64", "GB/s", "bytes / duration (1e9 bytes per second)"),
     Column("busbw_gbps", "float64", "GB/s", "algbw times the nccl-tests bus factor for the op and group size"),
     Column("status", "category", "", "ok, or error when torch raised"),

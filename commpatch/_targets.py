@@ -105,21 +105,25 @@ NO_TENSOR = None
 OBJECT = "object"
 
 
-def reader_lines(target: Target, fn) -> list[str]:
-    """Statements that set ``t, numel, group, async_op, peer`` from ``args``/``kwargs``.
+def reader_lines(target: Target, fn, direct: bool = False) -> list[str]:
+    """Statements that set ``t, numel, group, async_op, peer`` from the call's arguments.
 
-    Positions come from the installed function's own signature, so the table holds only
-    parameter names and works across torch versions whose positional order differs.
+    ``direct``: the code runs in a function with ``fn``'s own signature, so each parameter
+    is a local variable. Otherwise it reads ``args``/``kwargs``, with positions from the
+    installed function's signature. Either way the table holds only parameter names and
+    works across torch versions whose positional order differs.
     """
     params = list(inspect.signature(fn).parameters)
 
     def arg(name: str, default: str = "None") -> str:
+        if direct:
+            return name if name in params else default
         if name in params:
             i = params.index(name)
             return f"(args[{i}] if n > {i} else kwargs.get({name!r}, {default}))"
         return f"kwargs.get({name!r}, {default})"
 
-    lines = ["n = len(args)"]
+    lines = [] if direct else ["n = len(args)"]
     lines.append(f"group = {arg('group')}" if "group" in params else "group = None")
     rule, sparam = target.size
     if target.tensor is not None:

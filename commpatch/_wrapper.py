@@ -13,6 +13,7 @@ real functions (``inspect.isfunction``). wrapt manages the patching and import h
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import threading
 import time
@@ -28,30 +29,30 @@ MARK = "__commpatch_original__"
 # The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
 # else (CUDA events, async futures, nested object collectives, coalescing) goes to `slow`.
 _FAST = """
-def {name}(*args, **kwargs):
+def {name}({params}):
     if not state.recording:
-        return orig(*args, **kwargs)
+        return orig({call})
     if state.nesting and local.depth:   # a plain read unless some nesting op is running
-        return inner(args, kwargs)
+        return inner({args}, {kwargs})
     try:
 {read}
         gid = group_ids.get(group)
         if gid is None:
             gid = log.group_id(group)
         if gid < 0:                 # this rank is not in the group: torch does nothing
-            return orig(*args, **kwargs)
+            return orig({call})
         go_slow = {slow_test}
         if not go_slow:
             dc = {dtype_code}
             seq = next_seq()
     except Exception as exc:        # never break the user's call
         fail("read", exc)
-        return orig(*args, **kwargs)
+        return orig({call})
     if go_slow:                     # outside the guard: torch's own errors must not re-run the call
-        return slow(args, kwargs, t, numel, group, gid, async_op, peer)
+        return slow({args}, {kwargs}, t, numel, group, gid, async_op, peer)
     start = pc()
     try:
-        result = orig(*args, **kwargs)
+        result = orig({call})
     except BaseException:
         error_row(seq, t, numel, gid, peer, async_op, start)
         raise
@@ -64,6 +65,56 @@ def {name}(*args, **kwargs):
         fail("record", exc)
     return result
 """
+# Names the generated code uses itself: a torch parameter with one of these names makes the
+# generator fall back to the generic (*args, **kwargs) form.
+_RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
+             "fail", "slow", "t", "numel", "async_op_", "peer", "start", "pc", "result", "error_row",
+             "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
+             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p"}
+
+
+def signature_source(fn):
+    """(parameters, call, args tuple, kwargs dict, defaults) source for a wrapper with ``fn``'s
+    own signature (the ``decorator`` package's technique): arguments are plain locals and the
+    call forwards them positionally, with no ``*args, **kwargs`` repacking. None if it cannot."""
+    params, call, pos, kw, defaults = [], [], [], [], {}
+    seen_star = seen_posonly = False
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in _RESERVED:
+            return None
+        default = ""
+        if p.default is not inspect.Parameter.empty:
+            defaults[f"_d_{p.name}"] = p.default
+            default = f"=_d_{p.name}"
+        if p.kind is p.POSITIONAL_ONLY:
+            seen_posonly = True
+        elif seen_posonly and p.kind is not p.POSITIONAL_ONLY:
+            params.append("/")
+            seen_posonly = False
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            params.append(p.name + default)
+            call.append(p.name)
+            pos.append(p.name)
+        elif p.kind is p.VAR_POSITIONAL:
+            seen_star = True
+            params.append("*" + p.name)
+            call.append("*" + p.name)
+            pos.append("*" + p.name)
+        elif p.kind is p.KEYWORD_ONLY:
+            if not seen_star:
+                params.append("*")
+                seen_star = True
+            params.append(p.name + default)
+            call.append(f"{p.name}={p.name}")
+            kw.append(f"{p.name!r}: {p.name}")
+        else:  # VAR_KEYWORD
+            params.append("**" + p.name)
+            call.append("**" + p.name)
+            kw.append("**" + p.name)
+    if seen_posonly:
+        params.append("/")
+    args = "(" + "".join(f"{a}, " for a in pos) + ")"
+    return ", ".join(params), ", ".join(call), args, "{" + ", ".join(kw) + "}", defaults
 
 
 def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
@@ -168,13 +219,20 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         slow_test += " or (t is not None and t.is_cuda)"   # a CPU-only torch has no CUDA tensors
     dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
         else str(log.dtype_id(no_tensor_dtype))
-    source = _FAST.format(name=target.name, slow_test=slow_test, dtype_code=dtype_code,
-                          read="\n".join(" " * 8 + line for line in reader_lines(target, orig)))
+    sig = signature_source(orig)
+    if sig is not None:
+        params, call, args, kwargs, defaults = sig
+        read_lines = reader_lines(target, orig, direct=True)
+    else:
+        params, call, args, kwargs, defaults = "*args, **kwargs", "*args, **kwargs", "args", "kwargs", {}
+        read_lines = reader_lines(target, orig)
+    source = _FAST.format(name=target.name, slow_test=slow_test, dtype_code=dtype_code, params=params,
+                          call=call, args=args, kwargs=kwargs, read="\n".join(" " * 8 + ln for ln in read_lines))
     ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
               next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
               extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
               HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
-              group_peer=group_peer)
+              group_peer=group_peer, **defaults)
     exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
     wrapper = ns[target.name]
     functools.update_wrapper(wrapper, orig)

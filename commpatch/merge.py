@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import export
+
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 # p2p op -> (direction, channel): sends pair with receives of the same channel
 P2P_SIDES = {"send": ("send", "tensor"), "isend": ("send", "tensor"), "recv": ("recv", "tensor"),
@@ -27,77 +29,7 @@ P2P_SIDES = {"send": ("send", "tensor"), "isend": ("send", "tensor"), "recv": ("
 
 
 # ---- reading ----------------------------------------------------------------------------
-def read_logs(paths, progress=None, columns=None):
-    """Read per-rank files (files, directories, globs) into one DataFrame with the SCHEMA's dtypes.
-
-    The fast path (pyarrow) parses each file straight into typed and dictionary-encoded columns,
-    one file at a time, and joins them in Arrow: a fraction of the time and memory of parsing
-    strings then converting. ``progress(done, total)`` is called after each file. Columns the
-    SCHEMA has but an older file lacks are filled with their neutral value ('' / 0 / NaN).
-    ``columns``: read only these (in SCHEMA order), e.g. ``report.REPORT_COLUMNS`` for large logs.
-    """
-    from . import export
-    from ._log import SCHEMA
-
-    if columns is not None:
-        SCHEMA = tuple(c for c in SCHEMA if c.name in set(columns))  # noqa: N806 - the subset read
-
-    files = export.expand(paths)
-    if not files:
-        raise FileNotFoundError(f"no commpatch log files in {paths!r}")
-    try:
-        import pyarrow as pa
-        import pyarrow.csv as pacsv
-        import pyarrow.parquet as pq
-    except ImportError:
-        df = export.read(files)
-        return df[[c.name for c in SCHEMA]] if columns is not None else df
-    arrow_type = {"category": pa.dictionary(pa.int32(), pa.string()), "int64": pa.int64(),
-                  "float64": pa.float64(), "bool": pa.bool_()}
-    types = {c.name: arrow_type[c.dtype] for c in SCHEMA}
-    tables = []
-    for i, path in enumerate(files):
-        if path.endswith(".parquet"):
-            table = pq.read_table(path)
-        else:
-            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-                column_types=types, include_columns=list(types), include_missing_columns=True,
-                strings_can_be_null=False, quoted_strings_can_be_null=False))
-        tables.append(_conform(pa, table, SCHEMA, arrow_type))
-        if progress is not None:
-            progress(i + 1, len(files))
-    table = pa.concat_tables(tables).unify_dictionaries()
-    del tables
-    df = table.to_pandas(self_destruct=True, split_blocks=True)
-    del table
-    for c in SCHEMA:   # sorted categories, as the in-memory log and pandas' CSV reader give
-        if c.dtype == "category":
-            df[c.name] = df[c.name].cat.reorder_categories(sorted(df[c.name].cat.categories))
-    return df
-
-
-def _conform(pa, table, schema, arrow_type):
-    """The SCHEMA's columns, order and types; missing (all-null) columns get neutral values."""
-    import pyarrow.compute as pc
-
-    neutral = {"category": "", "int64": 0, "float64": float("nan"), "bool": False}
-    columns = []
-    for c in schema:
-        if c.name in table.column_names:
-            col = table.column(c.name)
-        else:
-            col = pa.nulls(table.num_rows, arrow_type[c.dtype])
-        if col.null_count == len(col) and len(col) and c.dtype != "float64":
-            col = pa.array([neutral[c.dtype]] * len(col), type=arrow_type[c.dtype].value_type
-                           if c.dtype == "category" else arrow_type[c.dtype])
-        if c.dtype == "category":
-            col = pc.cast(col, pa.string()) if not pa.types.is_dictionary(col.type) else col
-            col = col if pa.types.is_dictionary(col.type) else pc.dictionary_encode(col)
-            col = pc.cast(col, arrow_type["category"])
-        elif col.type != arrow_type[c.dtype]:
-            col = pc.cast(col, arrow_type[c.dtype])
-        columns.append(col)
-    return pa.table(columns, names=[c.name for c in schema])
+read_logs = export.read   # one reader for every caller (fast Arrow path, pandas fallback)
 
 
 # ---- matching ---------------------------------------------------------------------------
