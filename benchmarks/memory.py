@@ -17,12 +17,8 @@ import torch
 import torch.distributed as dist
 
 import commpatch
+from _util import fake_world, rss_mb
 from commpatch import _session
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
 
 
 def main() -> None:
@@ -30,9 +26,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1_000_000)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    fake_world(8)
     t = torch.ones(1)
     for _ in range(1000):
         dist.all_reduce(t)

@@ -59,6 +59,24 @@ def _parse_ops(name: str, env: str, value: Any) -> tuple[str, ...] | None:
     return ops
 
 
+def _parse_number(kind: type, what: str) -> Callable[[str, str, Any], Any]:
+    """A parser for a number >= 0 of type ``kind`` (0 means off / no limit)."""
+    def parse(name: str, env: str, value: Any):
+        try:
+            number = kind(value)
+        except (TypeError, ValueError):
+            number = -1
+        if not number >= 0:
+            raise ConfigError(f"{env}={value!r} (setting {name!r}) must be {what} >= 0 (0: off / no limit)")
+        return number
+
+    return parse
+
+
+_parse_seconds = _parse_number(float, "a number of seconds")
+_parse_count = _parse_number(int, "a whole number")
+
+
 def _parse_output(name: str, env: str, value: Any) -> str:
     text = "" if value is None else str(value).strip()
     if text.lower() in ("", "0", "none", "off"):
@@ -90,6 +108,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Comma-separated torch.distributed function names to wrap, or 'all'."),
     Setting("timing", "COMMPATCH_TIMING", "auto", _parse_choice("auto", "host"),
             "auto: CUDA events for CUDA tensors, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
+    Setting("watchdog", "COMMPATCH_WATCHDOG", 0.0, _parse_seconds,
+            "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed."),
+    Setting("max_rows", "COMMPATCH_MAX_ROWS", 0, _parse_count,
+            "Rows kept in memory (0: no limit). Beyond it, completed rows are appended to the output file in chunks (needs a .csv output), or, with output 'none', the oldest rows are dropped and counted."),
     Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
             "Print a per-op summary table to stderr at exit."),
     Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,

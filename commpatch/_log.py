@@ -90,7 +90,8 @@ class GroupInfo:
     name: str
     size: int
     ranks: str
-    backend: str
+    backend: str                  # as configured: 'gloo', or 'cpu:gloo,cuda:nccl' for several
+    backends: tuple = ()          # the one that runs, per device code (cpu, cuda, none)
 
 
 class _Rows:
@@ -116,6 +117,9 @@ class Log:
         self.lock = threading.RLock()
         self.buf = bytearray()
         self.done: dict[int, int] = {}        # seq -> duration_ns, written by completion callbacks
+        # seq -> (op code, gid, numel, thread id, start perf ns, issue stack or None): calls in
+        # flight (async ones until their timing resolves; sync ones too when the watchdog is on)
+        self.pending: dict[int, tuple] = {}
         self.late = (array("q"), array("q"))  # (seq, duration_ns) folded from done: 16 bytes a row
         self.offsets = ([0], [time.time_ns() - time.perf_counter_ns()])  # (from seq, perf->Unix ns)
         self.groups: list[GroupInfo] = []
@@ -127,7 +131,11 @@ class Log:
         self.rank = -1
         self.world_size = -1
         self.pid = os.getpid()
-        self.dropped = 0
+        self.dropped = 0                     # rows dropped by the hard cap (max_rows, no output file)
+        self.flushed = 0                     # rows already appended to stream_path (streaming)
+        self.stream_path = None
+        self.max_rows = 0                    # streaming / cap threshold (0: keep everything)
+        self.on_full = None                  # called by maintain() past max_rows
         self.group_base: list[int] = []      # calls per gid already cleared (keeps group_seq global)
         self.buckets: list[tuple] = []       # (first_seq, end_seq, bucket, params): DDP hook spans
 
@@ -149,10 +157,11 @@ class Log:
             if self.rank < 0:
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             info = GroupInfo(
-                name=str(getattr(pg, "group_name", "")),
+                name=_group_name(pg),
                 size=pg.size(),
                 ranks=" ".join(map(str, dist.get_process_group_ranks(pg))),
                 backend=str(dist.get_backend(pg)),
+                backends=_device_backends(str(dist.get_backend(pg)), pg),
             )
             try:
                 gid = self.groups.index(info)
@@ -187,6 +196,8 @@ class Log:
                     ldur.append(value)
             self.offsets[0].append(seq)
             self.offsets[1].append(time.time_ns() - time.perf_counter_ns())
+        if self.max_rows and seq >= 0 and len(self) > self.max_rows and self.on_full is not None:
+            self.on_full()
 
     def snapshot(self):
         """The rows as a numpy structured array (a copy: appends go on meanwhile)."""
@@ -197,19 +208,22 @@ class Log:
 
     def clear(self) -> None:
         with self.lock:
-            import numpy as np
-
-            gids = self.snapshot()["gid"]
-            counts = np.bincount(gids[gids >= 0]) if len(gids) else []
-            for gid, count in enumerate(counts):
-                if gid >= len(self.group_base):
-                    self.group_base.extend([0] * (gid + 1 - len(self.group_base)))
-                self.group_base[gid] += int(count)
-            del self.buf[: len(gids) * ROW.size]
+            self._forget(self.snapshot())
             self.done.clear()
             del self.late[0][:], self.late[1][:]
             self.buckets.clear()
             self.dropped = 0
+            self.flushed, self.stream_path = 0, None   # a streamed file is started anew
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's rows are not ours; locks may be held by dead threads."""
+        self.lock = threading.RLock()
+        del self.buf[:]
+        self.done.clear()
+        self.pending.clear()
+        del self.late[0][:], self.late[1][:]
+        self.flushed = self.dropped = 0
+        self.pid = os.getpid()
 
     def __len__(self) -> int:
         return len(self.buf) // ROW.size
@@ -219,8 +233,9 @@ class Log:
         return len(self.buf) + sum(a.itemsize * len(a) for a in self.late)
 
     # ---- derivation ---------------------------------------------------------------
-    def to_dataframe(self):
-        """Every row as a DataFrame with the SCHEMA's columns and dtypes."""
+    def to_dataframe(self, prefix: int | None = None):
+        """Every row in memory (or the oldest ``prefix`` rows) as a DataFrame with the SCHEMA's
+        columns and dtypes."""
         import numpy as np
         import pandas as pd
 
@@ -230,6 +245,8 @@ class Log:
             self.maintain(-1)
             self.offsets[0].pop(), self.offsets[1].pop()      # that pass was only for folding
             rows = self.snapshot()
+            if prefix is not None:
+                rows = rows[:prefix]
             late_seq = np.array(self.late[0], np.int64)
             late_dur = np.array(self.late[1], np.int64)
             off_seq, off_val = np.array(self.offsets[0], np.int64), np.array(self.offsets[1], np.int64)
@@ -272,7 +289,7 @@ class Log:
             "group_size": g_size,
             "group_ranks": _cat(pd, np, gid, [g.ranks for g in groups]),
             "group_seq": group_seq,
-            "backend": _cat(pd, np, gid, [g.backend for g in groups]),
+            "backend": _cat(pd, np, gid * 3 + device, [b for g in groups for b in g.backends]),
             "device": _cat(pd, np, device, ["cpu", "cuda", "none"]),
             "dtype": _cat(pd, np, raw["dtype"].astype(np.int64), dtype_names),
             "numel": numel,
@@ -291,8 +308,78 @@ class Log:
             "phase": _cat(pd, np, raw["where"].astype(np.int64) & 3, list(_runtime.PHASES)),
             **_bucket_columns(np, raw["seq"], buckets),
         })
-        df = add_bandwidth(df)
-        return df[list(COLUMNS)]
+        df = add_bandwidth(df)[list(COLUMNS)]
+        df.attrs["dropped_rows"] = self.dropped
+        return df
+
+    def pop_final_rows(self, force: bool = False):
+        """The oldest rows whose timing is final, as a DataFrame, removed from memory (streaming
+        to a file, or the hard cap). Stops at the first row still in flight unless ``force``."""
+        import numpy as np
+
+        with self.lock:
+            self.maintain(-1)
+            self.offsets[0].pop(), self.offsets[1].pop()
+            rows = self.snapshot()
+            k = len(rows)
+            pending = list(self.pending)
+            if pending and not force:
+                in_flight = np.flatnonzero(np.isin(rows["seq"], np.array(pending, np.int64)))
+                if len(in_flight):
+                    k = int(in_flight[0])
+            if k == 0:
+                return None
+            df = self.to_dataframe(prefix=k)
+            self._forget(rows[:k])
+            return df
+
+    def _forget(self, rows) -> None:
+        """Drop the oldest ``rows`` from memory, keeping group_seq counting on from them."""
+        import numpy as np
+
+        gids = rows["gid"].astype(np.int64)
+        counts = np.bincount(gids[gids >= 0]) if len(gids) else []
+        for gid, count in enumerate(counts):
+            if gid >= len(self.group_base):
+                self.group_base.extend([0] * (gid + 1 - len(self.group_base)))
+            self.group_base[gid] += int(count)
+        del self.buf[: len(rows) * ROW.size]
+        if len(rows) and len(self.late[0]):
+            keep = ~np.isin(np.frombuffer(self.late[0], np.int64), rows["seq"])
+            for arr in self.late:
+                kept = np.frombuffer(arr, np.int64)[keep].tolist()
+                del arr[:]
+                arr.extend(kept)
+
+
+def _group_name(pg) -> str:
+    """``pg.group_name``; a Python ProcessGroup from a registered backend has none set (it
+    raises): then the name torch keeps for the group in its registry."""
+    try:
+        return str(pg.group_name)
+    except (AttributeError, RuntimeError):
+        import torch.distributed as dist
+
+        return str(dist.distributed_c10d._world.pg_names.get(pg, ""))
+
+
+def _device_backends(backend: str, pg) -> tuple:
+    """(cpu, cuda, no tensor) -> name of the backend that runs the call, from a configured string.
+
+    A group set up with one backend per device (``"cpu:gloo,cuda:nccl"``) runs a call on the
+    backend of its tensors' device; calls without a tensor (barrier, object collectives) run on
+    the device torch picks for them (``_get_object_coll_device``: cpu when the group has one).
+    """
+    if ":" not in backend:
+        return (backend,) * 3
+    by_device = dict(pair.split(":", 1) for pair in backend.split(",") if ":" in pair)
+    try:
+        import torch.distributed as dist
+
+        none = by_device.get(dist.distributed_c10d._get_object_coll_device(pg), backend)
+    except Exception:  # noqa: BLE001 - an unusual group: keep the configured string
+        none = backend
+    return by_device.get("cpu", backend), by_device.get("cuda", backend), none
 
 
 def _bucket_columns(np, seqs, spans):

@@ -15,7 +15,7 @@ import sys
 
 import wrapt
 
-from . import _runtime
+from . import _compile_notice, _runtime
 from ._targets import C10D, DIST, TARGETS
 from ._wrapper import MARK, make_wrapper
 
@@ -62,6 +62,7 @@ class Patcher:
         self._patch_user_modules()
         self._add_remaps()
         self._hook(FUNCOL)
+        _compile_notice.install()      # torch.compile hides collectives: say so once
         from . import integrations
 
         self.integrations = integrations.apply(self.log, self.timing, _runtime.STATE.settings)
@@ -70,6 +71,7 @@ class Patcher:
         from . import integrations
 
         integrations.remove(self.integrations)
+        _compile_notice.uninstall()
         self.integrations = None
         for mod, attr in reversed(self.installed):
             current = getattr(mod, attr, None)

@@ -31,6 +31,9 @@ class _Local(threading.local):
 
 STATE = State()
 LOCAL = _Local()
+# process group -> [start] of the first call queued in an open, wrapped _coalescing_manager
+# (integrations.coalescing records the coalesced op at exit; the wrapper records no row per queued call)
+COALESCING: dict = {}
 TAGS: list[str] = [""]
 _TAG_INDEX = {"": 0}
 MODULES: list[str] = [""]          # module FQNs seen by commpatch.integrations.modules
@@ -53,7 +56,7 @@ def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
         if first:
             warnings.warn(
                 f"commpatch: internal error ({kind}): {type(exc).__name__ if exc else ''}: {exc}; "
-                "the collective proceeds, further errors of this kind are only counted "
+                f"{_consequence(kind, rows)}, further errors of this kind are only counted "
                 "(commpatch.internal_errors())",
                 RuntimeWarning,
                 stacklevel=3,
@@ -63,6 +66,22 @@ def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
             sys.stderr.write(f"commpatch: internal error ({kind})\n")
         except Exception:  # noqa: BLE001
             pass
+
+
+def _consequence(kind: str, rows: int) -> str:
+    """What the user lost, in the one warning of a kind."""
+    if kind.startswith("export"):
+        return f"{rows} row(s) of this rank's log were NOT written"
+    if kind.startswith("watchdog"):
+        return "the hang dump went to stderr only" if kind == "watchdog.file" else "the watchdog may miss a hang"
+    return "the collective proceeds"
+
+
+def after_fork() -> None:
+    """Fresh locks in a forked child (the parent's may have been held by another thread)."""
+    global _errors_lock
+    _errors_lock = threading.Lock()
+    STATE.nesting = 0
 
 
 def module_id(name: str) -> int:

@@ -7,6 +7,7 @@ module imports neither torch nor pandas.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 from . import _config, _runtime
@@ -37,13 +38,48 @@ def enable(**settings) -> None:
             from .export import check_writable
 
             check_writable(resolved["output"], "output" if "output" in settings else "COMMPATCH_OUTPUT")
+        if resolved["max_rows"] and resolved["output"].endswith(".parquet"):
+            raise _config.ConfigError(
+                f"COMMPATCH_MAX_ROWS={resolved['max_rows']} streams rows to the output file in chunks, which "
+                f"needs a .csv output, not {resolved['output']!r} (Parquet is written whole at exit)")
         state.settings = resolved
+        from . import export
+
+        LOG.max_rows = resolved["max_rows"]
+        LOG.on_full = export.stream_flush if resolved["max_rows"] else None
+        _register_fork_handler()
         PATCHER.apply(resolved["ops"], host_only=resolved["timing"] == "host")
         state.enabled = True
         state.recording = True
+        from . import watchdog
+        watchdog.start(LOG, resolved)
         from .export import install_exit_handlers
 
         install_exit_handlers()
+
+
+_fork_handler_registered = False
+
+
+def _register_fork_handler() -> None:
+    global _fork_handler_registered
+    if not _fork_handler_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_handler_registered = True
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, say) starts with an empty log and never writes the
+    parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
+    global _lock
+    _lock = threading.RLock()
+    LOG.after_fork()
+    TIMING.after_fork()
+    _runtime.STATE.settings = dict(_runtime.STATE.settings, output="")
+    from . import _wrapper, export
+
+    _wrapper._nesting_lock = threading.Lock()
+    export.after_fork()
 
 
 def disable() -> None:
@@ -52,6 +88,8 @@ def disable() -> None:
         state = _runtime.STATE
         state.recording = False
         if state.enabled:
+            from . import watchdog
+            watchdog.stop()
             TIMING.resolve(block=False)
             PATCHER.remove()
             state.enabled = False
@@ -62,9 +100,22 @@ def is_enabled() -> bool:
 
 
 def log():
-    """The recorded calls as a pandas DataFrame (one row per user-level call)."""
+    """The recorded calls as a pandas DataFrame (one row per user-level call).
+
+    With ``max_rows`` and an output file, rows already streamed to the file are read back.
+    """
     TIMING.resolve(block=True)
-    return LOG.to_dataframe()
+    df = LOG.to_dataframe()
+    if LOG.flushed:
+        import pandas as pd
+
+        from . import export
+        from ._log import apply_schema
+
+        flushed = export.read(LOG.stream_path)
+        df = apply_schema(pd.concat([flushed, df], ignore_index=True))
+        df.attrs["dropped_rows"] = LOG.dropped
+    return df
 
 
 def reset() -> None:

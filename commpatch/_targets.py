@@ -95,6 +95,10 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("funcol.reduce_scatter_coalesced", None, ("list", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
     _T("funcol.all_to_all_single", None, ("t", None), ALLTOALL, True, runs=("all_to_all",)),
     _T("funcol.broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
+    # one row per _coalescing_manager exit, named after the queued calls (integrations/coalescing.py)
+    _T("coalesced.all_reduce", None, ("list", None), ALLREDUCE, runs=("all_reduce",)),
+    _T("coalesced.all_gather_single", None, ("list", None), ALLGATHER, runs=("all_gather",)),
+    _T("coalesced.reduce_scatter_single", None, ("list", None), REDUCESCATTER, runs=("reduce_scatter",)),
 )
 OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
 BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}

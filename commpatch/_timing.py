@@ -32,6 +32,10 @@ class Timing:
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
         self.nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()
+        self.pool, self.cuda_pending[:], self.nccl_pending[:] = [], [], []
+
     # ---- CPU ------------------------------------------------------------------------
     def future(self, seq: int, start: int, work, op: int) -> int:
         """Attach a completion stamp to an async CPU work; returns the timing code used."""
@@ -40,10 +44,11 @@ class Timing:
         fut = self._future_of(work, op)
         if fut is None:
             return T_NONE
-        done = self.log.done
+        done, pending = self.log.done, self.log.pending
 
         def stamp(_fut, seq=seq, start=start):
             done[seq] = _pc() - start
+            pending.pop(seq, None)
 
         fut.then(stamp)
         return T_FUTURE
@@ -132,6 +137,7 @@ class Timing:
                 ev1.synchronize()
             if ev1.query():
                 done[seq] = int(ev0.elapsed_time(ev1) * 1e6)
+                self.log.pending.pop(seq, None)
                 self.pool.extend((ev0, ev1))
             else:
                 keep.append((seq, ev0, ev1))
@@ -148,6 +154,7 @@ class Timing:
                     done[seq] = int(work._get_duration() * 1e6)
                 except RuntimeError:
                     pass
+                self.log.pending.pop(seq, None)
                 self.pool.extend((ev0, ev1))
             else:
                 keep.append((seq, work, ev0, ev1))

@@ -15,11 +15,13 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import time
 
 from . import _runtime
-from ._log import CHUNK_MASK, ROW, F_ASYNC, F_CUDA, F_ERROR, T_HOST, T_NONE, T_SHIFT
+from ._runtime import COALESCING
+from ._log import CHUNK_MASK, F_ASYNC, F_CUDA, F_ERROR, ROW, T_CUDA, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHIFT
 from ._targets import OBJECT, OP_CODE, Target, group_peer, make_reader, reader_lines
 
 SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
@@ -50,13 +52,13 @@ def {name}({params}):
         return orig({call})
     if go_slow:                     # outside the guard: torch's own errors must not re-run the call
         return slow({args}, {kwargs}, t, numel, group, gid, async_op, peer)
-    start = pc()
+    start = pc(){watch_enter}
     try:
         result = orig({call})
-    except BaseException:
+    except BaseException:{watch_exit_err}
         error_row(seq, t, numel, gid, peer, async_op, start)
         raise
-    end = pc()
+    end = pc(){watch_exit}
     try:
         extend(pack(seq, code, gid, dc, numel, HOST, start, end, peer, state.step, state.tag, state.where))
         if not seq & CHUNK_MASK:
@@ -70,7 +72,7 @@ def {name}({params}):
 _RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
              "fail", "slow", "t", "numel", "async_op_", "peer", "start", "pc", "result", "error_row",
              "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
-             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p"}
+             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor"}
 
 
 def signature_source(fn):
@@ -136,15 +138,25 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     next_seq = SEQ.__next__
     coalescing = _coalesce_state()
     read = make_reader(target, orig)
+    watch = bool(_runtime.STATE.settings.get("watchdog"))
+    pending = log.pending
+    get_ident = threading.get_ident
+    import torch
+
+    Tensor = torch.Tensor
 
     def maintain(seq):
         timing.resolve()
         log.maintain(seq)
 
-    def record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, err, ev0):
+    def record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, err, ev0, queued=False):
+        if (async_op or cuda) and not err:
+            # in flight until its timing resolves: registered before the completion callback is
+            # attached, because then() on an already completed future runs the callback inline
+            pending[seq] = (code, gid, numel, get_ident(), start, _issue_stack() if watch else None)
         try:
-            if coalescing and _in_coalescing(coalescing, group):
-                tcode = T_NONE         # deferred: the coalesced op runs when the manager exits
+            if queued:
+                tcode = T_NONE         # only queued: the coalesced op runs when the manager exits
             elif cuda and not err:
                 tcode = timing.cuda_end(seq, ev0, result, async_op)
             elif async_op and not err:
@@ -154,6 +166,8 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         except Exception as exc:  # noqa: BLE001 - keep the row, without a duration
             fail("timing", exc)
             tcode = T_NONE
+        if tcode not in PENDING_TIMINGS:
+            pending.pop(seq, None)
         flags = (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
         rows_append((seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel, flags,
                      start, end, peer, state.step, state.tag, state.where))
@@ -175,22 +189,32 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     def slow(args, kwargs, t, numel, group, gid, async_op, peer):
         try:
             cuda = t is not None and t.is_cuda and not host_only
-            ev0 = timing.cuda_start() if cuda else None
+            guard = not leaf or (t is not None and t.__class__ is not Tensor)   # see slow_test
             seq = next_seq()
+            pg = _coalesce_group(group) if coalescing else None   # a _coalescing_manager is open
+            queue = coalescing.get(pg) if pg is not None else None
+            before = len(queue) if queue is not None else 0
         except Exception as exc:  # noqa: BLE001
             fail("read", exc)
             return orig(*args, **kwargs)
-        if not leaf:
+        try:
+            ev0 = timing.cuda_start() if cuda else None
+        except Exception as exc:  # noqa: BLE001 - CUDA events unusable: the row stays, untimed
+            fail("timing", exc)
+            ev0 = None
+        if guard:
             _nesting(1)
             local.depth = 1
             if nested_op:
                 local.nested = 0
+        if watch:
+            pending[seq] = (code, gid, numel, get_ident(), pc(), None)
         start = pc()
         try:
             result = orig(*args, **kwargs)
         except BaseException:
             end = pc()
-            if not leaf:
+            if guard:
                 local.depth = 0
                 _nesting(-1)
                 if nested_op:
@@ -201,13 +225,20 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
                 fail("record", exc)
             raise
         end = pc()
-        if not leaf:
+        if guard:
             local.depth = 0
             _nesting(-1)
             if nested_op:
                 numel, local.nested = local.nested, None
+        queued = queue is not None and len(queue) > before
+        if queued and pg in COALESCING:   # the wrapped manager records the coalesced op once
+            span = COALESCING[pg]
+            if not span:
+                span.append(start)        # the coalesced row is timed from the first queued call
+            pending.pop(seq, None)
+            return result
         try:
-            record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, False, ev0)
+            record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, False, ev0, queued)
         except Exception as exc:  # noqa: BLE001
             fail("record", exc)
         return result
@@ -215,10 +246,15 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     slow_test = "async_op or coalescing"
     if not leaf:
         slow_test = "True"
-    elif (target.tensor is not None or target.size[0] == "p2p") and not host_only and _cuda_build():
-        slow_test += " or (t is not None and t.is_cuda)"   # a CPU-only torch has no CUDA tensors
+    elif target.tensor is not None or target.size[0] == "p2p":
+        # a tensor subclass re-enters the wrapper through torch's __torch_function__ handling:
+        # the slow path guards that; a CPU-only torch has no CUDA tensors
+        cuda_test = " or t.is_cuda" if not host_only and _cuda_build() else ""
+        slow_test += f" or (t is not None and (t.__class__ is not Tensor{cuda_test}))"
     dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
         else str(log.dtype_id(no_tensor_dtype))
+    watch_enter = "\n    pending[seq] = (code, gid, numel, get_ident(), start, None)" if watch else ""
+    watch_exit = "\n    pending.pop(seq, None)" if watch else ""
     sig = signature_source(orig)
     if sig is not None:
         params, call, args, kwargs, defaults = sig
@@ -227,17 +263,35 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         params, call, args, kwargs, defaults = "*args, **kwargs", "*args, **kwargs", "args", "kwargs", {}
         read_lines = reader_lines(target, orig)
     source = _FAST.format(name=target.name, slow_test=slow_test, dtype_code=dtype_code, params=params,
+                          watch_enter=watch_enter, watch_exit=watch_exit,
+                          watch_exit_err=watch_exit.replace("\n", "\n    "),
                           call=call, args=args, kwargs=kwargs, read="\n".join(" " * 8 + ln for ln in read_lines))
     ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
               next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
               extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
               HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
-              group_peer=group_peer, **defaults)
+              group_peer=group_peer, pending=pending, get_ident=get_ident, Tensor=Tensor, **defaults)
     exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
     wrapper = ns[target.name]
     functools.update_wrapper(wrapper, orig)
     setattr(wrapper, MARK, orig)
     return wrapper
+
+
+PENDING_TIMINGS = (T_FUTURE, T_CUDA, T_NCCL)
+
+
+def _issue_stack(limit: int = 24) -> tuple:
+    """Where an async call was issued (the watchdog's dump needs it after the thread moved on):
+    (file, line, function) per frame, outermost first, from the wrapper out. Source lines are
+    read only if the call gets stuck (``traceback.format_stack`` here cost ~60 us a call)."""
+    frame, out = sys._getframe(3), []        # skip this function, record() and slow()
+    while frame is not None and len(out) < limit:
+        code = frame.f_code
+        out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    out.reverse()
+    return tuple(out)
 
 
 def _add_nested(read, xn, args, kwargs) -> None:
@@ -269,12 +323,12 @@ def _cuda_build() -> bool:
     return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
 
 
-def _in_coalescing(coalescing, group) -> bool:
+def _coalesce_group(group):
     if group is None:
         import torch.distributed as dist
 
         group = dist.distributed_c10d._get_default_group()
-    return group in coalescing
+    return group
 
 
 def _coalesce_state():

@@ -46,6 +46,76 @@ def check_writable(template: str, setting: str = "COMMPATCH_OUTPUT") -> None:
         raise ConfigError(f"{setting}={template!r}: {path!r} is not writable")
 
 
+# nthreads=1 in every Table.from_pandas: the exit writer runs after the interpreter started
+# shutting down, when thread pools refuse new work ("cannot schedule new futures").
+
+
+def append_csv(df, path: str, header: bool) -> None:
+    """Append rows to a CSV log (``header``: start the file anew). Crash safe: every flushed
+    chunk is complete on disk, so the file is readable whenever the process dies."""
+    pa = _pyarrow()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if pa is None:
+        df.to_csv(path, mode="w" if header else "a", header=header, index=False)
+        return
+    import pyarrow.csv as pacsv
+
+    table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
+    options = pacsv.WriteOptions(include_header=header)
+    with open(path, "wb" if header else "ab") as f:
+        try:
+            pacsv.write_csv(table, f, write_options=options)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            table = table.cast(pa.schema([
+                pa.field(x.name, pa.string()) if pa.types.is_dictionary(x.type) else x for x in table.schema]))
+            pacsv.write_csv(table, f, write_options=options)
+
+
+def stream_flush(force: bool = False) -> int:
+    """Move the rows whose timing is final from memory to the output file (or drop them when
+    no file is configured: the hard cap). Returns the rows moved; never raises."""
+    from ._session import LOG, TIMING
+
+    template = _runtime.STATE.settings.get("output")
+    df = None
+    try:
+        TIMING.resolve(block=force)
+        df = LOG.pop_final_rows(force=force)
+        if df is None:
+            return 0
+        if not template:
+            LOG.dropped += len(df)
+            if not _dropped_warned:
+                _warn_dropped()
+            return len(df)
+        path = rank_path(template)
+        if path != LOG.stream_path:           # a new file: start it with the header
+            LOG.stream_path, LOG.flushed = path, 0
+        append_csv(df, path, header=LOG.flushed == 0)
+        LOG.flushed += len(df)
+        return len(df)
+    except Exception as exc:  # noqa: BLE001 - the user's collective must not fail because of us
+        _runtime.fail("export.stream", exc, rows=0 if df is None else len(df))
+        return 0
+
+
+_dropped_warned = False
+
+
+def _warn_dropped() -> None:
+    global _dropped_warned
+    import warnings
+
+    _dropped_warned = True
+    warnings.warn(f"commpatch: COMMPATCH_MAX_ROWS={_runtime.STATE.settings.get('max_rows')} with no output file: "
+                  "the oldest rows are dropped (counted in log().attrs['dropped_rows'])", RuntimeWarning, stacklevel=2)
+
+
+def streaming() -> bool:
+    settings = _runtime.STATE.settings
+    return bool(settings.get("max_rows")) and bool(settings.get("output"))
+
+
 def write(df, path: str) -> str:
     """Write a log DataFrame to ``path`` (.csv or .parquet); returns the path."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -58,11 +128,11 @@ def write(df, path: str) -> str:
                 raise RuntimeError("Parquet output needs pyarrow: pip install 'commpatch[arrow]'")
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pandas(df, preserve_index=False), tmp)
+            pq.write_table(pa.Table.from_pandas(df, preserve_index=False, nthreads=1), tmp)
         elif pa is not None:
             import pyarrow.csv as pacsv
 
-            table = pa.Table.from_pandas(df, preserve_index=False)
+            table = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
             try:
                 pacsv.write_csv(table, tmp)          # categorical columns written as their strings
             except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
@@ -203,10 +273,18 @@ def write_at_exit(reason: str = "exit") -> str | None:
         return None
     try:
         TIMING.resolve(block=True)
-        if not template or (len(LOG) == 0 and LOG.rank < 0):
+        if not template or (len(LOG) == 0 and LOG.rank < 0 and not LOG.flushed):
             return None
+        path = rank_path(template)
+        if streaming():             # the file holds the flushed rows: append the rest, once
+            stream_flush(force=True)
+            if not os.path.exists(path):
+                write(LOG.to_dataframe(), path)
+            if settings.get("summary") and reason == "exit":
+                sys.stderr.write(summary_text(read(path)) + "\n")
+            return path
         df = LOG.to_dataframe()
-        path = write(df, rank_path(template))
+        path = write(df, path)
         if settings.get("summary") and reason == "exit":
             sys.stderr.write(summary_text(df) + "\n")
         return path
@@ -215,6 +293,12 @@ def write_at_exit(reason: str = "exit") -> str | None:
         return None
     finally:
         _exit_lock.release()
+
+
+def after_fork() -> None:
+    global _exit_lock
+    _exit_lock = threading.Lock()
+    _runtime.after_fork()
 
 
 def install_exit_handlers() -> None:

@@ -24,9 +24,9 @@ def main() -> int:
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     print(f"\nper-rank logs: {sorted(os.listdir(args.out))} in {args.out}/\n", flush=True)
-    for by in ("op", "op,size_bucket"):
-        subprocess.run([sys.executable, "-m", "commpatch", "report", args.out, "--by", by], check=True)
-        print()
+    trace = os.path.join(args.out, "trace.json")
+    subprocess.run([sys.executable, "-m", "commpatch", "report", args.out, "--trace", trace], check=True)
+    print(f"\ntimeline for ui.perfetto.dev / chrome://tracing: {trace}")
     return 0
 
 

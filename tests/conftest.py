@@ -16,8 +16,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_patch_left_behind():
-    """Every test ends with the original torch functions in place (by identity)."""
+def no_patch_left_behind(request):
+    """Every test ends with the original torch functions in place (by identity), and with no
+    internal error of commpatch unless it injected faults on purpose (marker ``faults``)."""
     yield
     import commpatch
     import torch.distributed as dist
@@ -25,8 +26,15 @@ def no_patch_left_behind():
     from commpatch._targets import TARGET_NAMES
     from commpatch._wrapper import MARK
 
+    from commpatch import _runtime
+
     commpatch.disable()
     commpatch.reset()
+    errors = dict(_runtime.ERRORS)
+    _runtime.ERRORS.clear()
+    _runtime._warned.clear()
+    if request.node.get_closest_marker("faults") is None:
+        assert not errors, f"commpatch recorded internal errors: {errors}"
     for name in TARGET_NAMES + ("destroy_process_group",):
         for mod in (dist, c10d):
             fn = getattr(mod, name, None)

@@ -26,9 +26,12 @@ def claimed_counts(df) -> Counter:
 
 
 # torch.distributed functions whose gloo kernels have other names, or that issue several
-GLOO_RUNS = {"all_gather_into_tensor": ("all_gather",), "reduce_scatter_tensor": ("reduce_scatter",),
+# (gloo runs reduce_scatter_single, and what is built on it, as an all_reduce of the full input)
+GLOO_RUNS = {"all_gather_into_tensor": ("all_gather",), "all_gather_single": ("all_gather",),
+             "reduce_scatter_tensor": ("all_reduce",), "reduce_scatter_single": ("all_reduce",),
              "isend": ("send",), "irecv": ("recv",),
-             "send_object_list": ("send", "send"), "recv_object_list": ("recv", "recv")}
+             "send_object_list": ("send", "send"), "recv_object_list": ("recv", "recv"),
+             "all_gather_object": ("all_gather", "all_gather")}
 
 
 def _model():
@@ -189,3 +192,152 @@ def pipeline(rank, world_size):
             schedule.step(target=torch.zeros(4, 8))
     commpatch.disable()
     return cap.df, witness_counts(prof)
+
+
+def _fsdp_train(model, steps=2):
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        model(torch.randn(4, 8, generator=gen)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def fsdp(rank, world_size):
+    """FSDP2 (fully_shard per Linear and the root) and FSDP1 (one unit per Linear), 2 steps each,
+    with the profiler as witness; the unit sizes as FSDP sharded them."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.profiler import profile
+
+    import commpatch
+
+    commpatch.enable(output="none")
+    out = {}
+    model = _model()
+    for unit in (model[0], model[2], model):
+        fully_shard(unit)
+    # S of a unit's all-gather / reduce-scatter: every rank's shard (DTensor local shards)
+    sharded = {name: world_size * 4 * sum(p.to_local().numel() for p in model[int(name)].parameters())
+               for name in ("0", "2")}
+    with commpatch.capture() as cap, profile() as prof:
+        _fsdp_train(model)
+    out["fsdp2"] = (cap.df, witness_counts(prof), sharded)
+
+    model = FullyShardedDataParallel(_model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                                     device_id=torch.device("cpu"))
+    units = {name: m for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel) and name}
+    sharded = {name: world_size * 4 * sum(h.flat_param._sharded_size.numel() for h in [m._handle])
+               for name, m in units.items()}
+    with commpatch.capture() as cap, profile() as prof:
+        _fsdp_train(model)
+    out["fsdp1"] = (cap.df, witness_counts(prof), sharded)
+    commpatch.disable()
+    return out, commpatch.internal_errors()
+
+
+def _forwarding_backend(store, rank, size, timeout):
+    """A backend registered with ``dist.Backend.register_backend``: a Python ProcessGroup that
+    forwards what it is asked to a gloo backend of its own (the profiler sees gloo run)."""
+    import torch.distributed as dist
+
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    class Forwarding(dist.ProcessGroup):
+        def getBackendName(self):
+            return "forwarding"
+
+        def allreduce(self, tensors, opts):
+            return gloo.allreduce(tensors, opts)
+
+        def allgather(self, outputs, inputs, opts):
+            return gloo.allgather(outputs, inputs, opts)
+
+        def broadcast(self, tensors, opts):
+            return gloo.broadcast(tensors, opts)
+
+        def barrier(self, opts):
+            return gloo.barrier(opts)
+
+    return Forwarding(rank, size)
+
+
+def backends(rank, world_size):
+    """The same calls on groups of several backend kinds: {backend spec: (rows, gloo ops seen)}."""
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the 'fake' backend
+    from torch.profiler import profile
+
+    import commpatch
+
+    dist.Backend.register_backend("forwarding", _forwarding_backend, devices=["cpu"])
+    specs = ("cpu:gloo,cuda:fake", "cpu:fake,cuda:gloo", "forwarding")
+    groups = {spec: dist.new_group(backend=spec) for spec in specs}
+    commpatch.enable(output="none")
+    out = {}
+    for spec, group in groups.items():
+        with commpatch.capture() as cap, profile() as prof:
+            dist.all_reduce(torch.ones(4), group=group)
+            dist.barrier(group=group)
+            if not spec.startswith("cpu:fake"):   # fake moves no data: no object to unpickle
+                dist.all_gather_object([None] * world_size, {"rank": rank}, group=group)
+        out[spec] = (cap.df, witness_counts(prof), str(dist.get_backend(group)))
+    commpatch.disable()
+    return out, commpatch.internal_errors()
+
+
+class _Synced:
+    """Builds a layer that all-reduces a statistic in its forward (as SyncBatchNorm does)."""
+
+    @staticmethod
+    def make():
+        import torch
+        import torch.distributed as dist
+
+        class Synced(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                y = self.lin(x)
+                stat = y.detach().mean(0)
+                dist.all_reduce(stat)
+                return y - stat / dist.get_world_size()
+
+        return Synced()
+
+
+def module_attribution(rank, world_size):
+    """DDP over a model whose submodule issues a collective in forward, an optimizer whose step
+    issues one, and a barrier outside both; 2 steps, the profiler as witness."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import profile
+
+    import commpatch
+
+    class ClipSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"]]).norm()
+            dist.all_reduce(norm.reshape(1))           # a global gradient norm, as clipping needs
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    commpatch.enable(output="none")
+    with commpatch.capture() as cap, profile() as prof:
+        model = DDP(torch.nn.Sequential(_Synced.make(), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+        opt = ClipSGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        dist.barrier()
+    summary = commpatch.summary(cap.df, by=("module", "phase"))
+    commpatch.disable()
+    return cap.df, witness_counts(prof), summary, commpatch.internal_errors()

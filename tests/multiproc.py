@@ -14,11 +14,14 @@ import tempfile
 import traceback
 
 
-def _entry(fn, rank, world_size, store_path, q, kwargs):
+def _entry(fn, rank, world_size, store_path, q, kwargs, pg_timeout=None):
     try:
+        import datetime
+
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        extra = {"timeout": datetime.timedelta(seconds=pg_timeout)} if pg_timeout else {}
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, **extra)
         try:
             result = fn(rank, world_size, **kwargs)
         finally:
@@ -29,12 +32,14 @@ def _entry(fn, rank, world_size, store_path, q, kwargs):
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int = 2, timeout: float = 90, **kwargs) -> list:
+def run_ranks(fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | None = None, **kwargs) -> list:
+    """``fn(rank, world_size, **kwargs)`` in each rank; ``pg_timeout``: the process group's own
+    timeout in seconds (torch's default, 30 min, when None)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, q, kwargs), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, q, kwargs, pg_timeout), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

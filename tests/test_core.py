@@ -201,6 +201,7 @@ def test_capture_scopes_recording_and_reset_clears():
     assert commpatch.log()["seq"].tolist() == [seq_before + 1]
 
 
+@pytest.mark.faults
 def test_internal_failure_never_breaks_the_collective(monkeypatch):
     """A fault inside commpatch: the collective runs and returns; one warning; counted."""
     _runtime.ERRORS.clear()
@@ -223,6 +224,7 @@ def test_internal_failure_never_breaks_the_collective(monkeypatch):
     assert len(commpatch.log()) == 0
 
 
+@pytest.mark.faults
 def test_timing_failure_keeps_the_row(monkeypatch):
     _runtime.ERRORS.clear()
     _runtime._warned.clear()

@@ -125,26 +125,74 @@ def two_threads(rank: int, world_size: int, calls: int = 200):
 
 
 def coalescing(rank: int, world_size: int):
-    """Collectives inside _coalescing_manager: nothing crashes, the result is right."""
+    """Collectives inside _coalescing_manager, each scenario with the profiler as witness:
+    {scenario: (rows, gloo ops the profiler saw, results correct)}, and the internal errors."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _coalescing_manager
+    from torch.distributed.distributed_c10d import _coalescing_manager as bound_before_enable
+    from torch.profiler import profile
+
+    from tests.integration_workers import witness_counts
 
     import commpatch
 
     commpatch.enable(output="none")
-    tensors = [torch.ones(4) * (rank + 1) for _ in range(3)]
-    with _coalescing_manager(async_ops=True) as cm:
-        for x in tensors:
+    manager = dist.distributed_c10d._coalescing_manager      # looked up at call time, as torch does
+    n, k = world_size, 4
+    total = sum(range(1, n + 1))
+
+    def all_reduce_sync():
+        xs = [torch.ones(k) * (rank + 1) for _ in range(3)]
+        with manager():
+            for x in xs:
+                dist.all_reduce(x)
+        return all(x[0].item() == total for x in xs)
+
+    def all_reduce_async():
+        xs = [torch.ones(k) * (rank + 1) for _ in range(3)]
+        with manager(async_ops=True) as cm:
+            for x in xs:
+                dist.all_reduce(x, async_op=True)      # returns torch's _IllegalWork placeholder
+        cm.wait()
+        return all(x[0].item() == total for x in xs)
+
+    def all_gather():
+        outs = [torch.zeros(n * k) for _ in range(2)]
+        with manager():
+            for out in outs:
+                dist.all_gather_into_tensor(out, torch.full((k,), float(rank)))
+        return all(out.tolist() == [float(r) for r in range(n) for _ in range(k)] for out in outs)
+
+    def reduce_scatter_async():
+        outs = [torch.zeros(k) for _ in range(2)]
+        with manager(async_ops=True) as cm:
+            for out in outs:
+                dist.reduce_scatter_tensor(out, torch.ones(n * k))
+        cm.wait()
+        return all(out[0].item() == n for out in outs)
+
+    def with_a_broadcast():              # broadcast does not queue: it runs (and is recorded) at once
+        x, b = torch.ones(k), torch.ones(2)
+        with manager():
             dist.all_reduce(x)
-    cm.wait()
-    with _coalescing_manager():
-        for x in tensors:
-            dist.all_reduce(x, async_op=True)
-    df = commpatch.log()
+            dist.broadcast(b, src=0)
+        return x[0].item() == n
+
+    def bound_early():                   # bound before enable(): not wrapped, one row per queued call
+        xs = [torch.ones(k) for _ in range(3)]
+        with bound_before_enable():
+            for x in xs:
+                dist.all_reduce(x)
+        return all(x[0].item() == n for x in xs)
+
+    out = {}
+    for fn in (all_reduce_sync, all_reduce_async, all_gather, reduce_scatter_async, with_a_broadcast,
+               bound_early):
+        with commpatch.capture() as cap, profile() as prof:
+            ok = fn()
+        out[fn.__name__] = (cap.df, witness_counts(prof), ok)
     commpatch.disable()
-    expected = sum(range(1, world_size + 1)) * world_size   # summed once, then again
-    return df, [x[0].item() for x in tensors], expected
+    return out, commpatch.internal_errors()
 
 
 def errors_propagate(rank: int, world_size: int):

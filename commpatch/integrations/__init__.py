@@ -4,6 +4,9 @@
                   and the C++-issued constructor / bucket-rebuild collectives.
 - ``functional``: functional collectives (DTensor, tensor parallel), timed to their lazy wait.
 - ``modules``:    which nn.Module and which phase (forward / backward / optimizer) issued a call.
+- ``fsdp``:       FSDP's all-gathers and gradient reductions attributed to the unit whose
+                  parameters moved, in the phase they ran.
+- ``coalescing``: ``_coalescing_manager``: one row for the coalesced collective that ran.
 
 Each integration exposes ``apply(ctx)`` / ``remove(ctx)``; ``Patcher.apply`` / ``remove`` call
 the functions below. Patches go through ``Patches`` (restore by identity, like the core), and
@@ -13,11 +16,12 @@ rows go through ``record`` into the same ``Log`` with the same tuple layout as t
 from __future__ import annotations
 
 import functools
+import sys
 
 import wrapt
 
 from .. import _runtime
-from .._log import F_ASYNC, F_ERROR, T_SHIFT
+from .._log import F_ASYNC, F_CUDA, F_ERROR, T_SHIFT
 from .._targets import OP_CODE
 from .._wrapper import MARK, SEQ
 
@@ -57,12 +61,10 @@ _HOOKED: set[tuple[str, object]] = set()
 def when_imported(modname: str, fn) -> None:
     """Run ``fn(ctx, module)`` now if imported, and at every later import while active.
 
-    wrapt's hooks are permanent: they look up the current context and do nothing without one.
+    wrapt's hooks are permanent and registered once: they look up the current context and do
+    nothing without one. A later enable() (after a disable()) runs ``fn`` itself when the module
+    is already imported: wrapt fires a hook at once only when it is registered.
     """
-    if (modname, fn) in _HOOKED:
-        return
-    _HOOKED.add((modname, fn))
-
     def on_import(module):
         try:
             if CURRENT is not None:
@@ -70,7 +72,13 @@ def when_imported(modname: str, fn) -> None:
         except Exception as exc:  # noqa: BLE001
             _runtime.fail(f"integrations.import:{modname}", exc)
 
-    wrapt.register_post_import_hook(on_import, modname)
+    if (modname, fn) not in _HOOKED:
+        _HOOKED.add((modname, fn))
+        wrapt.register_post_import_hook(on_import, modname)
+        return
+    module = sys.modules.get(modname)
+    if module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        on_import(module)      # still importing: the registered hook runs at the end of it
 
 
 class Context:
@@ -91,7 +99,8 @@ def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_
         gid = log.group_id(group)
     if seq is None:
         seq = next(SEQ)
-    flags = (async_op and F_ASYNC) | (err and F_ERROR) | (tcode << T_SHIFT)
+    cuda = tensor is not None and tensor.is_cuda     # the device column (and its backend) come from it
+    flags = (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
     log.rows.append((seq, OP_CODE[op], gid, tensor.dtype if tensor is not None else None, numel,
                      flags, start, end, peer, state.step, state.tag, state.where))
     return seq
@@ -99,10 +108,10 @@ def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_
 
 def apply(log, timing, settings: dict) -> Context:
     global CURRENT
-    from . import ddp, functional, modules
+    from . import coalescing, ddp, fsdp, functional, modules
 
     ctx = CURRENT = Context(log, timing)
-    for integration in (ddp, functional, modules):
+    for integration in (ddp, functional, modules, fsdp, coalescing):
         if integration.wanted(settings):
             try:
                 integration.apply(ctx)

@@ -1,0 +1,87 @@
+"""FSDP: module attribution of its all-gathers and gradient reductions.
+
+FSDP (FSDP2 ``fully_shard`` and FSDP1 ``FullyShardedDataParallel``) issues its collectives
+through ``torch.distributed`` (``all_gather_single`` / ``all_gather``, ``reduce_scatter_single``),
+so the core wrappers record them. What the generic module hooks get wrong is attribution: FSDP
+gathers a module's parameters in backward from tensor hooks that run before the root's backward
+marker (phase ``other``), prefetches the next module's parameters from the current one's hook,
+and reduces gradients from a post-backward hook or the root's final callback. The functions
+that gather or reduce one unit's parameters are wrapped so that their rows name that unit (the
+module whose parameters moved) and the phase (``backward`` inside the autograd engine, else the
+current one). Cost: a few attribute reads per FSDP unit per step.
+
+- FSDP2: ``FSDPParamGroup.unshard`` and ``FSDPParamGroup.post_backward``; the unit is the module
+  passed to ``fully_shard``.
+- FSDP1: ``_runtime_utils._unshard`` and ``_runtime_utils._reduce_grad``; the unit is the
+  ``FullyShardedDataParallel`` instance that owns the handle (named like its forward rows).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .. import _runtime
+from .._runtime import P_BACKWARD
+from . import modules, when_imported
+
+FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+FSDP1 = "torch.distributed.fsdp._runtime_utils"
+
+
+def wanted(settings: dict) -> bool:
+    return modules.wanted(settings)
+
+
+def apply(ctx) -> None:
+    when_imported(FSDP2, _patch_fsdp2)
+    when_imported(FSDP1, _patch_fsdp1)
+
+
+def _patch_fsdp2(ctx, module) -> None:
+    cls = module.FSDPParamGroup
+    for name in ("unshard", "post_backward"):
+        ctx.patches.wrap(cls, name, lambda orig: _attributed(orig, lambda group, args: group.modules[0]))
+
+
+def _patch_fsdp1(ctx, module) -> None:
+    for name in ("_unshard", "_reduce_grad"):
+        ctx.patches.wrap(module, name, lambda orig: _attributed(orig, _fsdp1_unit))
+
+
+_fsdp1_units: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # FlatParamHandle -> unit
+
+
+def _fsdp1_unit(state, args):
+    """The FullyShardedDataParallel module owning the handle (``state`` is the caller, which may be
+    prefetching another unit's handle); the handle's own module where no such wrapper is known."""
+    handle = args[0]
+    unit = _fsdp1_units.get(handle)
+    if unit is None:
+        unit = handle._fully_sharded_module
+        if getattr(state, "_handle", None) is handle and hasattr(state, "named_modules"):
+            unit = _fsdp1_units[handle] = state
+    return unit
+
+
+def _attributed(orig, unit_of):
+    """``orig(first, *args)`` with ``STATE.where`` naming the FSDP unit and phase meanwhile."""
+    import torch
+
+    state = _runtime.STATE
+    graph_task = torch._C._current_graph_task_id
+
+    def wrapper(first, *args, **kwargs):
+        if not state.recording:
+            return orig(first, *args, **kwargs)
+        where = state.where
+        try:
+            phase = P_BACKWARD if graph_task() >= 0 else where & 3
+            state.where = modules.where(unit_of(first, args), phase)
+        except Exception as exc:  # noqa: BLE001 - attribution never breaks FSDP
+            _runtime.fail("fsdp.attribution", exc)
+        try:
+            return orig(first, *args, **kwargs)
+        finally:
+            state.where = where
+
+    return wrapper

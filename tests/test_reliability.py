@@ -1,0 +1,432 @@
+"""Faults inside commpatch never reach the user; threads lose nothing; compiled and captured code.
+
+Fault matrix: each fault is injected into commpatch (not into torch), then the same collectives
+run. Every collective must still return the right result (checked with real peers on gloo),
+exactly one warning is printed per fault kind, and ``internal_errors()`` counts the affected rows.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import commpatch
+from commpatch import _runtime, _session, _wrapper
+from tests.fakepg import fake_world
+from tests.multiproc import run_ranks
+
+WORLD = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_group():
+    with fake_world(WORLD):
+        yield
+
+
+_COMMPATCH_CODE = (os.path.dirname(commpatch.__file__), "<commpatch")
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that tells commpatch, and only commpatch, that it is on CUDA: it drives the
+    CUDA path on a CPU-only machine while torch (which checks ``is_cuda`` itself, e.g. in
+    broadcast) runs the collective as on CPU."""
+
+    @property
+    def is_cuda(self):
+        return sys._getframe(1).f_code.co_filename.startswith(_COMMPATCH_CODE)
+
+
+@contextlib.contextmanager
+def cuda_wrappers():
+    """Wrappers generated as on a CUDA build (decided at enable()): FakeCuda takes the CUDA path."""
+    with mock.patch.object(_wrapper, "_cuda_build", return_value=True):
+        yield
+
+
+def injected(*_args, **_kwargs):
+    raise RuntimeError("injected fault")
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    inject: object        # () -> context manager, entered before enable()
+    tensor: type          # torch.Tensor or FakeCuda
+    kind: str             # internal_errors() key expected
+    affects: tuple        # the kinds of CALLS it hits
+    keeps_rows: bool
+
+
+def _stack(*managers):
+    stack = contextlib.ExitStack()
+    for m in managers:
+        stack.enter_context(m)
+    return stack
+
+
+def _cuda_event_raises():
+    return _stack(cuda_wrappers(), mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=False),
+                  mock.patch.object(torch.cuda, "Event", side_effect=injected))
+
+
+def _cuda_start_raises():
+    return _stack(cuda_wrappers(), mock.patch.object(_session.TIMING, "cuda_start", side_effect=injected))
+
+
+CALLS = (("all_reduce", "sync"), ("all_reduce", "async"), ("broadcast", "sync"), ("all_gather", "sync"),
+         ("all_gather_object", "object"))     # what run_collectives() issues
+TENSOR_CALLS = ("sync", "async")
+EVERY_CALL = ("sync", "async", "object")
+FAULTS = [
+    Fault("timing source raises", lambda: mock.patch.object(_session.TIMING, "future", side_effect=injected),
+          torch.Tensor, "timing", ("async",), True),
+    Fault("cuda start raises", _cuda_start_raises, FakeCuda, "timing", TENSOR_CALLS, True),
+    Fault("torch.cuda.Event raises", _cuda_event_raises, FakeCuda, "timing", TENSOR_CALLS, True),
+    # this machine has no CUDA: torch.cuda.is_current_stream_capturing() itself raises
+    Fault("CUDA unavailable", cuda_wrappers, FakeCuda, "timing", TENSOR_CALLS, True),
+    # a step beyond int64: struct.pack of the row fails
+    Fault("log append raises", lambda: mock.patch.object(_runtime.STATE, "step", 2**63),
+          torch.Tensor, "record", EVERY_CALL, False),
+]
+
+
+def expected_count(fault: Fault) -> int:
+    return sum(kind in fault.affects for _, kind in CALLS)
+
+
+def run_collectives(rank: int, world: int, tensor_cls) -> list[str]:
+    """The calls of CALLS, in order; returns what came back wrong (gloo: real results)."""
+    wrong = []
+
+    def t(*values):
+        return torch.tensor(values, dtype=torch.float32).as_subclass(tensor_cls)
+
+    def expect(label, got, want):
+        if got != want:
+            wrong.append(f"{label}: {got} != {want}")
+
+    total = float(sum(range(1, world + 1)))
+    x = t(rank + 1, rank + 1)
+    expect("all_reduce returns", dist.all_reduce(x), None)
+    expect("all_reduce", x.tolist(), [total] * 2)
+    x = t(rank + 1)
+    work = dist.all_reduce(x, async_op=True)
+    expect("async all_reduce returns a Work", work is not None and work.wait(), True)
+    expect("async all_reduce", x.tolist(), [total])
+    x = t(rank, rank)
+    dist.broadcast(x, src=1)
+    expect("broadcast", x.tolist(), [1.0, 1.0])
+    out = [t(-1) for _ in range(world)]
+    dist.all_gather(out, t(rank))
+    expect("all_gather", [o.item() for o in out], [float(r) for r in range(world)])
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank})
+    expect("all_gather_object", objs, [{"rank": r} for r in range(world)])
+    return wrong
+
+
+def _warnings_of_commpatch(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("commpatch")]
+
+
+def _faults_worker(rank, world_size):
+    """Every fault in turn, on real peers: results, internal errors, commpatch warnings, rows."""
+    out = {}
+    for fault in [None] + FAULTS:
+        with contextlib.ExitStack() as stack:
+            if fault is not None:
+                stack.enter_context(fault.inject())
+            commpatch.enable(output="none")
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                wrong = run_collectives(rank, world_size, fault.tensor if fault else torch.Tensor)
+            commpatch.disable()
+        df = commpatch.log()
+        out[fault.name if fault else "none"] = (wrong, commpatch.internal_errors(), _warnings_of_commpatch(record),
+                                                len(df), int(df["timing"].eq("none").sum()))
+        commpatch.reset()
+        _runtime.ERRORS.clear()
+        _runtime._warned.clear()
+    return out
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+def test_every_fault_leaves_the_results_right_on_real_peers():
+    for rank, results in enumerate(run_ranks(_faults_worker, 2, timeout=120)):
+        assert results.pop("none") == ([], {}, [], len(CALLS), 0), f"rank {rank}: the run without faults"
+        for fault in FAULTS:
+            wrong, errors, warned, rows, untimed = results[fault.name]
+            assert not wrong, f"rank {rank}, {fault.name}: {wrong}"
+            assert errors == {fault.kind: expected_count(fault)}, (rank, fault.name)
+            assert len(warned) == 1, (rank, fault.name, warned)
+            assert rows == (len(CALLS) if fault.keeps_rows else 0), (rank, fault.name)
+            if fault.keeps_rows:      # the rows stay, without a duration where the timing failed
+                assert untimed == expected_count(fault), (rank, fault.name)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_fault_matrix_in_process(fault):
+    """The same faults on the fake backend, with the watchdog's bookkeeping on: one warning per
+    kind, the affected rows counted, nothing left in flight."""
+    with fault.inject():
+        commpatch.enable(output="none", watchdog=600)
+        with pytest.warns(RuntimeWarning) as record:
+            for _ in range(3):
+                run_collectives(0, WORLD, fault.tensor)
+    assert len(_warnings_of_commpatch(record)) == 1
+    assert commpatch.internal_errors() == {fault.kind: 3 * expected_count(fault)}
+    df = commpatch.log()
+    assert len(df) == (3 * len(CALLS) if fault.keeps_rows else 0)
+    if fault.tensor is FakeCuda:
+        assert (df["device"] == "cuda").sum() == 3 * expected_count(fault)
+    assert _session.LOG.pending == {}
+
+
+@pytest.mark.faults
+def test_warnings_turned_into_errors_do_not_turn_faults_into_exceptions(capfd):
+    """With ``-W error`` the one warning would raise: it goes to stderr instead."""
+    with mock.patch.object(_runtime.STATE, "step", 2**63):
+        commpatch.enable(output="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            run_collectives(0, WORLD, torch.Tensor)
+    assert commpatch.internal_errors() == {"record": len(CALLS)}
+    assert capfd.readouterr().err.count("commpatch: internal error (record)") == 1
+
+
+class Subclass(torch.Tensor):
+    """A tensor subclass with torch's default __torch_function__ (nn.Parameter disables it)."""
+
+
+def test_a_tensor_subclass_is_one_row_per_call():
+    """c10d hands subclasses to __torch_function__, which calls the (patched) function again:
+    found by the fault matrix (FakeCuda gave two rows per call)."""
+    commpatch.enable(output="none")
+    x = torch.ones(2).as_subclass(Subclass)
+    dist.all_reduce(x)
+    dist.broadcast(x, src=0)
+    dist.all_reduce(x, async_op=True).wait()
+    dist.broadcast(torch.nn.Parameter(torch.ones(2)), src=0)
+    df = commpatch.log()
+    assert df["op"].tolist() == ["all_reduce", "broadcast", "all_reduce", "broadcast"]
+    assert df["bytes"].tolist() == [8] * 4 and df["timing"].tolist() == ["host", "host", "future", "host"]
+
+
+# ---- faults at exit: a fresh interpreter each ---------------------------------------------
+
+EXIT_SCRIPT = """
+import os, shutil, sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import commpatch
+
+out = sys.argv[1]
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+for _ in range(5):
+    dist.all_reduce(torch.ones(2))
+FAULT
+print("job done")
+"""
+EXIT_FAULTS = {
+    "output directory removed": "shutil.rmtree(out)",
+    "output directory replaced by a file": "shutil.rmtree(out); open(out, 'w').write('not a directory')",
+    "pandas missing at export": "sys.modules['pandas'] = None",
+}
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("fault", EXIT_FAULTS)
+def test_exit_faults_keep_exit_status_0_with_one_warning_counting_the_rows(tmp_path, fault):
+    out = tmp_path / "logs"
+    script = EXIT_SCRIPT.replace("FAULT", EXIT_FAULTS[fault])
+    env = dict(os.environ, COMMPATCH="0", PYTHONWARNINGS="default")
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "job done\n"
+    warned = [ln for ln in proc.stderr.splitlines() if "commpatch:" in ln]
+    if fault == "output directory removed":        # the writer re-creates it
+        assert not warned, proc.stderr
+        assert len(commpatch.read_csv(str(out / "rank0.csv"))) == 5
+        return
+    assert len(warned) == 1, proc.stderr
+    assert "5 row(s) of this rank's log were NOT written" in warned[0]
+    if fault == "pandas missing at export":
+        assert "pandas" in warned[0]
+
+
+# ---- threads --------------------------------------------------------------------------------
+
+def test_eight_threads_on_eight_groups_lose_and_duplicate_nothing():
+    """10k calls per thread, each thread on its own group (fake backend), async calls mixed in
+    and the watchdog's bookkeeping on: every row once, group_seq 0..n-1 per group."""
+    threads_n, calls = 8, 10_000
+    groups = [dist.new_group(list(range(WORLD))) for _ in range(threads_n)]
+    commpatch.enable(output="none", watchdog=600)
+    barrier = threading.Barrier(threads_n)
+    failures = []
+
+    def issue(group):
+        try:
+            t = torch.ones(2)
+            barrier.wait()
+            for i in range(calls):
+                if i % 5 == 0:
+                    dist.all_reduce(t, group=group, async_op=True).wait()
+                else:
+                    dist.all_reduce(t, group=group)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    workers = [threading.Thread(target=issue, args=(g,)) for g in groups]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert not failures
+    df = commpatch.log()
+    assert len(df) == threads_n * calls and df["seq"].is_unique
+    assert sorted(df["group"].unique()) == sorted(g.group_name for g in groups)
+    for _, rows in df.groupby("group", observed=True):
+        assert len(rows) == calls
+        assert np.array_equal(np.sort(rows["group_seq"].to_numpy()), np.arange(calls))
+        assert rows["seq"].is_monotonic_increasing and rows["group_seq"].is_monotonic_increasing
+    assert df.loc[df["async_op"], "duration_us"].notna().all()
+    assert _session.LOG.pending == {}
+    for g in groups:
+        dist.destroy_process_group(g)
+
+
+# ---- compiled code ----------------------------------------------------------------------------
+
+def _compiled_step(x):
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
+def _compile_warnings(record) -> list[str]:
+    return [m for m in _warnings_of_commpatch(record) if "torch.compile" in m]
+
+
+def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monkeypatch):
+    import torch._dynamo
+    from torch._dynamo.callback import callback_handler
+
+    from commpatch import _compile_notice
+
+    monkeypatch.setattr(_compile_notice, "_said", False)
+    before = list(callback_handler.start_callbacks)
+    torch._dynamo.reset()
+    commpatch.enable(output="none")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        first = torch.compile(_compiled_step, backend="eager")
+        second = torch.compile(lambda x: _compiled_step(x) * 3, backend="eager")
+        assert torch.equal(first(torch.ones(4)), _compiled_step(torch.ones(4)))
+        assert torch.equal(second(torch.ones(4)), _compiled_step(torch.ones(4)) * 3)
+    said = _compile_warnings(record)
+    assert len(said) == 1 and "not recorded" in said[0]
+    commpatch.disable()
+    assert callback_handler.start_callbacks == before
+    monkeypatch.setattr(_compile_notice, "_said", False)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(_compiled_step, backend="eager")(torch.ones(4))
+    assert not _compile_warnings(record), "disabled: nothing to say"
+    torch._dynamo.reset()
+
+
+def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd):
+    import torch._dynamo
+
+    from commpatch import _compile_notice
+
+    monkeypatch.setattr(_compile_notice, "_said", False)
+    torch._dynamo.reset()
+    commpatch.enable(output="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = torch.compile(_compiled_step, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(torch.ones(4)), _compiled_step(torch.ones(4)))
+    assert "torch.compile" in capfd.readouterr().err
+    torch._dynamo.reset()
+
+
+# ---- CUDA graph capture, mocked on this CPU machine ------------------------------------------
+
+@pytest.fixture
+def counting_events(monkeypatch):
+    """torch.cuda.Event replaced by a class counting what is done to events."""
+    calls = Counter()
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            calls["create"] += 1
+
+        def record(self, stream=None):
+            calls["record"] += 1
+
+        def query(self):
+            calls["query"] += 1
+            return True
+
+        def synchronize(self):
+            calls["synchronize"] += 1
+
+        def elapsed_time(self, other):
+            calls["elapsed_time"] += 1
+            return 0.25
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return calls
+
+
+def test_timing_records_queries_and_synchronizes_no_event_while_capturing(monkeypatch, counting_events):
+    from commpatch._log import T_NONE, Log
+    from commpatch._timing import Timing
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    timing = Timing(Log())
+    before = (timing.cuda_start(), torch.cuda.Event())   # a measurement from before the capture
+    timing.cuda_pending.append((7, *before))
+    counting_events.clear()
+    capturing[0] = True
+    assert timing.cuda_start() is None
+    assert timing.cuda_end(8, None, None, async_op=False) == T_NONE
+    assert timing.cuda_end(9, None, object(), async_op=True) == T_NONE
+    timing.resolve(block=True)
+    assert not counting_events, "an event was touched during capture"
+    assert len(timing.cuda_pending) == 1
+    capturing[0] = False                                   # capture over: resolved as usual
+    timing.resolve(block=True)
+    assert counting_events["synchronize"] == 1 and timing.log.done == {7: 250_000}
+
+
+def test_wrapped_collectives_under_capture_touch_no_event(monkeypatch, counting_events):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with cuda_wrappers():
+        commpatch.enable(output="none")
+    x = torch.ones(4).as_subclass(FakeCuda)
+    assert dist.all_reduce(x) is None
+    dist.all_reduce(x, async_op=True).wait()
+    dist.broadcast(x, src=0)
+    df = commpatch.log()
+    assert not counting_events
+    assert df["device"].tolist() == ["cuda"] * 3 and df["timing"].tolist() == ["none"] * 3
