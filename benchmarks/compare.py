@@ -18,7 +18,6 @@ Usage: python benchmarks/compare.py [--rounds 9] [--calls 10000] [--ddp]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -37,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class Tool:
     name = ""
     sizes = True          # records message sizes per call
+    scale = 1             # run 1/scale of the calls (tools costing milliseconds per call)
 
     def start(self):
         pass
@@ -53,6 +53,7 @@ class Tool:
 
 class NoTool(Tool):
     name = "none"
+    sizes = None
 
 
 class Commpatch(Tool):
@@ -147,6 +148,7 @@ class SyncWrapper(Tool):
 
 class DeepSpeed(Tool):
     name = "DeepSpeed comms logger"
+    scale = 50
 
     @staticmethod
     def available() -> bool:
@@ -184,11 +186,12 @@ def per_call(tools, rounds: int, calls: int) -> dict:
     t = torch.ones(1)
 
     def timed(tool) -> float:
+        n = max(calls // tool.scale, 100)
         tool.start()
         start = time.thread_time_ns()
-        for _ in range(calls):
+        for _ in range(n):
             tool.call(t)
-        elapsed = (time.thread_time_ns() - start) / calls
+        elapsed = (time.thread_time_ns() - start) / n
         tool.stop()
         tool.table()
         return elapsed
@@ -205,17 +208,19 @@ def per_call(tools, rounds: int, calls: int) -> dict:
 
 
 def to_table(tools, calls: int) -> dict:
-    """Seconds from the first call to a per-call table (record N calls + build it)."""
+    """Seconds from the first call to a per-call table (record N calls + build it), per 100k calls."""
     t = torch.ones(1)
     out = {}
     for tool in tools:
+        n = max(calls // tool.scale, 100)
         tool.start()
         start = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(n):
             tool.call(t)
         tool.stop()
         table = tool.table()
-        out[tool.name] = (time.perf_counter() - start, 0 if table is None else len(table))
+        rows = 0 if table is None else len(table)
+        out[tool.name] = ((time.perf_counter() - start) * 100_000 / n, rows * calls // n)
     return out
 
 
@@ -238,11 +243,12 @@ def main() -> int:
         print("# deepspeed does not import here: its comms logger is not in the table")
     added = per_call(tools, args.rounds, args.calls)
     tables = to_table(tools, args.table_calls)
-    print(f"\n| tool | records sizes | added per all_reduce (us, fake backend) | record {args.table_calls:,} calls + build table (s) | rows in table |")
+    print(f"\n| tool | records sizes | added per all_reduce (us, fake backend) | record + build a per-call table, per 100k calls (s) | table rows per {args.table_calls:,} calls |")
     print("|---|---|---:|---:|---:|")
     for tool in tools:
         seconds, rows = tables[tool.name]
-        print(f"| {tool.name} | {'yes' if tool.sizes else 'no'} | {added[tool.name]:.2f} | {seconds:.2f} | {rows:,} |")
+        sizes = "-" if tool.sizes is None else "yes" if tool.sizes else "no"
+        print(f"| {tool.name} | {sizes} | {added[tool.name]:.2f} | {seconds:.2f} | {rows:,} |")
     dist.destroy_process_group()
     if args.ddp:
         import subprocess

@@ -20,7 +20,7 @@ from array import array
 from dataclasses import dataclass
 
 from . import _runtime
-from ._targets import BY_NAME, OBJECT, OP_CODE, OP_NAMES
+from ._targets import BY_NAME, OBJECT, OP_NAMES
 
 CHUNK_BITS = 14
 CHUNK = 1 << CHUNK_BITS           # rows between maintenance passes (late timings, clock offset)
@@ -59,7 +59,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("group_size", "int64", "", "number of ranks in the group used by the call"),
     Column("group_ranks", "category", "", "global ranks of that group, space separated"),
     Column("group_seq", "int64", "", "sequence number of the call within its group on this rank (matches the same collective across ranks)"),
-    Column("backend", "category", "", "backend of the group (gloo, nccl, ...)"),
+    Column("backend", "category", "", "backend that ran the call: the group's backend for the tensors' device (gloo, nccl, or a registered backend's name); a group configured 'cpu:gloo,cuda:nccl' shows gloo or nccl per row"),
     Column("device", "category", "", "device type of the tensors (cpu, cuda, none)"),
     Column("dtype", "category", "", "element type ('object' for object collectives, 'none' when no tensor)"),
     Column("numel", "int64", "elements", "elements in the message S (see bytes)"),
@@ -79,7 +79,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("module", "category", "", "fully qualified name of the innermost nn.Module running when the call was issued (forward), or of the root module whose backward issued it; '' outside modules"),
     Column("phase", "category", "", "forward, backward, optimizer (inside optimizer.step) or other"),
     Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
-    Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
+    Column("bucket_params", "int64", "", "number of parameters in that DDP bucket, or of tensors in a coalesced.* call; 0 if none"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 DTYPES = {c.name: c.dtype for c in SCHEMA}
@@ -444,6 +444,3 @@ def apply_schema(df):
             out[col.name] = s.astype(col.dtype)
     return pd.DataFrame(out)
 
-
-def op_code(name: str) -> int:
-    return OP_CODE[name]

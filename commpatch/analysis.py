@@ -140,7 +140,6 @@ def per_step(df, steps=None, by_rank: bool = True):
         np.zeros(0, bool)
     first = np.flatnonzero(new_run)
     # union of intervals: each call adds what extends past the furthest end seen so far in its run
-    import pandas as pd
 
     furthest = pd.Series(end).groupby(np.cumsum(new_run)).cummax().to_numpy()
     previous = np.concatenate(([-np.inf], furthest[:-1]))

@@ -14,10 +14,14 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from . import _runtime
 from ._config import ConfigError
 from ._log import COLUMNS, apply_schema
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def rank_path(template: str, rank: int | None = None, pid: int | None = None) -> str:
@@ -149,7 +153,7 @@ def write(df, path: str) -> str:
     return path
 
 
-def read(paths, progress=None, columns=None) -> "pandas.DataFrame":
+def read(paths, progress=None, columns=None) -> "pd.DataFrame":
     """Read per-rank files (a file, a directory, a glob, or a list of them) into one DataFrame
     with the SCHEMA's dtypes; ``read(write(df, p)) == df``.
 

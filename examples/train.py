@@ -6,7 +6,6 @@ Run it under torchrun; instrument it with no code change:
 """
 
 import argparse
-import os
 import sys
 
 import torch
