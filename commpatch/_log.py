@@ -185,18 +185,22 @@ class Log:
         return code
 
     # ---- maintenance (every CHUNK rows, and on read) ---------------------------------
+    def _fold_done(self) -> None:
+        """Move late durations from the callbacks' dict into the compact (seq, ns) arrays."""
+        done, (lseq, ldur) = self.done, self.late
+        for key in list(done):
+            value = done.pop(key, None)
+            if value is not None:
+                lseq.append(key)
+                ldur.append(value)
+
     def maintain(self, seq: int) -> None:
-        """Fold late durations into compact arrays; re-read the clock offset so long runs do not drift."""
+        """Fold late durations; re-read the clock offset so long runs do not drift; flush past max_rows."""
         with self.lock:
-            done, (lseq, ldur) = self.done, self.late
-            for key in list(done):
-                value = done.pop(key, None)
-                if value is not None:
-                    lseq.append(key)
-                    ldur.append(value)
+            self._fold_done()
             self.offsets[0].append(seq)
             self.offsets[1].append(time.time_ns() - time.perf_counter_ns())
-        if self.max_rows and seq >= 0 and len(self) > self.max_rows and self.on_full is not None:
+        if self.max_rows and len(self) > self.max_rows and self.on_full is not None:
             self.on_full()
 
     def snapshot(self):
@@ -242,8 +246,7 @@ class Log:
         from .analysis import add_bandwidth
 
         with self.lock:
-            self.maintain(-1)
-            self.offsets[0].pop(), self.offsets[1].pop()      # that pass was only for folding
+            self._fold_done()
             rows = self.snapshot()
             if prefix is not None:
                 rows = rows[:prefix]
@@ -318,8 +321,7 @@ class Log:
         import numpy as np
 
         with self.lock:
-            self.maintain(-1)
-            self.offsets[0].pop(), self.offsets[1].pop()
+            self._fold_done()
             rows = self.snapshot()
             k = len(rows)
             pending = list(self.pending)

@@ -70,7 +70,7 @@ def {name}({params}):
 # Names the generated code uses itself: a torch parameter with one of these names makes the
 # generator fall back to the generic (*args, **kwargs) form.
 _RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
-             "fail", "slow", "t", "numel", "async_op_", "peer", "start", "pc", "result", "error_row",
+             "fail", "slow", "t", "numel", "peer", "start", "pc", "result", "error_row",
              "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
              "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor"}
 

@@ -284,13 +284,12 @@ def write_at_exit(reason: str = "exit") -> str | None:
             stream_flush(force=True)
             if not os.path.exists(path):
                 write(LOG.to_dataframe(), path)
-            if settings.get("summary") and reason == "exit":
-                sys.stderr.write(summary_text(read(path)) + "\n")
-            return path
-        df = LOG.to_dataframe()
-        path = write(df, path)
+            df = None
+        else:
+            df = LOG.to_dataframe()
+            write(df, path)
         if settings.get("summary") and reason == "exit":
-            sys.stderr.write(summary_text(df) + "\n")
+            sys.stderr.write(summary_text(read(path) if df is None else df) + "\n")
         return path
     except Exception as exc:  # noqa: BLE001 - the user's exit must not fail because of us
         _runtime.fail(f"export.{reason}", exc, rows=len(LOG))
