@@ -1,12 +1,19 @@
-"""One warning the first time torch.compile compiles code while commpatch is enabled.
+"""One warning when a collective is compiled into a torch.compile graph while commpatch records.
 
-Dynamo rewrites ``dist.*`` calls into functional collectives inside the graph, so the Python
-wrappers never see them: compiled collectives are not recorded (a documented limit). Rather than
-leave a silent gap, commpatch says so once per process. The hook is a start callback in dynamo's
-own registry (``torch._dynamo.callback.callback_handler``): it runs once per frame compilation,
-never on the run of compiled code, is added by ``Patcher.apply`` and removed by ``Patcher.remove``.
-When dynamo is not imported yet, a post-import hook adds it on import (hooks are permanent:
-it checks ``_wanted``).
+Collectives inside compiled graphs run as ``torch.ops._c10d_functional.*`` calls from the
+generated code, which no Python wrapper of commpatch sees: they are not recorded (a documented
+limit). Rather than leave a silent gap, or warn for every compiled model (most compiled regions
+hold no collective), commpatch says so once per process at the moment a collective is traced
+into a graph, naming it:
+
+- ``dist.*`` calls: dynamo rewrites them through ``traceable_collective_remaps``; commpatch's
+  remap table (``RemapTable``) notices the lookup of one of its wrappers (a lookup, in real
+  Python, made only while dynamo rewrites such a call).
+- functional collectives (DTensor, tensor parallel): AOT autograd runs them as real Python on fake
+  tensors while ``torch.compiler.is_compiling()`` is true; the functional-collective wrappers call
+  ``collective_compiled`` then.
+A functional collective that user code calls directly inside a compiled function is traced by
+dynamo symbolically (no real Python runs): that case alone is not announced.
 """
 
 from __future__ import annotations
@@ -14,68 +21,42 @@ from __future__ import annotations
 import sys
 import warnings
 
-from . import _runtime
-
-MODULE = "torch._dynamo.callback"
-MESSAGE = ("commpatch: torch.compile is compiling code while commpatch is enabled; collectives inside "
-           "compiled regions run as functional collectives in the graph and are not recorded "
-           "(said once; see docs/reliability.md)")
-
 _said = False          # once per process
-_wanted = False        # between install() and uninstall()
-_registered = None     # the callback_handler our callback is registered with
-_hooked = False
+
+MESSAGE = ("commpatch: torch.compile traced the collective {name!r} into a compiled graph; collectives "
+           "that run inside compiled code are not recorded by commpatch (said once; see README, "
+           "'What commpatch cannot see')")
 
 
-def _on_compile_start(*_args) -> None:
-    """Dynamo's start callback (torch 2.4 passes nothing, newer ones a CallbackArgs)."""
+def collective_compiled(name: str) -> None:
+    """Called (in real Python, during compilation) when a collective goes into a graph."""
     global _said
     if _said:
         return
     _said = True
+    text = MESSAGE.format(name=name)
     try:
-        warnings.warn(MESSAGE, RuntimeWarning, stacklevel=2)
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
     except Exception:  # noqa: BLE001 - warnings turned into errors must not break compilation
         try:
-            sys.stderr.write(MESSAGE + "\n")
+            sys.stderr.write(text + "\n")
         except Exception:  # noqa: BLE001
             pass
 
 
-def install() -> None:
-    global _wanted, _hooked
-    _wanted = True
-    if MODULE in sys.modules:
-        _register(sys.modules[MODULE])
-    elif not _hooked:
-        import wrapt
+class RemapTable(dict):
+    """``torch.distributed._functional_collectives.traceable_collective_remaps`` while commpatch
+    is enabled: the same mapping (with commpatch's wrappers added), which notices when dynamo
+    rewrites one of the wrappers into a functional collective."""
 
-        _hooked = True
-        wrapt.register_post_import_hook(_on_import, MODULE)
+    def __init__(self, original: dict, wrappers) -> None:
+        super().__init__(original)
+        self.original = original
+        self.wrappers = wrappers       # name by wrapper, for the notice
 
-
-def uninstall() -> None:
-    global _wanted, _registered
-    _wanted = False
-    handler, _registered = _registered, None
-    if handler is not None:
-        try:
-            handler.remove_start_callback(_on_compile_start)
-        except ValueError:      # someone cleared dynamo's callbacks already
-            pass
-
-
-def _on_import(module) -> None:
-    if _wanted:
-        _register(module)
-
-
-def _register(module) -> None:
-    global _registered
-    try:
-        handler = module.callback_handler
-        if _registered is None:
-            handler.register_start_callback(_on_compile_start)
-            _registered = handler
-    except Exception as exc:  # noqa: BLE001 - an older or newer dynamo: no notice, nothing else lost
-        _runtime.fail("compile_notice", exc, rows=0)
+    def __getitem__(self, key):
+        value = dict.__getitem__(self, key)
+        name = self.wrappers.get(key)
+        if name is not None:
+            collective_compiled(name)
+        return value

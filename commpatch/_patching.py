@@ -62,7 +62,6 @@ class Patcher:
         self._patch_user_modules()
         self._add_remaps()
         self._hook(FUNCOL)
-        _compile_notice.install()      # torch.compile hides collectives: say so once
         from . import integrations
 
         self.integrations = integrations.apply(self.log, self.timing, _runtime.STATE.settings)
@@ -71,7 +70,6 @@ class Patcher:
         from . import integrations
 
         integrations.remove(self.integrations)
-        _compile_notice.uninstall()
         self.integrations = None
         for mod, attr in reversed(self.installed):
             current = getattr(mod, attr, None)
@@ -130,22 +128,27 @@ class Patcher:
 
     # ---- torch.compile: keep dynamo's rewrite of dist.* into functional collectives ----
     def _add_remaps(self) -> None:
+        """Our wrappers map to what their originals map to, in a table that notices the rewrite
+        (``_compile_notice.RemapTable``), installed in place of torch's while enabled."""
         funcol = sys.modules.get(FUNCOL)
         remaps = getattr(funcol, "traceable_collective_remaps", None)
         if remaps is None:
             return
+        if not isinstance(remaps, _compile_notice.RemapTable):
+            remaps = _compile_notice.RemapTable(remaps, {})
+            funcol.traceable_collective_remaps = remaps
         for name, wrapper in self.wrappers.items():
             orig = self.originals[name]
             if orig in remaps and wrapper not in remaps:
                 remaps[wrapper] = remaps[orig]
+                remaps.wrappers[wrapper] = name
                 self.remaps.append(wrapper)
 
     def _remove_remaps(self) -> None:
         funcol = sys.modules.get(FUNCOL)
         remaps = getattr(funcol, "traceable_collective_remaps", None)
-        if remaps is not None:
-            for wrapper in self.remaps:
-                remaps.pop(wrapper, None)
+        if isinstance(remaps, _compile_notice.RemapTable):
+            funcol.traceable_collective_remaps = remaps.original
         self.remaps.clear()
 
     # ---- lifecycle: groups are forgotten and pending timings resolved on destroy ------

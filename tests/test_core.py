@@ -84,14 +84,17 @@ def test_collective_utils_binding_is_patched():
 
 def test_dynamo_remap_follows_the_wrapper():
     """torch.compile keeps rewriting dist.all_reduce into a functional collective."""
-    from torch.distributed._functional_collectives import traceable_collective_remaps as remaps
+    import torch.distributed._functional_collectives as funcol
 
+    torch_table = funcol.traceable_collective_remaps
     orig = dist.all_reduce
     commpatch.enable(output="none")
-    assert remaps[dist.all_reduce] is remaps[orig]
+    remaps = funcol.traceable_collective_remaps
+    assert remaps[dist.all_reduce] is remaps[orig] is torch_table[orig]
     wrapper = dist.all_reduce
     commpatch.disable()
-    assert wrapper not in remaps and orig in remaps
+    assert funcol.traceable_collective_remaps is torch_table
+    assert wrapper not in torch_table and orig in torch_table
 
 
 def test_ops_setting_limits_what_is_wrapped():

@@ -44,3 +44,111 @@ def test_summary_by_module_and_phase(run):
         assert keyed[("ClipSGD", "optimizer")].bytes == 2 * 4
         assert keyed[(DDP, "backward")].bytes == 2 * (8 * 8 + 8 + 8 * 4 + 4) * 4   # every parameter per step
         assert summary["time_share"].sum() == pytest.approx(1.0)
+
+
+# ---- torch.compile and unusual modules (one process, fake backend) ---------------------------
+
+def _mlp():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_compiled_model_runs_and_computes_the_same(when, fullgraph):
+    """The issue's reproducer: global module hooks made dynamo fail ("already tracked for
+    mutation") on the first compiled call, whether enabled before or after compiling."""
+    import warnings
+
+    import torch
+    import torch._dynamo
+
+    import commpatch
+
+    x = torch.randn(4, 8)
+    plain = _mlp()
+    torch._dynamo.reset()
+    expected = torch.compile(plain, backend="aot_eager", fullgraph=fullgraph)(x)
+    expected.sum().backward()
+
+    model = _mlp()
+    torch._dynamo.reset()
+    if when == "before":
+        commpatch.enable(output="none")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)
+    if when == "after":
+        commpatch.enable(output="none")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*global hooks")   # torch's warning for global hooks
+        out = compiled(x)
+        out.sum().backward()
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(plain)))
+    from commpatch.integrations import modules
+
+    assert modules._stack == []
+    torch._dynamo.reset()
+
+
+def test_compiled_module_collectives_name_the_compiled_module():
+    """A compiled module's eager collectives (here one dynamo leaves to eager code) are attributed
+    to the module it compiles, by its class name, not to 'OptimizedModule'."""
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+
+    import commpatch
+    from tests.fakepg import fake_world
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            torch._dynamo.disable(dist.all_reduce)(y)      # looked up at call time: the wrapper
+            return y
+
+    with fake_world(2):
+        commpatch.enable(output="none")
+        torch._dynamo.reset()
+        torch.compile(Net(), backend="eager")(torch.ones(2, 4))
+        df = commpatch.log()
+    assert df["module"].astype(str).tolist() == ["Net"] and df["phase"].astype(str).tolist() == ["forward"]
+    torch._dynamo.reset()
+
+
+def test_module_with_eq_but_no_hash_runs():
+    """A module defining __eq__ without __hash__ is unhashable: attribution keys modules by identity."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+    from tests.fakepg import fake_world
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def __eq__(self, other):
+            return isinstance(other, Odd)
+
+        def forward(self, x):
+            y = self.lin(x)
+            dist.all_reduce(y)
+            return y
+
+    outer = torch.nn.ModuleDict({"odd": Odd()})
+    with fake_world(2):
+        commpatch.enable(output="none")
+        outer["odd"](torch.ones(2, 4)).sum().backward()
+        df = commpatch.log()
+    assert df["module"].astype(str).tolist() == ["Odd"]

@@ -325,12 +325,12 @@ def _compile_warnings(record) -> list[str]:
 
 def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monkeypatch):
     import torch._dynamo
-    from torch._dynamo.callback import callback_handler
+    import torch.distributed._functional_collectives as funcol
 
     from commpatch import _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
-    before = list(callback_handler.start_callbacks)
+    before = funcol.traceable_collective_remaps
     torch._dynamo.reset()
     commpatch.enable(output="none")
     with warnings.catch_warnings(record=True) as record:
@@ -340,15 +340,44 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
         assert torch.equal(first(torch.ones(4)), _compiled_step(torch.ones(4)))
         assert torch.equal(second(torch.ones(4)), _compiled_step(torch.ones(4)) * 3)
     said = _compile_warnings(record)
-    assert len(said) == 1 and "not recorded" in said[0]
+    assert len(said) == 1 and "not recorded" in said[0] and "'all_reduce'" in said[0]
     commpatch.disable()
-    assert callback_handler.start_callbacks == before
+    assert funcol.traceable_collective_remaps is before and not any(
+        hasattr(k, "__commpatch_original__") for k in before)
     monkeypatch.setattr(_compile_notice, "_said", False)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         torch.compile(_compiled_step, backend="eager")(torch.ones(4))
     assert not _compile_warnings(record), "disabled: nothing to say"
+    torch._dynamo.reset()
+
+
+def test_torch_compile_without_collectives_says_nothing(monkeypatch):
+    """The notice is for collectives really missed: compiling a model without one is silent, as is
+    a compiled function whose collective runs eagerly (a ``torch._dynamo.disable``d call: recorded)."""
+    import torch._dynamo
+
+    from commpatch import _compile_notice
+
+    monkeypatch.setattr(_compile_notice, "_said", False)
+    torch._dynamo.reset()
+    commpatch.enable(output="none")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+
+    eager_all_reduce = torch._dynamo.disable(dist.all_reduce)
+
+    def broken(x):
+        y = model(x)
+        eager_all_reduce(y)
+        return y
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="eager", fullgraph=True)(torch.ones(2, 4)).sum().backward()
+        torch.compile(broken, backend="eager")(torch.ones(2, 4))
+    assert not _compile_warnings(record)
+    assert commpatch.log()["op"].tolist() == ["all_reduce"]
     torch._dynamo.reset()
 
 

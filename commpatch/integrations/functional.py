@@ -17,6 +17,7 @@ import time
 
 from .. import _runtime
 from .._log import T_HOST, T_WAIT
+from .. import _compile_notice
 from . import record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
@@ -63,18 +64,24 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
     act = funcol.AsyncCollectiveTensor
     groups: dict = {}
     import torch
+    from torch._subclasses.fake_tensor import FakeTensor
 
     compiling = torch.compiler.is_compiling
 
     def wrapper(*args, **kwargs):
-        if not state.recording or compiling():
+        if not state.recording:
+            return orig(*args, **kwargs)
+        if compiling():                  # traced into a graph: it runs later, compiled, unseen
+            _compile_notice.collective_compiled(op)
             return orig(*args, **kwargs)
         try:
+            first = args[0] if args else next(iter(kwargs.values()))
+            tensor = first[0] if many else first
+            if isinstance(tensor, FakeTensor):      # traced (make_fx, export), not run
+                return orig(*args, **kwargs)
             group = args[gpos] if len(args) > gpos else kwargs["group"]
             tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
             pg = _process_group(funcol, groups, group, tag)
-            first = args[0] if args else next(iter(kwargs.values()))
-            tensor = first[0] if many else first
             numel = sum(t.numel() for t in first) if many else first.numel()
             peer = (args[peer_pos] if len(args) > peer_pos else kwargs.get("src", -1)) if peer_pos is not None else -1
         except Exception as exc:  # noqa: BLE001
@@ -112,7 +119,11 @@ def _wait_wrapper(log, orig, pending: dict):
     def wait_tensor(tensor):
         out = orig(tensor)
         if pending:
-            entry = pending.pop(tensor.untyped_storage().data_ptr(), None)
+            try:
+                key = tensor.untyped_storage().data_ptr()
+            except Exception:  # noqa: BLE001 - a traced / fake tensor has no storage: not one of ours
+                return out
+            entry = pending.pop(key, None)
             if entry is not None:       # the entry holds its tensor: the storage is not reused
                 done[entry[1]] = _pc() - entry[2]
         return out

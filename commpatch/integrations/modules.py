@@ -13,6 +13,18 @@ copies that one int into each row, and names are resolved only when the DataFram
 - optimizer: global optimizer step pre/post hooks.
 Cost is per module call (two Python hooks), not per collective; ``COMMPATCH_MODULES=0`` turns
 it off.
+
+torch.compile: every hook returns at once while a frame is being compiled
+(``torch.compiler.is_compiling()``, which dynamo folds to a constant), so dynamo traces nothing
+of commpatch into a graph and ``fullgraph=True`` still holds (a hook that touched the module
+made dynamo fail with "already tracked for mutation"). A compiled module's collectives are
+attributed to the compiled module as a whole: the ``OptimizedModule``'s own hooks run eagerly
+(it is named after the module it compiles). torch warns at every call of a compiled module
+when global hooks exist ("hooks fire an extra time"): ``_has_any_global_hook`` is wrapped so
+that commpatch's own hooks, which expect that, do not count.
+
+Modules are keyed by identity, never by ``hash()``: a module may define ``__eq__`` without
+``__hash__``.
 """
 
 from __future__ import annotations
@@ -23,24 +35,77 @@ from .. import _runtime
 from .._runtime import P_BACKWARD, P_FORWARD, P_OPTIMIZER
 from . import when_imported
 
-_codes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # module -> MODULES index
-_stack: list[int] = []
+
+class _Codes:
+    """module -> MODULES index, by identity (``id``), forgotten when the module is collected."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def get(self, module):
+        return self.by_id.get(id(module))
+
+    def __contains__(self, module) -> bool:
+        return id(module) in self.by_id
+
+    def __getitem__(self, module) -> int:
+        return self.by_id[id(module)]
+
+    def __setitem__(self, module, code: int) -> None:
+        key = id(module)
+        try:
+            self._refs[key] = weakref.ref(module, lambda _r, key=key: self._forget(key))
+        except TypeError:            # not weak-referenceable: kept for the process's life
+            pass
+        self.by_id[key] = code
+
+    def _forget(self, key: int) -> None:
+        self.by_id.pop(key, None)
+        self._refs.pop(key, None)
+
+
+_codes = _Codes()
+_stack: list[tuple[int, int]] = []        # (id of the module, STATE.where before it)
 _handles: list = []
+_hidden: list = []                         # (module, original _has_any_global_hook)
 
 
 def wanted(settings: dict) -> bool:
     return settings.get("modules", True)
 
 
+def _root_name(module) -> str:
+    return type(module).__name__
+
+
 def code_of(module) -> int:
-    """MODULES index of a module, naming the whole tree under it on first sight."""
+    """MODULES index of a module, naming the whole tree under it on first sight. A compiled
+    module (``OptimizedModule``) shares the code of the module it compiles."""
     code = _codes.get(module)
     if code is None:
-        for name, sub in module.named_modules():
+        compiled = getattr(module, "_orig_mod", None) if type(module).__name__ == "OptimizedModule" else None
+        root = module if compiled is None else compiled
+        for name, sub in _named_modules(root):
             if sub not in _codes:
-                _codes[sub] = _runtime.module_id(name or type(module).__name__)
-        code = _codes[module]
+                _codes[sub] = _runtime.module_id(name or _root_name(root))
+        code = _codes[root]
+        if compiled is not None:
+            _codes[module] = code
     return code
+
+
+def _named_modules(root):
+    """``named_modules()`` with an identity memo: torch's own uses a set of modules (hashing)."""
+    seen, todo = set(), [("", root)]
+    while todo:
+        name, module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield name, module
+        children = [(f"{name}.{k}" if name else k, m) for k, m in module._modules.items() if m is not None]
+        todo.extend(reversed(children))
 
 
 def where(module, phase: int) -> int:
@@ -61,25 +126,39 @@ def _install(ctx, optim_module) -> None:
     stack = _stack
     codes = _codes
     engine = torch.autograd.Variable._execution_engine
+    compiling = torch.compiler.is_compiling
 
     def forward_pre(module, args):
+        if compiling():
+            return
         code = codes.get(module)
         if code is None:
             code = code_of(module) if not stack else _child_code(module)
-        stack.append(state.where)
-        state.where = (code << 2) | P_FORWARD
+        stack.append((id(module), state.where))
+        if code >= 0:
+            state.where = (code << 2) | P_FORWARD
 
     def forward_post(module, args, output):
-        if stack:
-            state.where = stack.pop()
-            if not stack and torch.is_grad_enabled():
-                _mark_backward(module, output)
+        if compiling() or not stack:
+            return
+        key = id(module)
+        if stack[-1][0] != key:
+            # a pre-hook that ran without its post-hook (an exception, or a graph break between
+            # them): unwind to this module's entry, or leave the stack alone if it has none
+            if not any(entry[0] == key for entry in stack):
+                return
+            while stack[-1][0] != key:
+                stack.pop()
+        state.where = stack.pop()[1]
+        if not stack and torch.is_grad_enabled():
+            _mark_backward(module, output)
 
     def _mark_backward(module, output):
         node = _grad_fn(output)
-        if node is None:
+        code = codes.get(module)
+        if node is None or code is None or code < 0:
             return
-        marker = (codes[module] << 2) | P_BACKWARD
+        marker = (code << 2) | P_BACKWARD
 
         def begin(grad_outputs):
             previous = state.where
@@ -93,30 +172,65 @@ def _install(ctx, optim_module) -> None:
         node.register_prehook(begin)
 
     def optim_pre(optimizer, args, kwargs):
-        stack.append(state.where)
+        if compiling():
+            return
+        stack.append((id(optimizer), state.where))
         state.where = P_OPTIMIZER | (_optimizer_code(optimizer) << 2)
 
     def optim_post(optimizer, args, kwargs):
-        state.where = stack.pop() if stack else 0
+        if compiling():
+            return
+        state.where = stack.pop()[1] if stack else 0
 
-    _handles.extend((
-        nn_module.register_module_forward_pre_hook(forward_pre),
-        nn_module.register_module_forward_hook(forward_post, always_call=True),
+    module_handles = (nn_module.register_module_forward_pre_hook(forward_pre),
+                      nn_module.register_module_forward_hook(forward_post, always_call=True))
+    _handles.extend(module_handles + (
         optim_module.register_optimizer_step_pre_hook(optim_pre),
         optim_module.register_optimizer_step_post_hook(optim_post),
     ))
+    _hide_own_hooks(nn_module, module_handles)
+
+
+def _hide_own_hooks(nn_module, handles) -> None:
+    """torch.compile(module) warns at every call when any global module hook exists; commpatch's
+    hooks expect to run for the OptimizedModule too, so they do not count as "any"."""
+    orig = getattr(nn_module, "_has_any_global_hook", None)
+    if orig is None or _hidden:
+        return
+    ours = {h.id for h in handles}
+    names = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
+             "_global_forward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
+
+    def _has_any_global_hook():
+        # every registry is keyed by the hook's handle id
+        return any(key not in ours for name in names for key in getattr(nn_module, name, {}))
+
+    _has_any_global_hook.__wrapped__ = orig
+    nn_module._has_any_global_hook = _has_any_global_hook
+    _hidden.append((nn_module, orig))
 
 
 def remove(ctx) -> None:
     while _handles:
         _handles.pop().remove()
+    while _hidden:
+        nn_module, orig = _hidden.pop()
+        nn_module._has_any_global_hook = orig
     _stack.clear()
     _runtime.STATE.where = 0
 
 
 def _child_code(module) -> int:
-    """A module first seen inside another one's forward (built on the fly): named by its class."""
-    code = _codes[module] = _runtime.module_id(type(module).__name__)
+    """A module first seen inside another one's forward (built on the fly): named by its class.
+    The fx GraphModules that a compiled region runs (aot_eager and similar backends) are not the
+    user's modules: their calls keep the enclosing module (code -1)."""
+    import torch.fx
+
+    if isinstance(module, torch.fx.GraphModule):
+        code = -1
+    else:
+        code = _runtime.module_id(type(module).__name__)
+    _codes[module] = code
     return code
 
 
