@@ -9,14 +9,32 @@
 Or with no code change: ``COMMPATCH=1 torchrun ...`` (after ``commpatch install-hook`` or a
 regular ``pip install``) or ``commpatch run -- torchrun ...``.
 
-Importing commpatch imports neither torch nor pandas.
+Importing commpatch imports neither torch nor pandas (nor anything of its own until used).
 """
 
-from ._config import ConfigError
-from ._session import (capture, disable, enable, export_csv, internal_errors, is_enabled, log,
-                       reset, step, summary, summary_text, tag)
-
 __version__ = "0.1.0"
+
+_SESSION_API = ("capture", "disable", "enable", "export_csv", "internal_errors", "is_enabled", "log",
+                "reset", "step", "summary", "summary_text", "tag")
+
+
+def __getattr__(name):
+    """The public functions, imported on first use: ``commpatch.pth`` imports this package in
+    every Python process started with COMMPATCH set, and must cost (almost) nothing there."""
+    if name in _SESSION_API:
+        from . import _session
+
+        value = getattr(_session, name)
+    elif name == "ConfigError":
+        from ._config import ConfigError as value
+    elif name in ("LogFileError", "LogFileWarning"):
+        from . import export
+
+        value = getattr(export, name)
+    else:
+        raise AttributeError(f"module 'commpatch' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
 def read_csv(paths):
@@ -34,6 +52,6 @@ def schema():
 
 
 __all__ = [
-    "ConfigError", "capture", "disable", "enable", "export_csv", "internal_errors",
+    "ConfigError", "LogFileError", "LogFileWarning", "capture", "disable", "enable", "export_csv", "internal_errors",
     "is_enabled", "log", "read_csv", "reset", "schema", "step", "summary", "summary_text", "tag",
 ]

@@ -84,9 +84,10 @@ def _parse_output(name: str, env: str, value: Any) -> str:
     if not text.endswith((".csv", ".parquet")):
         raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .csv or .parquet, or be 'none' to write nothing at exit")
     try:
-        text.format(rank=0, pid=0)
+        text.format(rank=0, pid=0, run="r")
     except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"{env}={value!r} (setting {name!r}): only the fields {{rank}} and {{pid}} may appear ({exc})") from None
+        raise ConfigError(f"{env}={value!r} (setting {name!r}): only the fields {{run}}, {{rank}} and {{pid}} may "
+                          f"appear ({exc})") from None
     return text
 
 
@@ -102,8 +103,10 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("active", "COMMPATCH", False, _parse_bool,
             "Instrument every Python process started with this set (via the installed .pth hook or `commpatch run`)."),
-    Setting("output", "COMMPATCH_OUTPUT", "commpatch_logs/rank{rank}.csv", _parse_output,
-            "Per-rank file written at exit (normal exit and SIGTERM); {rank} and {pid} expand; .csv or .parquet; 'none' writes nothing."),
+    Setting("output", "COMMPATCH_OUTPUT", "commpatch_logs/{run}/rank{rank}.csv", _parse_output,
+            "Per-rank files: the binary log (same name, .cplog) is written from the first row on, the .csv or "
+            ".parquet at a clean exit; {run} (one name per job and restart attempt, agreed by the ranks), {rank} and "
+            "{pid} expand; an existing file is never replaced; 'none' keeps the rows in memory only."),
     Setting("ops", "COMMPATCH_OPS", None, _parse_ops,
             "Comma-separated torch.distributed function names to wrap, or 'all'."),
     Setting("timing", "COMMPATCH_TIMING", "auto", _parse_choice("auto", "host"),
@@ -111,7 +114,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("watchdog", "COMMPATCH_WATCHDOG", 0.0, _parse_seconds,
             "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed."),
     Setting("max_rows", "COMMPATCH_MAX_ROWS", 0, _parse_count,
-            "Rows kept in memory (0: no limit). Beyond it, completed rows are appended to the output file in chunks (needs a .csv output), or, with output 'none', the oldest rows are dropped and counted."),
+            "With output 'none': rows kept in memory (0: no limit); beyond it the oldest are dropped and counted. "
+            "With an output file memory stays bounded anyway: rows go to disk as they are recorded."),
     Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
             "Print a per-op summary table to stderr at exit."),
     Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,
@@ -145,6 +149,18 @@ def env_active(environ: dict[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     s = BY_NAME["active"]
     return s.parse(s.name, s.env, environ.get(s.env, ""))
+
+
+def check(env: str, environ: dict[str, str] | None = None) -> str:
+    """What is wrong with one environment variable's value ('' when it is fine or unset)."""
+    environ = os.environ if environ is None else environ
+    for s in SETTINGS:
+        if s.env == env and env in environ:
+            try:
+                s.parse(s.name, s.env, environ[env])
+            except ConfigError as exc:
+                return str(exc)
+    return ""
 
 
 def describe(environ: dict[str, str] | None = None) -> list[tuple[str, str, str, str]]:

@@ -70,6 +70,9 @@ def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
 
 def _consequence(kind: str, rows: int) -> str:
     """What the user lost, in the one warning of a kind."""
+    if kind == "export.convert":
+        return "this rank's CSV / Parquet was not written; its rows are in the binary log (.cplog) beside it: " \
+               "`commpatch report` reads it, `commpatch convert` converts it"
     if kind.startswith("export"):
         return f"{rows} row(s) of this rank's log were NOT written"
     if kind.startswith("watchdog"):

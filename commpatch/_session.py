@@ -34,19 +34,28 @@ def enable(**settings) -> None:
             state.recording = True
             return
         resolved = _config.resolve(settings)
-        if resolved["output"]:
+        output = resolved["output"]
+        if output:
             from .export import check_writable
 
-            check_writable(resolved["output"], "output" if "output" in settings else "COMMPATCH_OUTPUT")
-        if resolved["max_rows"] and resolved["output"].endswith(".parquet"):
-            raise _config.ConfigError(
-                f"COMMPATCH_MAX_ROWS={resolved['max_rows']} streams rows to the output file in chunks, which "
-                f"needs a .csv output, not {resolved['output']!r} (Parquet is written whole at exit)")
+            setting = "output" if "output" in settings else "COMMPATCH_OUTPUT"
+            check_writable(output, setting)
+            world = os.environ.get("WORLD_SIZE", "")
+            if world.isdigit() and int(world) > 1 and "{rank}" not in output and "{pid}" not in output:
+                raise _config.ConfigError(
+                    f"{setting}={output!r} has no {{rank}} in a {world}-rank job (WORLD_SIZE={world}): every rank "
+                    "writes its own file, e.g. 'commpatch_logs/{run}/rank{rank}.csv'")
         state.settings = resolved
-        from . import export
+        LOG.set_output(output)
+        LOG.forget_groups()         # groups may have been destroyed and re-created while disabled
+        if LOG.rank >= 0:
+            import torch.distributed as dist
 
+            if not dist.is_initialized() or dist.get_rank() != LOG.rank:
+                LOG.end_file()      # re-initialised while disabled: a new file for the new rank
         LOG.max_rows = resolved["max_rows"]
-        LOG.on_full = export.stream_flush if resolved["max_rows"] else None
+        LOG.on_open = _start_flusher
+        LOG.on_warn = _warn_once
         _register_fork_handler()
         PATCHER.apply(resolved["ops"], host_only=resolved["timing"] == "host")
         state.enabled = True
@@ -59,6 +68,35 @@ def enable(**settings) -> None:
 
 
 _fork_handler_registered = False
+_flusher = None
+
+
+def _start_flusher(log) -> None:
+    """The first row of a rank with an output file: flush it now, then every FLUSH_S seconds."""
+    global _flusher
+    from . import _logfile
+
+    log.open()
+    if _flusher is None:
+        _flusher = _logfile.Flusher(log.flush)
+
+
+def _stop_flusher() -> None:
+    global _flusher
+    flusher, _flusher = _flusher, None
+    if flusher is not None:
+        flusher.stop()
+
+
+_warned_messages: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned_messages:
+        _warned_messages.add(message)
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def _register_fork_handler() -> None:
@@ -71,8 +109,9 @@ def _register_fork_handler() -> None:
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker, say) starts with an empty log and never writes the
     parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
-    global _lock
+    global _lock, _flusher
     _lock = threading.RLock()
+    _flusher = None                 # threads do not survive fork
     LOG.after_fork()
     TIMING.after_fork()
     _runtime.STATE.settings = dict(_runtime.STATE.settings, output="")
@@ -92,6 +131,8 @@ def disable() -> None:
             watchdog.stop()
             TIMING.resolve(block=False)
             PATCHER.remove()
+            _stop_flusher()
+            LOG.flush()
             state.enabled = False
 
 
@@ -100,39 +141,34 @@ def is_enabled() -> bool:
 
 
 def log():
-    """The recorded calls as a pandas DataFrame (one row per user-level call).
-
-    With ``max_rows`` and an output file, rows already streamed to the file are read back.
-    """
+    """The recorded calls as a pandas DataFrame (one row per user-level call), read back from this
+    rank's log (a file on disk when an output is configured)."""
     TIMING.resolve(block=True)
-    df = LOG.to_dataframe()
-    if LOG.flushed:
-        import pandas as pd
-
-        from . import export
-        from ._log import apply_schema
-
-        flushed = export.read(LOG.stream_path)
-        df = apply_schema(pd.concat([flushed, df], ignore_index=True))
-        df.attrs["dropped_rows"] = LOG.dropped
-    return df
+    return LOG.to_dataframe()
 
 
 def reset() -> None:
-    """Drop every recorded row (sequence numbers keep counting)."""
+    """Drop every recorded row from what ``log()`` returns (sequence numbers keep counting; rows
+    already in this rank's file stay there)."""
+    from ._wrapper import SEQ
+
     TIMING.resolve(block=True)
-    LOG.clear()
+    LOG.clear(_peek_seq(SEQ))
 
 
 def export_csv(path: str | None = None, df=None) -> str:
     """Write the log (or ``df``, a log already built) to ``path``; ``.parquet`` writes Parquet.
 
-    ``{rank}``/``{pid}`` expand; the default path is the output template.
+    ``{rank}``/``{pid}``/``{run}`` expand; the default path is this rank's export beside its binary log
+    (or the output template).
     """
-    from . import export
+    from . import _logfile, export
 
+    if path is None and LOG.sink is not None and LOG.sink.path is not None:
+        suffix = os.path.splitext(_runtime.STATE.settings.get("output") or ".csv")[1]
+        path = LOG.sink.path[: -len(_logfile.SUFFIX)] + suffix
     template = path or _runtime.STATE.settings.get("output") or _config.BY_NAME["output"].default
-    return export.write(log() if df is None else df, export.rank_path(str(template)))
+    return export.write(log() if df is None else df, os.path.normpath(export.rank_path(str(template))))
 
 
 def step(value: int | None = None) -> int:

@@ -28,12 +28,24 @@ def bus_factor(kind: str, n):
     raise ValueError(f"unknown bandwidth kind {kind!r}")
 
 
+def durations(df) -> np.ndarray:
+    """``duration_us`` as float64, impossible values (infinite, negative) as NaN: unmeasured.
+
+    Every analysis reads durations through this, so that a damaged value never reaches a time
+    or a bandwidth (``export.read`` already clears them, with a warning, for files).
+    """
+    d = df["duration_us"].to_numpy(np.float64)
+    with np.errstate(invalid="ignore"):
+        bad = np.isinf(d) | (d < 0)
+    return np.where(bad, np.nan, d) if bad.any() else d
+
+
 def add_bandwidth(df):
     """Return ``df`` with ``algbw_gbps`` and ``busbw_gbps`` from bytes, duration_us and group_size."""
     import pandas as pd
 
     df = df.copy(deep=False)
-    seconds = df["duration_us"].to_numpy(np.float64) / 1e6
+    seconds = durations(df) / 1e6
     nbytes = df["bytes"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         algbw = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
@@ -70,7 +82,7 @@ def summary(df, by=("op",)):
     sizes still uses each call's own n.
     """
     by = [by] if isinstance(by, str) else list(by)
-    duration = df["duration_us"].to_numpy(np.float64)
+    duration = durations(df)
     measured = ~np.isnan(duration)
     nbytes = df["bytes"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -132,7 +144,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     order = np.lexsort((start_all, step_all, rank_all))
     rank, step, start_ns = rank_all[order], step_all[order], start_all[order]
     start = (start_ns - (start_ns.min() if len(start_ns) else 0)).astype(np.float64) / 1e3
-    dur = df["duration_us"].to_numpy(np.float64)[order]
+    dur = durations(df)[order]
     dur0 = np.nan_to_num(dur)
     end = start + dur0
     blocking = (df["timing"].isin(BLOCKING_TIMINGS) & ~df["async_op"]).to_numpy()[order]

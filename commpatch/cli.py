@@ -1,9 +1,10 @@
-"""Command line: ``commpatch run -- CMD``, ``commpatch report FILES``, ``commpatch env``,
-``commpatch install-hook``."""
+"""Command line: ``commpatch run -- CMD``, ``commpatch report FILES``, ``commpatch convert FILES``,
+``commpatch env``, ``commpatch install-hook``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -53,27 +54,52 @@ def cmd_run(args) -> int:
     return 0  # pragma: no cover - exec does not return
 
 
+class _InputError(Exception):
+    """A bad option or input of ``commpatch report``: one line on stderr, exit status 2."""
+
+
 def cmd_report(args) -> int:
+    """``commpatch report``: every bad input ends in one line on stderr and exit status 2 (no
+    traceback); what can be read best-effort is, with one ``warning:`` line per problem."""
+    from .export import LogFileError
+
+    try:
+        with _plain_warnings():
+            return _report_compare(args) if args.compare else _report(args)
+    except (LogFileError, _InputError) as exc:
+        print(f"commpatch report: {exc}", file=sys.stderr)
+        return 2
+
+
+def _report(args) -> int:
     from . import analysis, merge, report
 
-    if args.compare:
-        return _report_compare(args)
     if not args.paths:
-        print("commpatch report: give log files or directories (or --compare RUN_DIRS...)", file=sys.stderr)
-        return 2
-    by = [b.strip() for b in args.by.split(",") if b.strip()]
+        raise _InputError("give log files or directories (or --compare RUN_DIRS...)")
+    by = _check_by(args.by)
+    if args.top < 0:
+        raise _InputError(f"--top {args.top}: give 0 or more")
+    # outputs and inputs other than the logs are checked before anything is read or computed
+    for option, path in (("--trace", args.trace), ("--module-tree", args.module_tree)):
+        if path:
+            _check_output(option, path, directory=False)
+    if args.plots:
+        _check_plots(args.plots)
+    steps = _read_steps(args.steps) if args.steps else None
     # the report alone needs a subset of the columns (a large log reads faster); exports need all
     columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
     df = merge.read_logs(args.paths, progress=_progress(args, "reading"), columns=columns)
-    steps = _read_steps(args.steps) if args.steps else None
+    if len(df) == 0:
+        raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s): nothing to report")
+    if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
+        raise _InputError(f"--module-tree: the log has no module column (written by an older commpatch): "
+                          "no module tree")
     cross = merge.cross_rank(df) if df["rank"].nunique() > 1 else None
     rep = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross)
     if args.format == "csv":
         frame = rep.sections.get(args.section)
         if frame is None:
-            print(f"commpatch report: no '{args.section}' section for this log "
-                  f"(available: {', '.join(rep.sections)})", file=sys.stderr)
-            return 2
+            raise _InputError(f"no '{args.section}' section for this log (available: {', '.join(rep.sections)})")
         sys.stdout.write(frame.to_csv(index=False))
     elif args.format == "json":
         sys.stdout.write(report.render_report_json(rep) + "\n")
@@ -84,25 +110,23 @@ def cmd_report(args) -> int:
     if args.trace:
         from .trace import write_chrome_trace
 
-        print(f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
-              "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+        with _writing("--trace", args.trace):
+            print(f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
+                  "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     if args.module_tree:
         from .trace import write_module_tree
 
-        try:
-            print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
-        except ValueError as exc:
-            print(f"commpatch report: {exc}", file=sys.stderr)
-            return 2
+        with _writing("--module-tree", args.module_tree):
+            try:
+                print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
+            except ValueError as exc:
+                raise _InputError(str(exc)) from None
     if args.plots:
         from . import plots
 
-        try:
+        with _writing("--plots", args.plots):
             written = plots.write_plots(args.plots, analysis.summary(df, by=["op", "size_bucket"]),
                                         rep.sections.get("steps"), cross.arrivals if cross is not None else None)
-        except ImportError as exc:
-            print(f"commpatch report: {exc}", file=sys.stderr)
-            return 2
         print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
     return 1 if args.fail_on_mismatch and rep.errors else 0
 
@@ -110,9 +134,13 @@ def cmd_report(args) -> int:
 def _report_compare(args) -> int:
     from . import analysis, merge, report
 
+    if args.plots:
+        _check_plots(args.plots)
     runs = {}
     for i, path in enumerate(args.compare):
         runs[path] = merge.read_logs(path)
+        if len(runs[path]) == 0:
+            raise _InputError(f"--compare {path}: no collective calls recorded in this run's file(s)")
         _progress(args, "runs")(i + 1, len(args.compare))
     table, by_op = analysis.scaling(runs), analysis.scaling_by_op(runs)
     if args.format == "csv":
@@ -129,22 +157,140 @@ def _report_compare(args) -> int:
     if args.plots:
         from . import plots
 
-        try:
+        with _writing("--plots", args.plots):
             path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
-        except ImportError as exc:
-            print(f"commpatch report: {exc}", file=sys.stderr)
-            return 2
         print(f"commpatch: plots written: {path}", file=sys.stderr)
     return 0
 
 
+def _shown(paths) -> str:
+    return paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
+
+
+def _check_by(text: str) -> list:
+    from ._log import COLUMNS
+
+    by = [b.strip() for b in text.split(",") if b.strip()]
+    if not by:
+        raise _InputError(f"--by {text!r}: give one or more columns (e.g. op,size_bucket)")
+    unknown = [b for b in by if b not in COLUMNS and b != "size_bucket"]
+    if unknown:
+        raise _InputError(f"--by: unknown column(s) {', '.join(map(repr, unknown))} "
+                          f"(choose from size_bucket, {', '.join(COLUMNS)})")
+    return by
+
+
+def _check_output(option: str, path: str, directory: bool) -> None:
+    """Raise when ``path`` (a file, or with ``directory`` a directory) cannot be written: checked
+    before the report is computed. Missing parent directories are fine (they are created)."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if directory and not os.path.isdir(target):
+            raise _InputError(f"{option} {path}: exists and is not a directory")
+        if not directory and os.path.isdir(target):
+            raise _InputError(f"{option} {path}: is a directory (give a file name)")
+        if not os.access(target, os.W_OK | (os.X_OK if directory else 0)):
+            raise _InputError(f"{option} {path}: not writable")
+        return
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):          # the nearest existing ancestor must take a directory
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise _InputError(f"{option} {path}: cannot be written ({parent} is a file, not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _InputError(f"{option} {path}: cannot be written ({parent} is not writable)")
+
+
+def _check_plots(directory: str) -> None:
+    import importlib.util
+
+    _check_output("--plots", directory, directory=True)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise _InputError("--plots needs matplotlib: pip install 'commpatch[plots]' (or pip install matplotlib)")
+
+
+@contextlib.contextmanager
+def _writing(option: str, path: str):
+    """Create the missing parent directories of an output; a write that fails is one line."""
+    try:
+        target = os.path.abspath(path)
+        os.makedirs(target if option == "--plots" else os.path.dirname(target), exist_ok=True)
+        yield
+    except ImportError as exc:
+        raise _InputError(str(exc)) from None
+    except OSError as exc:
+        raise _InputError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _plain_warnings():
+    """Warnings about the logs as ``commpatch report: warning: ...`` lines (no source location)."""
+    import warnings
+
+    from .export import LogFileWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", LogFileWarning)
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, LogFileWarning):
+                print(f"commpatch report: warning: {message}", file=sys.stderr)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
+
+
 def _read_steps(path):
+    """The --steps file, checked (read before the logs): one-line errors for what is wrong."""
+    import numpy as np
     import pandas as pd
 
-    steps = pd.read_csv(path)
+    if not os.path.exists(path):
+        raise _InputError(f"--steps {path}: no such file")
+    if os.path.isdir(path):
+        raise _InputError(f"--steps {path}: is a directory (give the CSV file)")
+    try:
+        steps = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise _InputError(f"--steps {path}: empty file (a steps file needs a header: step,duration_us)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
+        raise _InputError(f"--steps {path}: not a readable CSV ({' '.join(str(exc).split())[:120]})") from None
+    except OSError as exc:
+        raise _InputError(f"--steps {path}: cannot be read ({exc.strerror or exc})") from None
+    steps.columns = [str(c).strip() for c in steps.columns]
     if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
-        raise SystemExit(f"commpatch report: {path}: a steps file needs columns step and duration_us "
-                         "(or start_ns and end_ns), optionally rank")
+        raise _InputError(f"--steps {path}: a steps file needs columns step and duration_us "
+                          "(or start_ns and end_ns), optionally rank")
+    for col in ("step", "rank", "duration_us", "start_ns", "end_ns"):
+        if col not in steps:
+            continue
+        values = pd.to_numeric(steps[col], errors="coerce")
+        bad = values.isna() & steps[col].notna()
+        integral = col in ("step", "rank")
+        if integral:
+            bad |= values.isna() | (values % 1 != 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad.to_numpy())[0])
+            raise _InputError(f"--steps {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
+                              f"not {'an integer' if integral else 'a number'}")
+        steps[col] = values.astype(np.int64) if integral else values.astype(np.float64)
+    if "duration_us" not in steps:
+        steps["duration_us"] = (steps["end_ns"] - steps["start_ns"]) / 1e3
+    d = steps["duration_us"].to_numpy(np.float64)
+    impossible = ~np.isfinite(d) | (d < 0)
+    if impossible.any():
+        import warnings
+
+        from .export import LogFileWarning
+
+        warnings.warn(f"--steps {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
+                      LogFileWarning, stacklevel=2)
+        steps = steps[~impossible]
+    if len(steps) == 0:
+        raise _InputError(f"--steps {path}: no step times in the file")
     return steps
 
 
@@ -172,11 +318,41 @@ def _progress(args, what):
     return update
 
 
+def cmd_convert(args) -> int:
+    """Binary rank logs (.cplog: a directory, its latest run, or files) to CSV or Parquet beside
+    them; an existing file is never replaced."""
+    from . import export
+    from ._logfile import SUFFIX
+
+    try:
+        with _plain_warnings():
+            files = [f for f in export.expand(args.paths) if f.endswith(SUFFIX)]
+        if not files:
+            raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
+        for path in files:
+            out = path[: -len(SUFFIX)] + "." + args.to
+            if os.path.lexists(out):
+                print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
+                continue
+            try:
+                export.convert(path, out)
+            except ValueError as exc:
+                raise _InputError(str(exc)) from None
+            print(out)
+        return 0
+    except _InputError as exc:
+        print(f"commpatch convert: {exc}", file=sys.stderr)
+        return 2
+
+
 def cmd_env(args) -> int:
     rows = _config.describe()
     width = max(len(r[0]) for r in rows)
     for env, value, default, help_text in rows:
+        problem = _config.check(env)
         print(f"{env.ljust(width)}  = {value!r:<12} (default {default!r})\n{' ' * width}    {help_text}")
+        if problem:
+            print(f"{' ' * width}    !! {problem}")
     print(f"\nzero-code hook (.pth): {hook_path()} {'installed' if os.path.exists(hook_path()) else 'not installed'}")
     return 0
 
@@ -227,6 +403,11 @@ def main(argv=None) -> int:
                    help="progress on stderr while reading (default: when stderr is a terminal)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("convert", help="write the CSV (or Parquet) of binary rank logs, e.g. of a job that died")
+    p.add_argument("paths", nargs="+", help=".cplog files, or directories (a run, or a directory of runs: the latest)")
+    p.add_argument("--to", choices=("csv", "parquet"), default="csv")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("env", help="show settings and their environment variables")
     p.set_defaults(func=cmd_env)

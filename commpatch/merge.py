@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import export
+from ._log import expand_ranks
+from .analysis import durations
 
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 # p2p op -> (direction, channel): sends pair with receives of the same channel
@@ -71,7 +73,7 @@ def _present_ranks(df) -> np.ndarray:
 def _expected(group_ranks, present) -> dict[str, frozenset]:
     """group_ranks string -> the ranks of that group that have a log here."""
     present = set(present.tolist())
-    return {s: frozenset(int(r) for r in str(s).split() if int(r) in present) for s in group_ranks}
+    return {s: frozenset(r for r in expand_ranks(s) if r in present) for s in group_ranks}
 
 
 def match_collectives(df):
@@ -112,7 +114,7 @@ def _match(df):
     op_codes = sub["op"].cat.codes.to_numpy()
     dtype_codes = sub["dtype"].cat.codes.to_numpy()
     nbytes = sub["bytes"].to_numpy()
-    duration = sub["duration_us"].to_numpy(np.float64)
+    duration = durations(sub)
     dur_sorted = duration[order]
     with np.errstate(invalid="ignore"):
         total_dur = np.add.reduceat(np.nan_to_num(dur_sorted), first) if len(first) else np.zeros(0)
@@ -281,7 +283,7 @@ def _detail(rows, kind, present) -> str:
     """Which ranks had which value for one collective's rows (only for first occurrences)."""
     if kind == "missing":
         group_ranks = str(rows["group_ranks"].iloc[0])
-        expected = {int(r) for r in group_ranks.split()} & present
+        expected = set(expand_ranks(group_ranks)) & present
         lacking = sorted(expected - set(rows["rank"].tolist()))
         return f"no record on rank(s) {_ranks(lacking)} (recorded by {_ranks(sorted(rows['rank']))})"
     values = rows.groupby(rows[kind].astype(str), observed=True)["rank"].apply(sorted)
@@ -313,7 +315,7 @@ def cross_rank(df) -> CrossRank:
     present = set(_present_ranks(df).tolist())
     members = set()
     for s in df["group_ranks"].cat.categories:
-        members.update(int(r) for r in str(s).split())
+        members.update(expand_ranks(s))
     return CrossRank(collectives=matched[0], arrivals=arrival_matrix(df, matched=matched),
                      ranks=rank_table(df, matched),
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 from dataclasses import dataclass, field
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
@@ -109,9 +111,10 @@ def build_report(df, by=("op", "size_bucket"), steps=None, top: int = 10, cross=
     ranks = sorted(df["rank"].unique().tolist())
     rep = Report(title=f"commpatch report: {len(df)} calls, {len(ranks)} rank(s) {_span(ranks)}")
     rep.sections["summary"] = analysis.summary(df, by=by)
-    unmeasured = int(df["duration_us"].isna().sum())
+    unmeasured = int(np.isnan(analysis.durations(df)).sum())
     if unmeasured:
-        rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none'): counted, not in times or bandwidth.")
+        rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
+                         "not in times or bandwidth.")
     per_step = analysis.per_step(df, steps=steps, by_rank=False)
     if per_step["step"].nunique() > 1 or steps is not None:
         rep.sections["steps"] = per_step

@@ -9,7 +9,7 @@ and to ``hang_rank{rank}.txt`` in the output file's directory (the current direc
 output is 'none'). It never stops the job and never raises: a failure is an internal error of
 kind ``watchdog``, counted and warned once.
 
-Reading the log here needs neither pandas nor the DataFrame: the tail of ``Log.snapshot()`` is
+Reading the log here needs neither pandas nor the DataFrame: the tail of ``Log.recent_rows()`` is
 decoded with the log's own registries.
 """
 
@@ -122,10 +122,13 @@ class Watchdog(threading.Thread):
     def path(self) -> str:
         rank = self.rank()
         directory = "."
-        if self.output_template:
+        sink = self.log.sink
+        if sink is not None and sink.path is not None:      # beside this rank's binary log
+            directory = os.path.dirname(sink.path) or "."
+        elif self.output_template:
             from .export import rank_path
 
-            directory = os.path.dirname(rank_path(self.output_template, rank=rank)) or "."
+            directory = os.path.dirname(os.path.normpath(rank_path(self.output_template, rank=rank))) or "."
         return os.path.join(directory, FILE_NAME.format(rank=rank))
 
     def rank(self) -> int:
@@ -195,7 +198,7 @@ class Watchdog(threading.Thread):
         from ._log import F_ASYNC, F_ERROR, T_SHIFT, TIMINGS
         from ._targets import OP_NAMES
 
-        rows = self.log.snapshot()
+        rows = self.log.recent_rows()
         if len(rows) > LAST_ROWS:
             import numpy as np
 

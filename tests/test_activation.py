@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -34,7 +35,8 @@ def _torchrun(out, env, prefix=()):
 
 def _check_rank_files(out):
     files = sorted(os.listdir(out / "logs"))
-    assert files == ["rank0.csv", "rank1.csv"], files      # the launcher wrote nothing
+    # the launcher wrote nothing; each rank its binary log and, at its clean exit, its CSV
+    assert files == ["rank0.cplog", "rank0.csv", "rank1.cplog", "rank1.csv"], files
     for rank in (0, 1):
         df = commpatch.read_csv(str(out / "logs" / f"rank{rank}.csv"))
         assert (df["rank"] == rank).all() and (df["world_size"] == 2).all()
@@ -78,12 +80,22 @@ def test_hook_is_inert_without_the_variable(tmp_path, pth_hook):
     assert res.stdout.strip() == "False"
 
 
-def test_bad_env_value_fails_clearly_in_a_subprocess(pth_hook):
-    res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(COMMPATCH="1", COMMPATCH_TIMING="fast"),
+USES_DIST = "import torch.distributed; print('ran')"
+
+
+def test_bad_env_value_fails_clearly_in_a_subprocess(pth_hook, tmp_path):
+    """Only in processes that use torch.distributed: anything else (pip, a data script) runs as
+    without commpatch and leaves nothing behind."""
+    for env in (dict(COMMPATCH="1", COMMPATCH_TIMING="fast"), dict(COMMPATCH="perhaps")):
+        res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(**env), cwd=str(tmp_path),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout == "ran\n" and res.stderr == ""
+    assert os.listdir(tmp_path) == []
+    res = subprocess.run([sys.executable, "-c", USES_DIST], env=_env(COMMPATCH="1", COMMPATCH_TIMING="fast"),
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "ran" not in res.stdout
     assert "COMMPATCH_TIMING" in res.stderr and "auto, host" in res.stderr
-    res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(COMMPATCH="perhaps"),
+    res = subprocess.run([sys.executable, "-c", USES_DIST], env=_env(COMMPATCH="perhaps"),
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "COMMPATCH=" in res.stderr
 
@@ -116,13 +128,15 @@ SIGTERM_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("mode", ["default", "chain"])
-def test_sigterm_writes_the_rows_and_chains_user_handlers(tmp_path, mode):
+def test_sigterm_keeps_the_rows_and_the_users_handler(tmp_path, mode):
+    """commpatch installs no signal handler: the rows are in the binary log already."""
     script = tmp_path / "job.py"
     script.write_text(SIGTERM_SCRIPT)
     out = tmp_path / "out.csv"
     proc = subprocess.Popen([sys.executable, str(script), str(out), mode], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
+        time.sleep(1.0)                 # the promise: calls that returned 1 s before the signal are on disk
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     finally:
@@ -131,7 +145,7 @@ def test_sigterm_writes_the_rows_and_chains_user_handlers(tmp_path, mode):
         assert code == -signal.SIGTERM           # still dies by SIGTERM, as torchrun expects
     else:
         assert code == 0 and (tmp_path / "out.csv.user").read_text() == "called"
-    df = commpatch.read_csv(str(out))
+    df = commpatch.read_csv(str(tmp_path / "out.cplog"))
     assert len(df) >= 50 and df["op"].eq("all_reduce").all()
 
 

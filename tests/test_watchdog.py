@@ -184,9 +184,8 @@ def no_output_at_exit():
 @pytest.mark.faults
 @pytest.mark.usefixtures("no_output_at_exit")
 def test_an_unwritable_dump_file_still_reaches_stderr_with_one_warning(tmp_path, capsys):
-    commpatch.enable(output=str(tmp_path / "logs" / "rank{rank}.csv"))
-    os.rmdir(tmp_path / "logs")
-    (tmp_path / "logs").write_text("a file where the directory was")
+    commpatch.enable(output=str(tmp_path / "logs" / "rank{rank}.csv"))     # creates nothing yet
+    (tmp_path / "logs").write_text("a file where the directory should go")
     dog = _dog(str(tmp_path / "logs" / "rank{rank}.csv"))
     with pytest.warns(RuntimeWarning, match="watchdog") as record:
         with StuckThread():

@@ -1,28 +1,53 @@
 """DistributedDataParallel: one row per gradient bucket per step, and the constructor's collectives.
 
 DDP's reducer issues its all-reduce from C++, so no ``dist.*`` wrapper sees it. It calls a
-comm hook per bucket, though, and that is where commpatch measures:
+comm hook per bucket, though, and that is where commpatch measures. A reducer takes one hook,
+once, and never gives it back; so commpatch registers one *dispatcher* per reducer (at the
+model's first forward while enabled, or at a hook registration while enabled, whichever comes
+first) and the dispatcher runs whatever sits in its slot:
 
-- no user hook: at the model's first forward while enabled, a hook is registered that does
-  exactly what the reducer does without one (scale by 1/world size, then the reducer's own
-  C++ all-reduce via ``reducer._run_allreduce_hook``): gradients stay bit-identical. It records
-  ``ddp_bucket_allreduce`` (bytes of the bucket, timed to the future's completion).
-- a user hook (``register_comm_hook``, DDP(mixed_precision=...), builtin hooks mapped to their
-  Python equivalents) is wrapped: collectives it issues through ``dist.*`` are recorded by the
-  core wrappers as what actually ran (an fp16 all_reduce, PowerSGD's two all-reduces); when it
-  issues none visible from Python (the reducer's C++ all-reduce), a ``ddp_bucket_allreduce``
-  row is recorded for it.
+- nothing registered: the reducer's own arithmetic, reproduced exactly (``_default_hook``):
+  the divisor it would use (the group size, or under ``join(divide_by_initial_world_size=
+  False)`` the count of ranks still running, read from the same forward all-reduce the reducer
+  waits on) and the operation it would apply (``x * (1/d)`` on a gradient it copies into the
+  bucket, ``x / d`` in place on one that already is its bucket view or on a sparse gradient;
+  the two differ in the last bit unless d is a power of two; with gradient_as_bucket_view=True
+  and a divisor that may not be one, a post-accumulate-grad hook per parameter tells them
+  apart: ``_AliasTrack``), then the reducer's own C++ all-reduce (``reducer._run_allreduce_
+  hook``). Gradients stay bit-identical. A ``ddp_bucket_allreduce`` row (bytes of the bucket,
+  timed to the future's completion).
+- a hook registered later, before or after the first step (``register_comm_hook``,
+  ``_register_builtin_comm_hook`` with its Python equivalent, DDP(mixed_precision=...),
+  optimizers in backward): torch's own method runs unchanged (its checks, its logging data,
+  its ``_comm_hooks``) and its final ``dist._register_comm_hook`` fills the slot instead of
+  failing with "can only be called once" (after disable() too); a second registration reaches
+  the reducer and fails exactly as it does without commpatch. Collectives the hook issues
+  through ``dist.*`` are recorded as what ran; when it issues none visible from Python (the
+  reducer's C++ all-reduce), a ``ddp_bucket_allreduce`` row is recorded for it.
 Every row issued inside a hook carries the bucket index and its parameter count (spans kept in
 ``Log.buckets``, mapped to rows when the DataFrame is built: no per-call cost).
 
+The dispatcher outlives disable() (a pass-through then, same numerics), and so do three small
+pass-throughs installed once per process with the first dispatcher, because its exactness and
+replaceability depend on them: ``dist._register_comm_hook`` / ``dist._register_builtin_comm_
+hook`` (fill the slot of a reducer that has a dispatcher; anything else goes straight to torch)
+and ``Reducer._set_forward_pass_work_handle`` (called by DDP's forward only inside a join
+context: keeps the all-reduce whose result is the reducer's divisor). Nothing is stored on the
+DDP module: the dispatchers are keyed by reducer (``_SLOTS``), so a rebuilt reducer
+(``_update_process_group``, unpickling) gets its own.
+
+A hook registered before enable() (to a reducer commpatch has not seen) cannot be replaced:
+that model's buckets are not recorded (``ddp.hook_registered_before_enable``). The wrappers that
+install run as Python under torch.compile (``_eager``), as DDP's own forward code does.
+
 The constructor's parameter check and broadcast are reached by name (``dist._verify_params_
 across_processes``, ``dist._broadcast_coalesced``); the bucket rebuild before the second
-forward through ``Reducer._rebuild_buckets``. A hook can be registered once per model and never
-removed: after disable() it is a pass-through with the same numerics.
+forward through ``Reducer._rebuild_buckets``.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 
@@ -34,8 +59,12 @@ from .._wrapper import SEQ
 from . import modules, record, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
-HOOKED = "_commpatch_hooked"     # DDP instance attribute: a (measured) hook is in place
 _pc = time.perf_counter_ns
+
+# Reducer -> its _Dispatch, or None when the reducer is someone else's (a hook registered before
+# enable(), the Python reducer): decided once per reducer, forgotten with it.
+_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TORCH: dict[str, object] = {}      # the torch functions behind the persistent pass-throughs
 
 
 def wanted(settings: dict) -> bool:
@@ -59,8 +88,8 @@ def _patch_ddp_class(ctx, module) -> None:
     p, log = ctx.patches, ctx.log
     p.wrap(Reducer, "_rebuild_buckets", lambda orig: _rebuild_buckets(log, orig))
     p.wrap(cls, "_pre_forward", lambda orig: _pre_forward(log, orig))
-    p.wrap(cls, "register_comm_hook", lambda orig: _register_comm_hook(log, orig))
-    p.wrap(cls, "_register_builtin_comm_hook", lambda orig: _register_builtin_comm_hook)
+    p.wrap(cls, "register_comm_hook", lambda orig: _registering(log, orig))
+    p.wrap(cls, "_register_builtin_comm_hook", lambda orig: _registering(log, orig))
 
 
 # ---- the bucket hook ---------------------------------------------------------------------
@@ -95,17 +124,63 @@ def measured(log, ddp, hook):
         finally:
             state.where = where
 
-    hook_wrapper.__wrapped__ = hook      # DDP checks the hook's signature (a 'bucket' parameter)
+    hook_wrapper.__wrapped__ = hook
     hook_wrapper.__qualname__ = getattr(hook, "__qualname__", "hook")
     return hook_wrapper
 
 
-def _default_hook(ddp_ref, bucket):
-    """What the reducer does without a hook: scale into the bucket by 1/size, C++ all-reduce(SUM)."""
-    ddp = ddp_ref()
-    bucket.buffer().mul_(1.0 / ddp.process_group.size())
+class _Dispatch:
+    """The hook commpatch registered on one reducer: runs ``hook(state, bucket)``, which is the
+    reducer's own arithmetic (``_default_hook``, state = self) until a hook is registered."""
+
+    __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "__weakref__")
+
+    def __init__(self, ddp) -> None:
+        self.ddp = weakref.ref(ddp)          # the reducer holds this object: no cycle through it
+        self.size = ddp.process_group.size()
+        self.hook, self.state, self.user = _default_hook, self, False
+        self.work, self.static = None, True  # the reducer's forward work handle (join), if any
+        self.track = None                    # _AliasTrack, when the reducer's operation must be known
+        if ddp.gradient_as_bucket_view and not _pow2(self.size):
+            self.track = _AliasTrack(ddp)
+
+    def fill(self, hook, state) -> None:
+        self.hook, self.state, self.user = hook, state, True
+        self.track = None                    # the user's hook divides (or not) by itself
+
+    def divisor(self) -> int:
+        """What ``Reducer::set_divide_factor`` computes: the group size, or, when the forward
+        passed a join work handle without useStaticWorldSize, that all-reduce's result."""
+        work = self.work
+        if work is None or self.static:
+            return self.size
+        work.wait()
+        return int(_bucket_tensor(work.get_future()).item())
+
+
+def _dispatch(slot, bucket):
+    return slot.hook(slot.state, bucket)
+
+
+def _pow2(d: int) -> bool:
+    return d > 0 and d & (d - 1) == 0
+
+
+def _default_hook(slot, bucket):
+    """What the reducer does without a hook (reducer.cpp, mark_variable_ready_*): scale into the
+    bucket with the divisor and the operation it would use, then its C++ all-reduce (SUM)."""
+    buf = bucket.buffer()
+    d = slot.divisor()
+    if buf.is_sparse:
+        buf.div_(d)                          # mark_variable_ready_sparse: div_ in place
+    elif slot.track is None or _pow2(d):
+        buf.mul_(1.0 / d)                    # mul_out(bucket_view, grad, 1/d); x/d is the same bits
+    else:
+        slot.track.scale(bucket, buf, d)
+    if slot.track is not None and bucket.is_last():
+        slot.track.ptr.clear()
     # the hook must return a future whose value is a Python object: then(), not the C++ future
-    return ddp.reducer._run_allreduce_hook(bucket).then(_bucket_tensor)
+    return slot.ddp().reducer._run_allreduce_hook(bucket).then(_bucket_tensor)
 
 
 def _bucket_tensor(fut):
@@ -113,19 +188,94 @@ def _bucket_tensor(fut):
     return value[0] if isinstance(value, list) else value
 
 
+class _AliasTrack:
+    """gradient_as_bucket_view=True: the reducer scales a gradient it copies into the bucket
+    (``x * (1/d)``) but divides in place one that already is its bucket view (``x / d``); with a
+    divisor that is not a power of two the two differ in the last bit. It decides on the
+    gradient right after accumulation, and by the time the hook runs every gradient is a bucket
+    view; so a post-accumulate-grad hook on each parameter notes the storage of its gradient
+    then. The first accumulation of a synchronized backward also notes the parameters not noted
+    yet: those that accumulate nothing (unused ones, which the reducer marks first) keep that
+    state. The notes are dropped once the last bucket of the backward is scaled."""
+
+    def __init__(self, ddp) -> None:
+        self.ddp = weakref.ref(ddp)
+        self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.task = None                     # the autograd graph task last seen
+        self.ptr: dict[int, int] = {}        # id(param) -> data_ptr of its grad's storage (0: none)
+        hook = functools.partial(_accumulated, weakref.ref(self))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        weakref.finalize(self, _remove, handles)
+
+    def note(self, param) -> None:
+        grad = param.grad
+        self.ptr[id(param)] = grad.untyped_storage().data_ptr() if grad is not None else 0
+
+    def scale(self, bucket, buf, d: int) -> None:
+        base = buf.untyped_storage().data_ptr()
+        alias = [self.ptr.get(id(p)) == base for p in bucket.parameters()]
+        if all(alias):
+            buf.div_(d)
+        elif not any(alias):
+            buf.mul_(1.0 / d)
+        else:
+            for view, is_alias in zip(bucket.gradients(), alias):
+                view.div_(d) if is_alias else view.mul_(1.0 / d)
+
+
+def _accumulated(track_ref, param) -> None:
+    try:
+        track = track_ref()
+        ddp = track.ddp() if track is not None else None
+        if ddp is None or not ddp.require_backward_grad_sync:     # no_sync(): no reduction follows
+            return
+        task = _graph_task_id()
+        if task != track.task:               # a new backward (or a reentrant one inside it)
+            track.task = task
+            ptr = track.ptr
+            for p in track.params:
+                if id(p) not in ptr:
+                    track.note(p)
+        track.note(param)
+    except Exception as exc:  # noqa: BLE001 - never break the user's backward
+        _runtime.fail("ddp.track", exc)
+
+
+def _graph_task_id() -> int:
+    import torch
+
+    return torch._C._current_graph_task_id()
+
+
+def _remove(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+# ---- installing the dispatcher, filling its slot ---------------------------------------------
 def _pre_forward(log, orig):
     def _pre_forward(self, *args, **kwargs):
-        if not self.__dict__.get(HOOKED) and _runtime.STATE.recording:
-            _install_default(log, self)
+        if _runtime.STATE.recording:
+            reducer = self.__dict__.get("reducer")
+            if reducer is not None and reducer not in _SLOTS:
+                _install(log, self, reducer)
         return orig(self, *args, **kwargs)
 
-    return _pre_forward
+    return _eager(_pre_forward)
 
 
-def _install_default(log, ddp) -> None:
-    import torch.distributed as dist
+def _eager(fn):
+    """Never traced by dynamo (it would fold the ``_SLOTS`` lookup into a compiled frame and
+    install again at every call): under torch.compile of a DDP model, DDP's own forward code is
+    torch's and runs as Python; so does this wrapper, and what it calls is compiled as before."""
+    import torch
 
-    ddp.__dict__[HOOKED] = True
+    disable = getattr(torch, "_disable_dynamo", None)
+    return disable(fn, recursive=False) if disable is not None else fn
+
+
+def _install(log, ddp, reducer) -> None:
+    _SLOTS[reducer] = None                   # decided once per reducer, whatever happens below
     try:
         existing = ddp._get_ddp_logging_data().get("comm_hook", "")
         if existing:     # a hook registered before enable(): it cannot be wrapped or replaced
@@ -135,29 +285,87 @@ def _install_default(log, ddp) -> None:
             return
         if getattr(ddp, "_use_python_reducer", False):
             return
-        dist._register_comm_hook(ddp.reducer, weakref.ref(ddp), measured(log, ddp, _default_hook))
+        _persist()
+        slot = _Dispatch(ddp)
+        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch))
+        _SLOTS[reducer] = slot
     except Exception as exc:  # noqa: BLE001
         _runtime.fail("ddp.install", exc)
 
 
-def _register_comm_hook(log, orig):
-    def register_comm_hook(self, state, hook):
-        if not _runtime.STATE.enabled:
-            return orig(self, state, hook)
-        self.__dict__[HOOKED] = True
-        return orig(self, state, measured(log, self, hook))
+def _registering(log, orig):
+    """register_comm_hook / _register_builtin_comm_hook while enabled: put the dispatcher in
+    place first; torch's method then runs as is and its registration fills the slot."""
+    def registering(self, *args, **kwargs):
+        if _runtime.STATE.enabled:
+            reducer = self.__dict__.get("reducer")
+            if reducer is not None and reducer not in _SLOTS:
+                _install(log, self, reducer)
+        return orig(self, *args, **kwargs)
 
-    return register_comm_hook
+    return _eager(registering)
 
 
-def _register_builtin_comm_hook(self, comm_hook_type):
-    """Builtin C++ hooks run no Python: register their Python equivalents (same numerics)."""
+def _persist() -> None:
+    """Once per process: the pass-throughs a dispatcher relies on, kept after disable()."""
+    if _TORCH:
+        return
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import Reducer
+
+    register, builtin = dist._register_comm_hook, dist._register_builtin_comm_hook
+    set_work = Reducer._set_forward_pass_work_handle
+    _TORCH.update(register=register, builtin=builtin, set_work=set_work)
+
+    @functools.wraps(register)
+    def _register_comm_hook(reducer, state, comm_hook):
+        slot = _slot_of(reducer)
+        if slot is None or slot.user:        # no dispatcher, or taken: torch decides (and raises)
+            return register(reducer, state, comm_hook)
+        slot.fill(comm_hook, state)
+        return None
+
+    @functools.wraps(builtin)
+    def _register_builtin_comm_hook(reducer, comm_hook_type):
+        slot = _slot_of(reducer)
+        python_hook = _builtin_equivalent(comm_hook_type) if slot is not None and not slot.user else None
+        ddp = slot.ddp() if slot is not None else None
+        if python_hook is None or ddp is None:
+            return builtin(reducer, comm_hook_type)
+        slot.fill(python_hook, ddp.process_group)      # builtin hooks run no Python: same numerics
+        return None
+
+    def _set_forward_pass_work_handle(self, work, use_static_world_size):
+        slot = _slot_of(self)
+        if slot is not None:
+            try:
+                slot.work, slot.static = work, bool(use_static_world_size)
+                ddp = slot.ddp()
+                if (not slot.static and not slot.user and slot.track is None and slot.size > 2
+                        and ddp is not None and ddp.gradient_as_bucket_view):
+                    slot.track = _AliasTrack(ddp)    # the running count may be no power of two
+            except Exception as exc:  # noqa: BLE001
+                _runtime.fail("ddp.join", exc)
+        return set_work(self, work, use_static_world_size)
+
+    dist._register_comm_hook = _register_comm_hook
+    dist._register_builtin_comm_hook = _register_builtin_comm_hook
+    Reducer._set_forward_pass_work_handle = _set_forward_pass_work_handle
+
+
+def _slot_of(reducer):
+    try:
+        return _SLOTS.get(reducer)
+    except TypeError:                        # not weak-referenceable: not a reducer of ours
+        return None
+
+
+def _builtin_equivalent(comm_hook_type):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    python_hook = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-                   dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-    self.register_comm_hook(self.process_group, python_hook[comm_hook_type])
+    return {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
 
 
 # ---- constructor and rebuild collectives -----------------------------------------------------

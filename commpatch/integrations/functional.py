@@ -16,7 +16,7 @@ import inspect
 import time
 
 from .. import _runtime
-from .._log import T_HOST, T_WAIT
+from .._log import T_HOST, T_NONE, T_WAIT
 from .. import _compile_notice
 from . import record, when_imported
 
@@ -77,7 +77,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
         try:
             first = args[0] if args else next(iter(kwargs.values()))
             tensor = first[0] if many else first
-            if isinstance(tensor, FakeTensor):      # traced (make_fx, export), not run
+            if isinstance(tensor, FakeTensor) or tensor.is_meta:   # traced (make_fx, export), not run
                 return orig(*args, **kwargs)
             group = args[gpos] if len(args) > gpos else kwargs["group"]
             tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
@@ -99,13 +99,15 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
         end = _pc()
         try:
             last = result[-1] if many and result else result
-            lazy = isinstance(last, act)
-            seq = record(log, op, pg, tensor, numel, start, end, True, T_WAIT if lazy else T_HOST, peer=peer)
+            key = _storage_key(last.elem) if isinstance(last, act) else None
+            lazy = key is not None       # no real storage (a simulated LocalTensor): no wait to time
+            timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
+            seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
             if lazy:                     # the last result's wait marks completion of the batch
                 if len(pending) >= MAX_PENDING:
                     pending.clear()
                 # keyed by storage, as torch's work registry is: waits on views of it count
-                pending[last.elem.untyped_storage().data_ptr()] = (last.elem, seq, start)
+                pending[key] = (last.elem, seq, start)
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.record", exc)
         return result
@@ -119,9 +121,8 @@ def _wait_wrapper(log, orig, pending: dict):
     def wait_tensor(tensor):
         out = orig(tensor)
         if pending:
-            try:
-                key = tensor.untyped_storage().data_ptr()
-            except Exception:  # noqa: BLE001 - a traced / fake tensor has no storage: not one of ours
+            key = _storage_key(tensor)
+            if key is None:              # a traced / fake tensor has no storage: not one of ours
                 return out
             entry = pending.pop(key, None)
             if entry is not None:       # the entry holds its tensor: the storage is not reused
@@ -129,6 +130,14 @@ def _wait_wrapper(log, orig, pending: dict):
         return out
 
     return wait_tensor
+
+
+def _storage_key(tensor):
+    """Address of a tensor's storage, or None for one without real storage (fake, simulated)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - "invalid python storage" and the like
+        return None
 
 
 def _process_group(funcol, cache: dict, group, tag: str):

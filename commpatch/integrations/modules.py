@@ -114,19 +114,20 @@ def where(module, phase: int) -> int:
 
 def apply(ctx) -> None:
     # enable() may run while torch itself is still importing (activation by environment):
-    # install once torch.optim (imported late in torch's own __init__) is there.
-    when_imported("torch.optim.optimizer", _install)
+    # install once torch.compiler (imported after torch.optim in torch's own __init__) is there.
+    when_imported("torch.compiler", _install)
 
 
-def _install(ctx, optim_module) -> None:
+def _install(ctx, compiler) -> None:
     import torch
+    import torch.optim.optimizer as optim_module
     from torch.nn.modules import module as nn_module
 
     state = _runtime.STATE
     stack = _stack
     codes = _codes
     engine = torch.autograd.Variable._execution_engine
-    compiling = torch.compiler.is_compiling
+    compiling = compiler.is_compiling
 
     def forward_pre(module, args):
         if compiling():

@@ -1,0 +1,73 @@
+"""The durable rank log: memory over a long run with default settings, and conversion speed.
+
+Usage: python benchmarks/durable.py [--calls 10000000] [--convert-rows 1000000]
+Prints
+- RSS after 1M calls and after --calls calls with the default output (a binary log file written
+  from the first row): the target is flat (within 10%);
+- bytes of the binary log per row;
+- seconds to convert a 1M-row rank log to CSV (target <= 1.5 s) and to Parquet (<= 0.5 s), and
+  to read it back as a DataFrame.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import commpatch
+from _util import fake_world, rss_mb
+from commpatch import _session, export
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=10_000_000)
+    parser.add_argument("--convert-rows", type=int, default=1_000_000)
+    args = parser.parse_args()
+    out = tempfile.mkdtemp()
+    fake_world(8)
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    t = torch.ones(1)
+    marks = sorted({min(args.convert_rows, args.calls), args.calls})
+    done, rss, start = 0, {}, time.perf_counter()
+    for mark in marks:
+        for i in range(mark - done):
+            dist.all_reduce(t, async_op=(i % 10 == 0))
+        done = mark
+        _session.LOG.flush()
+        rss[mark] = rss_mb()
+        print(f"{mark:>11,} calls: RSS {rss[mark]:.0f} MB, in memory {len(_session.LOG.buf)} B unflushed "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+    first, last = rss[marks[0]], rss[marks[-1]]
+    print(f"RSS growth from {marks[0]:,} to {marks[-1]:,} calls: {100 * (last - first) / first:+.1f}% (target within 10%)")
+    path = _session.LOG.sink.path
+    print(f"binary log: {os.path.getsize(path) / done:.1f} bytes/row")
+    commpatch.disable()
+    dist.destroy_process_group()
+
+    # a rank log of exactly --convert-rows rows, converted as `commpatch convert` does
+    fake_world(8)
+    small = tempfile.mkdtemp()
+    commpatch.enable(output=os.path.join(small, "rank{rank}.csv"))
+    for i in range(args.convert_rows):
+        dist.all_reduce(t, async_op=(i % 10 == 0))
+    commpatch.disable()
+    src = _session.LOG.sink.path
+    t0 = time.perf_counter()
+    export.convert(src, os.path.join(small, "c.csv"))
+    t1 = time.perf_counter()
+    export.convert(src, os.path.join(small, "c.parquet"))
+    t2 = time.perf_counter()
+    df = commpatch.read_csv(src)
+    t3 = time.perf_counter()
+    print(f"{len(df):,} rows: convert to CSV {t1 - t0:.2f} s (target <= 1.5), to Parquet {t2 - t1:.2f} s "
+          f"(target <= 0.5); read as a DataFrame {t3 - t2:.2f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,502 @@
+"""`commpatch report` and `commpatch.read_csv` on bad input, as a new user would try it.
+
+Every case ends either in one line on stderr naming the file and what is wrong, exit status 2
+and no traceback (``commpatch.read_csv``: a ``LogFileError``, a ValueError, naming the file),
+or in a correct best-effort report with a ``warning:`` line: the numbers are checked against
+the report of a clean log holding what should have been read. Options that point at paths
+(``--trace``, ``--plots``, ``--module-tree``, ``--steps``) are checked before any log is read.
+The CLI runs in-process; the Python API runs with both readers (pyarrow, and pandas alone).
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import commpatch
+from commpatch import cli, export, merge
+from commpatch._log import SCHEMA_VERSION_KEY
+from commpatch.export import LogFileError, LogFileWarning
+from commpatch.synthetic import rank_logs
+
+
+@pytest.fixture(scope="module")
+def frames():
+    """Two ranks' logs of a 3-step job: 15 rows each."""
+    return list(rank_logs(2, 3))
+
+
+def write_csv(df, path):
+    export.write(df, str(path))
+    return str(path)
+
+
+def write_ranks(d, frames, suffix=".csv"):
+    d.mkdir(parents=True, exist_ok=True)
+    return [export.write(f, str(d / f"rank{r}{suffix}")) for r, f in enumerate(frames)]
+
+
+def replace_line(path, number, edit):
+    """Apply ``edit`` to line ``number`` (1 = the header) of a text file."""
+    lines = Path(path).read_text().split("\n")
+    lines[number - 1] = edit(lines[number - 1])
+    Path(path).write_text("\n".join(lines))
+
+
+def set_field(line, index, value):
+    parts = line.split(",")
+    parts[index] = value
+    return ",".join(parts)
+
+
+COL = {name: i for i, (name, *_) in enumerate(commpatch.schema())}
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(["report", *map(str, argv), "--no-progress"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- refused: one line naming the file, exit status 2 ------------------------------------
+# case -> builder(dir, frames) returning (the paths to read, the path the message must name,
+# a phrase of the message, more CLI options)
+
+def _wrong_dtype(d, fr):
+    f = write_ranks(d, fr)[1]
+    replace_line(f, 4, lambda line: set_field(line, COL["bytes"], "abc"))
+    return [d], f, "column 'bytes' holds 'abc' on line 4, not an integer", []
+
+
+def _random_binary(d, fr):
+    write_ranks(d, fr[:1])
+    f = str(d / "rank1.csv")
+    Path(f).write_bytes(b"\x00" + np.random.default_rng(0).bytes(4096))
+    return [d], f, "binary data", []
+
+
+def _parquet_truncated(d, fr):
+    f = write_ranks(d, fr, ".parquet")[1]
+    data = Path(f).read_bytes()
+    Path(f).write_bytes(data[: len(data) // 2])
+    return [d], f, "not a readable Parquet file (truncated or corrupt", []
+
+
+def _parquet_garbage(d, fr):
+    write_ranks(d, fr[:1], ".parquet")
+    f = str(d / "rank1.parquet")
+    Path(f).write_bytes(b"PAR1" + np.random.default_rng(1).bytes(2000) + b"PAR1")
+    return [d], f, "not a readable Parquet file", []
+
+
+def _foreign_csv_named(d, fr):
+    d.mkdir()
+    f = str(d / "metrics.csv")
+    Path(f).write_text("name,value,when\nloss,0.5,2024\n")
+    return [f], f, "not a commpatch log: its columns are name, value, when", []
+
+
+def _no_rank_column(d, fr):
+    d.mkdir()
+    write_csv(fr[0], d / "rank0.csv")
+    f = write_csv(fr[1].drop(columns="rank"), d / "rank1.csv")
+    return [d], f, "no 'rank' column", []
+
+
+def _missing_core_column(d, fr):
+    d.mkdir()
+    write_csv(fr[0], d / "rank0.csv")
+    f = write_csv(fr[1].drop(columns="group_seq"), d / "rank1.csv")
+    return [d], f, "no 'group_seq' column", []
+
+
+def _parquet_version_without_its_column(d, fr):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir()
+    f = str(d / "rank0.parquet")
+    table = pa.Table.from_pandas(fr[0].drop(columns="module"), preserve_index=False)
+    pq.write_table(table.replace_schema_metadata({SCHEMA_VERSION_KEY: b"2"}), f)
+    # the report alone does not read the module column: the trace (every column) does
+    return [d], f, "no 'module' column: every schema 2 log has it", ["--trace", d / "trace.json"]
+
+
+def _two_jobs_world_sizes(d, fr):
+    write_ranks(d, fr)
+    other = list(rank_logs(4, 3))
+    f = write_csv(other[2], d / "rank2.csv")
+    write_csv(other[3], d / "rank3.csv")
+    return [d], f, "world_size 4, but", []
+
+
+def _two_jobs_same_rank(d, fr):
+    write_ranks(d, fr)
+    f = write_csv(fr[1].assign(pid=4242), d / "rank1_rerun.csv")
+    return [d], f, "rank 1 recorded by pid 4242", []
+
+
+def _rows_given_twice(d, fr):
+    write_ranks(d, fr)      # rank 1's first 10 rows exported again: overlapping, not a copy
+    f = write_csv(fr[1].iloc[:10], d / "rank1_early.csv")
+    return [d], f, "repeats rows of rank 1", []
+
+
+def _damaged_middle_line(d, fr):
+    f = write_ranks(d, fr)[1]
+    replace_line(f, 5, lambda line: ",".join(line.split(",")[:10]))
+    return [d], f, "line 5 has 10 field(s) where the header has", []
+
+
+def _empty_integer_cell(d, fr):
+    f = write_ranks(d, fr)[1]
+    replace_line(f, 3, lambda line: set_field(line, COL["rank"], ""))
+    return [d], f, "column 'rank' is empty on line 3", []
+
+
+def _files_joined_with_their_headers(d, fr):
+    f = write_ranks(d, fr)[1]
+    text = Path(f).read_text()
+    Path(f).write_text(text + text)
+    return [d], f, "second header line", []
+
+
+def _nonexistent_path(d, fr):
+    return [d / "nope"], str(d / "nope"), "no such file or directory", []
+
+
+def _empty_directory(d, fr):
+    d.mkdir()
+    return [d], str(d), "no .cplog, .csv or .parquet file in this directory", []
+
+
+def _glob_matching_nothing(d, fr):
+    write_ranks(d, fr)
+    return [d / "*.parquet"], str(d / "*.parquet"), "matches no file", []
+
+
+def _only_header_only_files(d, fr):
+    write_ranks(d, [f.iloc[:0] for f in fr])
+    return [d], str(d), "no collective calls recorded", []
+
+
+REFUSED = {
+    "wrong dtype (text in an integer column)": _wrong_dtype,
+    "random binary": _random_binary,
+    "truncated Parquet": _parquet_truncated,
+    "corrupt Parquet": _parquet_garbage,
+    "foreign CSV given by name": _foreign_csv_named,
+    "no rank column": _no_rank_column,
+    "a core column missing": _missing_core_column,
+    "Parquet of schema 2 without a schema-2 column": _parquet_version_without_its_column,
+    "two jobs: different world sizes": _two_jobs_world_sizes,
+    "two jobs: two pids for one rank": _two_jobs_same_rank,
+    "the same rank's rows given twice": _rows_given_twice,
+    "damaged line in the middle": _damaged_middle_line,
+    "empty integer cell": _empty_integer_cell,
+    "two files joined with their headers": _files_joined_with_their_headers,
+    "nonexistent path": _nonexistent_path,
+    "empty directory": _empty_directory,
+    "glob matching nothing": _glob_matching_nothing,
+    "header-only files only": _only_header_only_files,
+}
+
+
+def assert_one_line_error(code, err, named, phrase):
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("commpatch report: ") and named in last and phrase in last, err
+    assert all(line.startswith("commpatch report: ") for line in err.strip().splitlines()), err
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_cli_refuses(case, frames, tmp_path, capsys):
+    paths, named, phrase, options = REFUSED[case](tmp_path / "logs", frames)
+    assert_one_line_error(*run_cli(capsys, *paths, *options)[::2], named, phrase)
+
+
+@pytest.fixture(params=["pyarrow", "pandas"])
+def reader(request, monkeypatch):
+    """The reader to use: ``reader.use()`` once the files are written (with pyarrow)."""
+    class Reader(str):
+        def use(self):
+            if self == "pandas":
+                monkeypatch.setattr(export, "_pyarrow", lambda: None)
+
+    return Reader(request.param)
+
+
+@pytest.mark.parametrize("case", [c for c in REFUSED if REFUSED[c] is not _only_header_only_files])
+def test_read_csv_refuses(case, frames, tmp_path, reader):
+    argv, named, phrase, _ = REFUSED[case](tmp_path / "logs", frames)
+    if reader == "pandas" and "Parquet" in case:        # the first Parquet file is the one named
+        named, phrase = sorted(str(p) for p in (tmp_path / "logs").glob("*.parquet"))[0], "needs pyarrow"
+    reader.use()
+    with pytest.raises(LogFileError) as info:
+        commpatch.read_csv([str(a) for a in argv])
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(named) and phrase in message, message
+    assert info.value.path == named
+
+
+def test_a_missing_path_is_also_a_file_not_found_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        commpatch.read_csv(str(tmp_path / "nope.csv"))
+
+
+# ---- options that point at paths: checked before any log is read -------------------------
+@pytest.fixture
+def no_reading(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the logs were read before the options were checked")
+
+    monkeypatch.setattr(merge, "read_logs", fail)
+
+
+def _blocker(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("x")
+    return path
+
+
+OPTIONS = {
+    "--by unknown column": (lambda t: ["--by", "op,nope"], "--by: unknown column(s) 'nope'"),
+    "--by nothing": (lambda t: ["--by", ","], "give one or more columns"),
+    "--trace under a file": (lambda t: ["--trace", _blocker(t) / "trace.json"], "is a file, not a directory"),
+    "--trace is a directory": (lambda t: ["--trace", t], "is a directory"),
+    "--plots under a file": (lambda t: ["--plots", _blocker(t) / "plots"], "is a file, not a directory"),
+    "--plots is a file": (lambda t: ["--plots", _blocker(t)], "exists and is not a directory"),
+    "--module-tree under a file": (lambda t: ["--module-tree", _blocker(t) / "m.json"], "is a file, not a directory"),
+    "--steps missing": (lambda t: ["--steps", t / "steps.csv"], "--steps"),
+    "--steps empty": (lambda t: ["--steps", _write(t / "steps.csv", b"")], "empty file"),
+    "--steps binary": (lambda t: ["--steps", _write(t / "steps.csv", b"\x00\xff\xfe" * 50)], "--steps"),
+    "--steps wrong columns": (lambda t: ["--steps", _write(t / "steps.csv", b"a,b\n1,2\n")],
+                              "needs columns step and duration_us"),
+    "--steps text in duration_us": (lambda t: ["--steps", _write(t / "steps.csv", b"step,duration_us\n0,5\n1,slow\n")],
+                                    "column 'duration_us' holds 'slow' on line 3, not a number"),
+    "--top negative": (lambda t: ["--top", "-1"], "--top -1"),
+}
+
+
+def _write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_bad_option_is_refused_before_reading(case, tmp_path, capsys, no_reading):
+    build, phrase = OPTIONS[case]
+    argv = build(tmp_path)
+    code, _, err = run_cli(capsys, tmp_path / "logs", *argv)
+    named = str(argv[1]) if not case.startswith("--by") else "--by"
+    assert_one_line_error(code, err, named, phrase)
+
+
+def test_module_tree_of_a_log_without_modules_is_refused(frames, tmp_path, capsys):
+    d = tmp_path / "logs"
+    d.mkdir()
+    for r, f in enumerate(frames):
+        write_csv(f.drop(columns=["module", "phase", "bucket", "bucket_params"]), d / f"rank{r}.csv")
+    code, _, err = run_cli(capsys, d, "--module-tree", tmp_path / "tree.json")
+    assert_one_line_error(code, err, "--module-tree", "no module column (written by an older commpatch)")
+    assert "warning: " in err and "written by an older commpatch" in err
+    assert not (tmp_path / "tree.json").exists()
+
+
+# ---- best effort: a warning, and the numbers of the clean log of what could be read -------
+# case -> builder(dir, frames) returning (CLI arguments, extra CLI options, the frames that
+# should have been read, the path the warning names, a phrase of the warning)
+
+def _empty_file(d, fr):
+    write_ranks(d, fr[:1])
+    f = d / "rank1.csv"
+    f.write_bytes(b"")
+    return [d], [], fr[:1], str(f), "empty file"
+
+
+def _header_only(d, fr):
+    write_ranks(d, fr[:1])
+    f = write_csv(fr[1].iloc[:0], d / "rank1.csv")
+    return [d], [], fr[:1], f, "no rows (header only)"
+
+
+def _truncated_mid_line(d, fr):
+    f = write_ranks(d, fr)[1]
+    data = Path(f).read_bytes()
+    Path(f).write_bytes(data[:-40])
+    return [d], [], [fr[0], fr[1].iloc[:-1]], f, "last line is incomplete"
+
+
+def _foreign_csv_in_the_directory(d, fr):
+    write_ranks(d, fr)
+    f = d / "metrics.csv"
+    f.write_text("name,value\nloss,0.5\n")
+    return [d], [], fr, str(f), "not a commpatch log: its columns are name, value"
+
+
+def _non_utf8_bytes(d, fr):
+    tagged = [f.assign(tag=pd.Categorical(np.where(np.arange(len(f)) % 2, "caf\u00e9", ""))) for f in fr]
+    f = write_ranks(d, tagged)[1]
+    data = Path(f).read_bytes()
+    Path(f).write_bytes(data.replace("caf\u00e9".encode(), b"caf\xe9"))   # latin-1, not UTF-8
+    expected = [tagged[0], tagged[1].assign(tag=tagged[1]["tag"].cat.rename_categories({"caf\u00e9": "caf\ufffd"}))]
+    return [d], ["--by", "op,tag"], expected, f, "invalid UTF-8 bytes in column 'tag'"
+
+
+def _older_schema(d, fr):
+    d.mkdir()
+    for r, f in enumerate(fr):
+        write_csv(f.drop(columns=["module", "phase", "bucket", "bucket_params"]), d / f"rank{r}.csv")
+    return [d], ["--trace", d.parent / "trace.json"], fr, str(d / "rank0.csv"), \
+        "written by an older commpatch (schema 1, before the column(s) module, phase, bucket, bucket_params)"
+
+
+def _newer_parquet(d, fr):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir()
+    for r, f in enumerate(fr):
+        table = pa.Table.from_pandas(f.assign(future_column=1.5), preserve_index=False)
+        pq.write_table(table.replace_schema_metadata({SCHEMA_VERSION_KEY: b"99"}), str(d / f"rank{r}.parquet"))
+    return [d], [], fr, str(d / "rank0.parquet"), "written by a newer commpatch (schema 99"
+
+
+def _same_path_twice(d, fr):
+    files = write_ranks(d, fr)
+    return [d, files[1]], [], fr, files[1], "given twice"
+
+
+def _a_copy_of_a_rank_file(d, fr):
+    files = write_ranks(d, fr)
+    f = write_csv(fr[1], d / "rank1_copy.csv")
+    return [d], [], fr, f, f"a copy of {files[1]}"
+
+
+def _durations(value, phrase):
+    def build(d, fr):
+        bad = fr[1].copy()
+        bad.loc[[0, 3], "duration_us"] = value
+        f = write_ranks(d, [fr[0], bad])[1]
+        clean = fr[1].copy()
+        clean.loc[[0, 3], ["duration_us", "algbw_gbps", "busbw_gbps"]] = np.nan
+        return [d], [], [fr[0], clean], f, phrase
+    return build
+
+
+def _steps_with_impossible_times(d, fr):
+    write_ranks(d, fr)
+    steps = d.parent / "steps.csv"
+    steps.write_text("step,duration_us\n0,50000\n1,-3\n2,inf\n")
+    return [d], ["--steps", steps], fr, str(steps), "2 step time(s) missing, infinite or negative"
+
+
+BEST_EFFORT = {
+    "empty CSV": _empty_file,
+    "header-only CSV": _header_only,
+    "CSV truncated mid-line": _truncated_mid_line,
+    "foreign CSV in the directory": _foreign_csv_in_the_directory,
+    "non-UTF-8 bytes": _non_utf8_bytes,
+    "older schema (columns added since)": _older_schema,
+    "Parquet of a newer schema": _newer_parquet,
+    "the same file given twice": _same_path_twice,
+    "a copy of a rank file": _a_copy_of_a_rank_file,
+    "infinite durations": _durations(np.inf, "2 impossible duration_us value(s) (2 infinite)"),
+    "negative durations": _durations(-5000.0, "2 impossible duration_us value(s) (2 negative)"),
+    "NaN durations": _durations(np.nan, "2 row(s) with timing 'host' but no duration_us"),
+    "--steps with impossible step times": _steps_with_impossible_times,
+}
+
+
+def reference_report(capsys, tmp_path, expected, options):
+    d = tmp_path / "reference"
+    write_ranks(d, expected)
+    options = [o if not str(o).endswith(".json") else tmp_path / "ref_trace.json" for o in options]
+    code, out, err = run_cli(capsys, d, "--format", "json", *options)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("case", list(BEST_EFFORT))
+def test_cli_best_effort(case, frames, tmp_path, capsys):
+    argv, options, expected, named, phrase = BEST_EFFORT[case](tmp_path / "logs", frames)
+    code, out, err = run_cli(capsys, *argv, "--format", "json", *options)
+    assert code == 0, err
+    assert "Traceback" not in err and "RuntimeWarning" not in err
+    warnings = [line for line in err.splitlines() if line.startswith("commpatch report: warning: ")]
+    assert any(named in line and phrase in line for line in warnings), err
+    got, ref = json.loads(out), reference_report(capsys, tmp_path, expected, options)
+    assert got["title"] == ref["title"] and got["errors"] == ref["errors"]
+    assert got["sections"] == ref["sections"]
+    text = json.dumps(got["sections"])
+    assert "Infinity" not in text and all(
+        row["busbw_gbps"] is None or 0 < row["busbw_gbps"] < 100 for row in got["sections"]["summary"])
+
+
+@pytest.mark.parametrize("case", [c for c in BEST_EFFORT if not c.startswith("--steps")])
+def test_read_csv_best_effort(case, frames, tmp_path, reader):
+    if reader == "pandas" and "Parquet" in case:
+        pytest.skip("Parquet needs pyarrow")
+    argv, _, expected, named, phrase = BEST_EFFORT[case](tmp_path / "logs", frames)
+    with warnings.catch_warnings():         # the clean log has its NaN durations too
+        warnings.simplefilter("ignore", LogFileWarning)
+        ref = export.read(write_ranks(tmp_path / "reference", expected))
+    reader.use()
+    with pytest.warns(LogFileWarning) as record:
+        df = commpatch.read_csv([str(a) for a in argv])
+    messages = [str(w.message) for w in record if issubclass(w.category, LogFileWarning)]
+    if reader == "pandas" and case == "non-UTF-8 bytes":
+        phrase = "invalid UTF-8 bytes"
+    assert any(m.startswith(named) and phrase in m for m in messages), messages
+    df.attrs, ref.attrs = {}, {}
+    pd.testing.assert_frame_equal(df, ref)
+    assert np.isfinite(df["duration_us"].dropna()).all() and (df["duration_us"].dropna() >= 0).all()
+
+
+def test_older_schema_columns_are_filled_and_listed(frames, tmp_path):
+    _older_schema(tmp_path / "logs", frames)
+    with pytest.warns(LogFileWarning, match=r"rank0.csv \(and 1 other file\(s\)\): written by an older"):
+        df = commpatch.read_csv(str(tmp_path / "logs"))
+    assert df.attrs["filled_columns"] == ["bucket", "bucket_params", "module", "phase"]
+    assert (df["bucket"] == -1).all() and (df["bucket_params"] == 0).all() and (df["module"] == "").all()
+
+
+def test_header_only_file_alone_reads_as_an_empty_log(frames, tmp_path):
+    f = write_csv(frames[0].iloc[:0], tmp_path / "rank0.csv")
+    with pytest.warns(LogFileWarning, match="no rows"):
+        df = commpatch.read_csv(f)
+    assert len(df) == 0 and list(df.columns) == [c[0] for c in commpatch.schema()]
+    assert list(df.dtypes.astype(str)) == [c[1] for c in commpatch.schema()]
+
+
+def test_analysis_never_counts_impossible_durations(frames):
+    """In-memory logs too (not read from a file): inf / negative durations are unmeasured."""
+    from commpatch import analysis
+
+    df = pd.concat(frames, ignore_index=True)
+    df = df.assign(op=df["op"].astype("category"))
+    bad = df.copy()
+    bad.loc[[0, 1], "duration_us"] = [np.inf, -1.0]
+    s, ref = analysis.summary(bad, by="op"), analysis.summary(df.drop(index=[0, 1]), by="op")
+    assert np.isfinite(s["total_us"]).all() and (s["total_us"] >= 0).all()
+    assert s["total_us"].sum() == pytest.approx(ref["total_us"].sum())
+    assert s["unmeasured"].sum() == 2
+
+
+def test_parquet_with_the_schema_version_reads_without_a_warning(frames, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "rank0.parquet")
+    table = export.with_schema_version(pa.Table.from_pandas(frames[0], preserve_index=False))
+    pq.write_table(table, path)
+    assert pq.read_schema(path).metadata[SCHEMA_VERSION_KEY] == b"2"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LogFileWarning)
+        df = commpatch.read_csv(path)
+    assert len(df) == len(frames[0]) and df.attrs["filled_columns"] == []
