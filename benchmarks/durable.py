@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import commpatch
 from _util import fake_world, rss_mb
-from commpatch import _session, export
+from commpatch import export
+from commpatch import session as _session
 
 
 def main() -> None:
@@ -38,13 +39,13 @@ def main() -> None:
         for i in range(mark - done):
             dist.all_reduce(t, async_op=(i % 10 == 0))
         done = mark
-        _session.LOG.flush()
+        _session.default().log.flush()
         rss[mark] = rss_mb()
-        print(f"{mark:>11,} calls: RSS {rss[mark]:.0f} MB, in memory {len(_session.LOG.buf)} B unflushed "
+        print(f"{mark:>11,} calls: RSS {rss[mark]:.0f} MB, in memory {len(_session.default().log.buf)} B unflushed "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     first, last = rss[marks[0]], rss[marks[-1]]
     print(f"RSS growth from {marks[0]:,} to {marks[-1]:,} calls: {100 * (last - first) / first:+.1f}% (target within 10%)")
-    path = _session.LOG.sink.path
+    path = _session.default().log.sink.path
     print(f"binary log: {os.path.getsize(path) / done:.1f} bytes/row")
     commpatch.disable()
     dist.destroy_process_group()
@@ -56,7 +57,7 @@ def main() -> None:
     for i in range(args.convert_rows):
         dist.all_reduce(t, async_op=(i % 10 == 0))
     commpatch.disable()
-    src = _session.LOG.sink.path
+    src = _session.default().log.sink.path
     t0 = time.perf_counter()
     export.convert(src, os.path.join(small, "c.csv"))
     t1 = time.perf_counter()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import commpatch
 from _util import fake_world, rss_mb
-from commpatch import _session
+from commpatch import session as _session
 
 
 def main() -> int:
@@ -38,13 +38,13 @@ def main() -> int:
         dist.all_reduce(t)
         if i in marks:
             print(f"{i:>11,} calls: RSS {rss_mb():7.1f} MB (+{rss_mb() - base:6.1f} MB since warm-up), "
-                  f"rows in memory {len(_session.LOG):,}, on disk {_session.LOG.flushed:,}, "
+                  f"rows in memory {len(_session.default().log):,}, on disk {_session.default().log.flushed:,}, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
     df = commpatch.log()
     total = args.calls + 20_000
     print(f"log() rows {len(df):,} of {total:,}; seq contiguous: {bool((df['seq'].diff().dropna() == 1).all())}; "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB; "
-          f"file {os.path.getsize(_session.LOG.stream_path) / 1e9:.2f} GB")
+          f"file {os.path.getsize(_session.default().log.stream_path) / 1e9:.2f} GB")
     commpatch.disable()
     dist.destroy_process_group()
     return 0 if len(df) == total else 1

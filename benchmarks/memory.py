@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import commpatch
 from _util import fake_world, rss_mb
-from commpatch import _session
+from commpatch import session as _session
 
 
 def main() -> None:
@@ -37,9 +37,9 @@ def main() -> None:
         dist.all_reduce(t, async_op=False)
     record_s = time.perf_counter() - start
     rss1 = rss_mb()
-    n = len(_session.LOG)
+    n = len(_session.default().log)
     print(f"recorded {n:,} calls in {record_s:.1f} s")
-    print(f"live log: {_session.LOG.nbytes() / n:.1f} bytes/row (packed rows + late timings); "
+    print(f"live log: {_session.default().log.nbytes() / n:.1f} bytes/row (packed rows + late timings); "
           f"process RSS growth {1e6 * (rss1 - rss0) / n:.1f} bytes/row")
 
     t0 = time.perf_counter()

@@ -22,15 +22,15 @@ def __getattr__(name):
     """The public functions, imported on first use: ``commpatch.pth`` imports this package in
     every Python process started with COMMPATCH set, and must cost (almost) nothing there."""
     if name in _SESSION_API:
-        from . import _session
+        from . import session  # lazy: importing commpatch must cost (almost) nothing
 
-        value = getattr(_session, name)
+        value = getattr(session, name)
     elif name == "ConfigError":
-        from ._config import ConfigError as value
+        from .config import ConfigError as value  # lazy: importing commpatch must cost (almost) nothing
     elif name in ("LogFileError", "LogFileWarning"):
-        from . import export
+        from .io import reader  # lazy: importing commpatch must cost (almost) nothing
 
-        value = getattr(export, name)
+        value = getattr(reader, name)
     else:
         raise AttributeError(f"module 'commpatch' has no attribute {name!r}")
     globals()[name] = value
@@ -39,14 +39,14 @@ def __getattr__(name):
 
 def read_csv(paths):
     """Read per-rank log files (a file, a directory, a glob or a list) into one DataFrame."""
-    from .export import read
+    from .io.reader import read  # lazy: importing commpatch must cost (almost) nothing
 
     return read(paths)
 
 
 def schema():
     """The log's columns: (name, dtype, unit, doc) for each."""
-    from ._log import SCHEMA
+    from .data.schema import SCHEMA  # lazy: importing commpatch must cost (almost) nothing
 
     return [(c.name, c.dtype, c.unit, c.doc) for c in SCHEMA]
 

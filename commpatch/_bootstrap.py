@@ -68,13 +68,13 @@ class _C10DFinder:
 
 
 def _on_c10d(module) -> None:
-    from . import _config, _session
+    from . import config, session  # lazy: this module is imported in every process with COMMPATCH set
 
     try:
-        if not _config.env_active() or _is_launcher():
+        if not config.env_active() or _is_launcher():
             return
-        _session.enable()
-    except _config.ConfigError as exc:
+        session.enable()
+    except config.ConfigError as exc:
         sys.stderr.write(f"commpatch: {exc}\n")
         sys.stderr.flush()
         os._exit(2)

@@ -11,7 +11,7 @@ import shutil
 import sys
 import sysconfig
 
-from . import _config
+from . import config as _config
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 PTH_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "commpatch.pth")
@@ -37,7 +37,7 @@ def cmd_run(args) -> int:
     try:
         settings = _config.resolve(environ=env)
         if settings["output"]:
-            from .export import check_writable
+            from .io.paths import check_writable  # lazy: the CLI's other commands never load numpy / pandas
 
             check_writable(settings["output"])
     except _config.ConfigError as exc:
@@ -61,7 +61,7 @@ class _InputError(Exception):
 def cmd_report(args) -> int:
     """``commpatch report``: every bad input ends in one line on stderr and exit status 2 (no
     traceback); what can be read best-effort is, with one ``warning:`` line per problem."""
-    from .export import LogFileError
+    from .io.reader import LogFileError  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
         with _plain_warnings():
@@ -72,7 +72,8 @@ def cmd_report(args) -> int:
 
 
 def _report(args) -> int:
-    from . import analysis, merge, report
+    from . import analysis, io  # lazy: the CLI's other commands never load numpy / pandas
+    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
 
     if not args.paths:
         raise _InputError("give log files or directories (or --compare RUN_DIRS...)")
@@ -88,13 +89,13 @@ def _report(args) -> int:
     steps = _read_steps(args.steps) if args.steps else None
     # the report alone needs a subset of the columns (a large log reads faster); exports need all
     columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
-    df = merge.read_logs(args.paths, progress=_progress(args, "reading"), columns=columns)
+    df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns)
     if len(df) == 0:
         raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s): nothing to report")
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
         raise _InputError(f"--module-tree: the log has no module column (written by an older commpatch): "
                           "no module tree")
-    cross = merge.cross_rank(df) if df["rank"].nunique() > 1 else None
+    cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
     rep = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross)
     if args.format == "csv":
         frame = rep.sections.get(args.section)
@@ -108,13 +109,13 @@ def _report(args) -> int:
     else:
         sys.stdout.write(report.render_report_text(rep) + "\n")
     if args.trace:
-        from .trace import write_chrome_trace
+        from .render.trace import write_chrome_trace  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--trace", args.trace):
             print(f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
                   "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
     if args.module_tree:
-        from .trace import write_module_tree
+        from .render.trace import write_module_tree  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--module-tree", args.module_tree):
             try:
@@ -122,7 +123,7 @@ def _report(args) -> int:
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
     if args.plots:
-        from . import plots
+        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--plots", args.plots):
             written = plots.write_plots(args.plots, analysis.summary(df, by=["op", "size_bucket"]),
@@ -132,13 +133,14 @@ def _report(args) -> int:
 
 
 def _report_compare(args) -> int:
-    from . import analysis, merge, report
+    from . import analysis, io  # lazy: the CLI's other commands never load numpy / pandas
+    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
 
     if args.plots:
         _check_plots(args.plots)
     runs = {}
     for i, path in enumerate(args.compare):
-        runs[path] = merge.read_logs(path)
+        runs[path] = io.read(path)
         if len(runs[path]) == 0:
             raise _InputError(f"--compare {path}: no collective calls recorded in this run's file(s)")
         _progress(args, "runs")(i + 1, len(args.compare))
@@ -155,7 +157,7 @@ def _report_compare(args) -> int:
         sys.stdout.write(report.render_text(table, title="commpatch scaling: runs by world size") + "\n\n"
                          + report.render_text(by_op, title="bus bandwidth per op and world size") + "\n")
     if args.plots:
-        from . import plots
+        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--plots", args.plots):
             path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
@@ -168,7 +170,7 @@ def _shown(paths) -> str:
 
 
 def _check_by(text: str) -> list:
-    from ._log import COLUMNS
+    from .data.schema import COLUMNS  # lazy: the CLI's other commands never load numpy / pandas
 
     by = [b.strip() for b in text.split(",") if b.strip()]
     if not by:
@@ -227,7 +229,7 @@ def _plain_warnings():
     """Warnings about the logs as ``commpatch report: warning: ...`` lines (no source location)."""
     import warnings
 
-    from .export import LogFileWarning
+    from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", LogFileWarning)
@@ -284,7 +286,7 @@ def _read_steps(path):
     if impossible.any():
         import warnings
 
-        from .export import LogFileWarning
+        from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
 
         warnings.warn(f"--steps {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
                       LogFileWarning, stacklevel=2)
@@ -321,12 +323,12 @@ def _progress(args, what):
 def cmd_convert(args) -> int:
     """Binary rank logs (.cplog: a directory, its latest run, or files) to CSV or Parquet beside
     them; an existing file is never replaced."""
-    from . import export
-    from ._logfile import SUFFIX
+    from . import io  # lazy: the CLI's other commands never load numpy / pandas
+    from .data.logfile import SUFFIX  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
         with _plain_warnings():
-            files = [f for f in export.expand(args.paths) if f.endswith(SUFFIX)]
+            files = [f for f in io.expand(args.paths) if f.endswith(SUFFIX)]
         if not files:
             raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
         for path in files:
@@ -335,7 +337,7 @@ def cmd_convert(args) -> int:
                 print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
                 continue
             try:
-                export.convert(path, out)
+                io.convert(path, out)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
             print(out)

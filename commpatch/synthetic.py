@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .analysis.summaries import add_bandwidth
+from .data.frame import apply_schema
+from .data.schema import SCHEMA
+from .io.writer import write
+
 # (op, bytes, dtype) issued by every rank in each step, in this order
 PATTERN = (
     ("all_reduce", 1 << 22, "float32"),
@@ -32,8 +37,6 @@ def make_log(world_size: int = 4, steps: int = 10, **options):
     (``rank`` never issues the k-th collective), ``seed``.
     """
     import pandas as pd
-
-    from ._log import apply_schema
 
     return apply_schema(pd.concat(list(rank_logs(world_size, steps, **options)), ignore_index=True))
 
@@ -75,9 +78,6 @@ def rank_logs(world_size: int = 4, steps: int = 10, *, pattern=PATTERN, p2p: boo
 
 def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2p_after, p2p_us):
     import pandas as pd
-
-    from ._log import SCHEMA
-    from .analysis import add_bandwidth
 
     mismatch, missing = faults
     nbytes = nbytes.copy()
@@ -122,8 +122,6 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
 def write_rank_files(directory: str, world_size: int = 4, steps: int = 10, **options) -> list[str]:
     """Write one CSV per rank (``rank{r}.csv``) as a real job does, one rank in memory at a time."""
     import os
-
-    from .export import write
 
     return [write(frame, os.path.join(directory, f"rank{rank}.csv"))
             for rank, frame in enumerate(rank_logs(world_size, steps, **options))]

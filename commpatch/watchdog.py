@@ -22,7 +22,10 @@ import threading
 import time
 import traceback
 
-from . import _runtime
+from .data.ops import BY_NAME, OP_NAMES
+from .data.schema import TIMINGS, unpack_flags
+from .io.paths import rank_path
+from .record import state as _runtime
 
 LAST_ROWS = 20        # most recent rows shown after the pending calls
 STACK_LIMIT = 40      # frames per stack
@@ -126,8 +129,6 @@ class Watchdog(threading.Thread):
         if sink is not None and sink.path is not None:      # beside this rank's binary log
             directory = os.path.dirname(sink.path) or "."
         elif self.output_template:
-            from .export import rank_path
-
             directory = os.path.dirname(os.path.normpath(rank_path(self.output_template, rank=rank))) or "."
         return os.path.join(directory, FILE_NAME.format(rank=rank))
 
@@ -156,8 +157,6 @@ class Watchdog(threading.Thread):
         return "\n".join(lines)
 
     def _pending_lines(self, seq, entry, now_ns, frames, threads) -> list[str]:
-        from ._targets import OP_NAMES
-
         code, gid, numel, ident, start_ns, issue_stack = entry[:6]
         op, numel = OP_NAMES[code], self._numel(code, gid, numel)
         age = (now_ns - start_ns) / 1e9
@@ -183,8 +182,6 @@ class Watchdog(threading.Thread):
 
     def _numel(self, code: int, gid: int, numel: int) -> int:
         """Elements of the message: ops given a per-rank input move n times that (as the log says)."""
-        from ._targets import BY_NAME, OP_NAMES
-
         return numel * self._group(gid)[1] if BY_NAME[OP_NAMES[code]].size[0] == "xn" else numel
 
     def _group(self, gid: int) -> tuple:
@@ -195,9 +192,6 @@ class Watchdog(threading.Thread):
         return "?", 1, "?", "?"
 
     def _recent_lines(self, now_ns: int) -> list[str]:
-        from ._log import F_ASYNC, F_ERROR, T_SHIFT, TIMINGS
-        from ._targets import OP_NAMES
-
         rows = self.log.recent_rows()
         if len(rows) > LAST_ROWS:
             import numpy as np
@@ -212,8 +206,9 @@ class Watchdog(threading.Thread):
         for seq, op, gid, dtype, numel, flags, start, end, *_ in rows:
             name, numel = OP_NAMES[op], self._numel(op, gid, numel)
             known = dtype < len(names)
-            timing = TIMINGS[flags >> T_SHIFT] + (" async" if flags & F_ASYNC else "")
+            is_async, _, err, tcode = unpack_flags(flags)
+            timing = TIMINGS[tcode] + (" async" if is_async else "")
             lines.append(f"  {seq:>8}  {name:<24} {self._group(gid)[0]:<8} {names[dtype] if known else '?':<9} "
                          f"{numel:>10} {numel * sizes[dtype] if known else '?':>12} {(end - start) / 1e3:>10.1f}  "
-                         f"{timing:<12} {'error' if flags & F_ERROR else 'ok':<6} {(now_ns - start) / 1e9:>12.1f}")
+                         f"{timing:<12} {'error' if err else 'ok':<6} {(now_ns - start) / 1e9:>12.1f}")
         return lines

@@ -3,6 +3,10 @@ import os
 import pytest
 
 os.environ.setdefault("COMMPATCH_OUTPUT", "none")   # tests write files only where they ask to
+# Subprocesses (workers, scripts run from a temporary directory) import this checkout's commpatch,
+# not whichever one is installed in site-packages (an editable install may point at another tree).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -16,23 +20,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def no_patch_left_behind(request):
-    """Every test ends with the original torch functions in place (by identity), and with no
-    internal error of commpatch unless it injected faults on purpose (marker ``faults``)."""
+def fresh_session(request):
+    """Every test starts with a fresh default Session (log, timing, patcher), and ends with the
+    original torch functions in place (by identity), and with no internal error of commpatch
+    unless it injected faults on purpose (marker ``faults``)."""
+    from commpatch import session
+
+    session.new_default()
     yield
-    import commpatch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
-    from commpatch._targets import TARGET_NAMES
-    from commpatch._wrapper import MARK
+    from commpatch.data.ops import TARGET_NAMES
+    from commpatch.record import state
+    from commpatch.record.wrapper import MARK
 
-    from commpatch import _runtime
-
-    commpatch.disable()
-    commpatch.reset()
-    errors = dict(_runtime.ERRORS)
-    _runtime.ERRORS.clear()
-    _runtime._warned.clear()
+    session.new_default()          # closes the test's session: disabled, exit handler dropped
+    errors = dict(state.ERRORS)
+    state.reset_errors()
     if request.node.get_closest_marker("faults") is None:
         assert not errors, f"commpatch recorded internal errors: {errors}"
     for name in TARGET_NAMES + ("destroy_process_group",):

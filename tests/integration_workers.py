@@ -16,7 +16,7 @@ def witness_counts(prof) -> Counter:
 
 def claimed_counts(df) -> Counter:
     """gloo ops commpatch's rows say ran (integration ops declare what they issue underneath)."""
-    from commpatch._targets import BY_NAME
+    from commpatch.data.ops import BY_NAME
 
     out = Counter()
     for op in df["op"].astype(str):

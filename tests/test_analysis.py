@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from commpatch import analysis
-from commpatch._log import COLUMNS, SCHEMA
+from commpatch.data.schema import COLUMNS, SCHEMA
 from commpatch.synthetic import make_log
 
 

@@ -17,9 +17,10 @@ import pandas as pd
 import pytest
 
 import commpatch
-from commpatch import cli, export, merge
-from commpatch._log import SCHEMA_VERSION_KEY
-from commpatch.export import LogFileError, LogFileWarning
+from commpatch import analysis, cli
+from commpatch import io as cpio
+from commpatch.data.schema import SCHEMA_VERSION_KEY
+from commpatch.io import LogFileError, LogFileWarning
 from commpatch.synthetic import rank_logs
 
 
@@ -30,13 +31,13 @@ def frames():
 
 
 def write_csv(df, path):
-    export.write(df, str(path))
+    cpio.write(df, str(path))
     return str(path)
 
 
 def write_ranks(d, frames, suffix=".csv"):
     d.mkdir(parents=True, exist_ok=True)
-    return [export.write(f, str(d / f"rank{r}{suffix}")) for r, f in enumerate(frames)]
+    return [cpio.write(f, str(d / f"rank{r}{suffix}")) for r, f in enumerate(frames)]
 
 
 def replace_line(path, number, edit):
@@ -225,7 +226,7 @@ def reader(request, monkeypatch):
     class Reader(str):
         def use(self):
             if self == "pandas":
-                monkeypatch.setattr(export, "_pyarrow", lambda: None)
+                monkeypatch.setattr(cpio.writer, "_pyarrow", lambda: None)
 
     return Reader(request.param)
 
@@ -255,7 +256,7 @@ def no_reading(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the logs were read before the options were checked")
 
-    monkeypatch.setattr(merge, "read_logs", fail)
+    monkeypatch.setattr(cpio, "read", fail)
 
 
 def _blocker(tmp_path):
@@ -445,7 +446,7 @@ def test_read_csv_best_effort(case, frames, tmp_path, reader):
     argv, _, expected, named, phrase = BEST_EFFORT[case](tmp_path / "logs", frames)
     with warnings.catch_warnings():         # the clean log has its NaN durations too
         warnings.simplefilter("ignore", LogFileWarning)
-        ref = export.read(write_ranks(tmp_path / "reference", expected))
+        ref = cpio.read(write_ranks(tmp_path / "reference", expected))
     reader.use()
     with pytest.warns(LogFileWarning) as record:
         df = commpatch.read_csv([str(a) for a in argv])
@@ -476,8 +477,6 @@ def test_header_only_file_alone_reads_as_an_empty_log(frames, tmp_path):
 
 def test_analysis_never_counts_impossible_durations(frames):
     """In-memory logs too (not read from a file): inf / negative durations are unmeasured."""
-    from commpatch import analysis
-
     df = pd.concat(frames, ignore_index=True)
     df = df.assign(op=df["op"].astype("category"))
     bad = df.copy()
@@ -493,7 +492,7 @@ def test_parquet_with_the_schema_version_reads_without_a_warning(frames, tmp_pat
     import pyarrow.parquet as pq
 
     path = str(tmp_path / "rank0.parquet")
-    table = export.with_schema_version(pa.Table.from_pandas(frames[0], preserve_index=False))
+    table = cpio.with_schema_version(pa.Table.from_pandas(frames[0], preserve_index=False))
     pq.write_table(table, path)
     assert pq.read_schema(path).metadata[SCHEMA_VERSION_KEY] == b"2"
     with warnings.catch_warnings():

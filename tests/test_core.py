@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import commpatch
-from commpatch import _runtime, _session
-from commpatch._targets import TARGET_NAMES
+from commpatch import session as _session
+from commpatch.record import state as _runtime
+from commpatch.data.ops import TARGET_NAMES
 
 WORLD = 8
 
@@ -174,14 +175,14 @@ def test_file_round_trip_gives_the_same_dataframe(tmp_path, suffix):
 
 
 def test_round_trip_without_pyarrow(tmp_path, monkeypatch):
-    import commpatch.export as export
+    import commpatch.io as cpio
 
     commpatch.enable(output="none")
     _some_calls()
     df = commpatch.log()
-    monkeypatch.setattr(export, "_pyarrow", lambda: None)
-    path = export.write(df, str(tmp_path / "r.csv"))
-    pd.testing.assert_frame_equal(export.read(path), df)
+    monkeypatch.setattr(cpio.writer, "_pyarrow", lambda: None)
+    path = cpio.write(df, str(tmp_path / "r.csv"))
+    pd.testing.assert_frame_equal(cpio.read(path), df)
 
 
 def test_capture_scopes_recording_and_reset_clears():
@@ -207,15 +208,14 @@ def test_capture_scopes_recording_and_reset_clears():
 @pytest.mark.faults
 def test_internal_failure_never_breaks_the_collective(monkeypatch):
     """A fault inside commpatch: the collective runs and returns; one warning; counted."""
-    _runtime.ERRORS.clear()
-    _runtime._warned.clear()
+    _runtime.reset_errors()
     commpatch.enable(output="none")
 
     def broken(group):
         raise KeyError("injected")
 
-    monkeypatch.setattr(_session.LOG, "group_id", broken)
-    _session.LOG.group_ids.clear()
+    monkeypatch.setattr(_session.default().log, "group_id", broken)
+    _session.default().log.group_ids.clear()
     t = torch.ones(3)
     with pytest.warns(RuntimeWarning, match="internal error") as record:
         for _ in range(5):
@@ -229,14 +229,13 @@ def test_internal_failure_never_breaks_the_collective(monkeypatch):
 
 @pytest.mark.faults
 def test_timing_failure_keeps_the_row(monkeypatch):
-    _runtime.ERRORS.clear()
-    _runtime._warned.clear()
+    _runtime.reset_errors()
     commpatch.enable(output="none")
 
     def broken(*args):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(_session.TIMING, "future", broken)
+    monkeypatch.setattr(_session.default().timing, "future", broken)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dist.all_reduce(torch.ones(3), async_op=True).wait()
@@ -246,7 +245,7 @@ def test_timing_failure_keeps_the_row(monkeypatch):
 
 def test_compaction_keeps_every_row_and_late_durations():
     """More rows than one compaction chunk, async ones resolved after their chunk was compacted."""
-    from commpatch._log import CHUNK
+    from commpatch.record.log import CHUNK
 
     commpatch.enable(output="none")
     t = torch.ones(1)
@@ -259,7 +258,7 @@ def test_compaction_keeps_every_row_and_late_durations():
     assert (df["group_seq"].diff().dropna() == 1).all()
     assert df.loc[df["async_op"], "timing"].eq("future").all()
     assert df["duration_us"].notna().all()
-    assert _session.LOG.nbytes() / n < 120
+    assert _session.default().log.nbytes() / n < 120
 
 
 def test_torch_compile_runs_unchanged_and_its_collectives_are_not_seen():

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import commpatch
-from commpatch._log import compact_ranks, printable_name
+from commpatch.data.schema import compact_ranks, printable_name
 from tests.durable_worker import CALLS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,14 +147,14 @@ def test_reinitialising_with_another_rank_starts_a_new_file(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from commpatch import _session
+    from commpatch import session as _session
 
     commpatch.enable(output=str(tmp_path / "rank{rank}.csv"))
     for rank in (0, 1):
         dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store{rank}", rank=0, world_size=1)
-        _session.LOG.rank = -1 if rank == 0 else _session.LOG.rank
+        _session.default().log.rank = -1 if rank == 0 else _session.default().log.rank
         dist.all_reduce(torch.ones(2))
-        first = _session.LOG.sink.path
+        first = _session.default().log.sink.path
         dist.destroy_process_group()
         if rank == 0:
             assert first == str(tmp_path / "rank0.cplog")
@@ -227,9 +227,9 @@ def test_any_tag_string_round_trips_or_is_escaped(tmp_path, name):
     expected = printable_name(name)
     assert expected == name or "\\" in expected
     assert df["tag"].astype(str).tolist() == [expected, ""]
-    from commpatch import export
+    from commpatch import session
 
-    export.write_at_exit()
+    session.write_at_exit()
     for f in ("rank0.cplog", "rank0.csv"):
         back = commpatch.read_csv(str(tmp_path / f))
         assert back["tag"].astype(str).tolist() == [expected, ""], f

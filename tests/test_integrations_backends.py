@@ -5,7 +5,7 @@ one backend per device ("cpu:gloo,cuda:..."), and the registered name of a third
 import pytest
 import torch.distributed as dist
 
-from commpatch._log import _device_backends
+from commpatch.record.log import _device_backends
 from tests import integration_workers as w
 from tests.multiproc import run_ranks
 

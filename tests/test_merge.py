@@ -1,5 +1,5 @@
 """Cross-rank merge: planted stragglers and mismatches in synthetic logs are diagnosed exactly,
-the fast reader agrees with export.read, and on a real 4-rank gloo run the rank that sleeps
+the fast reader agrees with cpio.read, and on a real 4-rank gloo run the rank that sleeps
 before its collectives is named, with no false mismatch over every wrapped op."""
 
 import json
@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from commpatch import export, merge
+from commpatch import analysis
+from commpatch import io as cpio
 from commpatch.synthetic import PATTERN, make_log, write_rank_files
 from tests.multiproc import run_ranks
 
@@ -16,7 +17,7 @@ from tests.multiproc import run_ranks
 def test_planted_straggler_and_mismatch_are_found_exactly():
     k = 7                                          # the 8th collective: a broadcast in PATTERN
     df = make_log(4, 6, p2p=True, straggler=2, mismatch=(1, k), seed=3)
-    cr = merge.cross_rank(df)
+    cr = analysis.cross_rank(df)
     assert len(cr.collectives) == 6 * len(PATTERN)
     assert (cr.collectives["straggler"] == 2).all()
     assert (cr.collectives["skew_us"] > 1500).all()          # 2 ms delay, give or take the jitter
@@ -34,38 +35,38 @@ def test_planted_straggler_and_mismatch_are_found_exactly():
 
 def test_missing_collective_is_reported_at_its_first_occurrence():
     df = make_log(4, 3, missing=(3, 4))            # rank 3 skips the step's last all_reduce (1 KiB)
-    m = merge.mismatches(df)
+    m = analysis.mismatches(df)
     first = m.iloc[0]
     assert (first["kind"], first["coll_seq"]) == ("bytes", 4)       # from there on rank 3 is one behind
     assert "on rank(s) 3" in first["detail"]
     tail = make_log(4, 3, missing=(3, 14))          # the very last collective: nothing shifts, it is missing
-    m = merge.mismatches(tail)
+    m = analysis.mismatches(tail)
     assert m[["kind", "coll_seq"]].values.tolist() == [["missing", 14]]
     assert m["detail"].iloc[0] == "no record on rank(s) 3 (recorded by 0,1,2)"
 
 
 def test_no_false_alarm_without_faults_and_missing_files_are_not_errors():
     df = make_log(4, 3, p2p=True, straggler=None)
-    assert merge.mismatches(df).empty
-    cr = merge.cross_rank(df[df["rank"] != 1])     # rank 1's file not given
+    assert analysis.mismatches(df).empty
+    cr = analysis.cross_rank(df[df["rank"] != 1])     # rank 1's file not given
     assert cr.mismatches[cr.mismatches["kind"] != "p2p_unmatched"].empty
     assert cr.missing_logs == [1]
 
 
 def test_p2p_pairs_and_unmatched_send():
     df = make_log(2, 2, p2p=True)
-    pairs = merge.match_p2p(df)
+    pairs = analysis.match_p2p(df)
     assert len(pairs) == 4 and pairs["matched"].all() and not pairs["bytes_mismatch"].any()
     assert set(zip(pairs["src"], pairs["dst"])) == {(0, 1), (1, 0)}
     lost = df.drop(df.index[(df["op"] == "recv") & (df["rank"] == 1)][-1:])
-    m = merge.mismatches(lost)
+    m = analysis.mismatches(lost)
     assert m["kind"].tolist() == ["p2p_unmatched"]
     assert m["detail"].iloc[0] == "send #1 0->1 has no matching receive"
 
 
 def test_arrival_matrix_bins():
     df = make_log(4, 10, straggler=1)
-    a = merge.arrival_matrix(df, bins=5)
+    a = analysis.arrival_matrix(df, bins=5)
     assert a.shape == (4, 5) and a.index.tolist() == [0, 1, 2, 3]
     assert a.loc[1].min() > 1000 and a.drop(index=1).to_numpy().max() < 1000
 
@@ -73,9 +74,9 @@ def test_arrival_matrix_bins():
 def test_arrow_reader_matches_the_pandas_fallback(tmp_path, monkeypatch):
     write_rank_files(str(tmp_path), 3, 2, p2p=True)
     seen = []
-    fast = merge.read_logs(str(tmp_path), progress=lambda done, total: seen.append((done, total)))
-    monkeypatch.setattr(export, "_pyarrow", lambda: None)
-    slow = export.read(str(tmp_path))
+    fast = cpio.read(str(tmp_path), progress=lambda done, total: seen.append((done, total)))
+    monkeypatch.setattr(cpio.writer, "_pyarrow", lambda: None)
+    slow = cpio.read(str(tmp_path))
     assert seen == [(1, 3), (2, 3), (3, 3)]
     assert list(fast.columns) == list(slow.columns) and (fast.dtypes == slow.dtypes).all()
     for col in fast.columns:
@@ -91,7 +92,7 @@ def test_read_logs_accepts_files_without_newer_columns(tmp_path):
     df = make_log(2, 1)
     old = df.drop(columns=[c for c in ("module", "phase", "bucket", "bucket_params") if c in df.columns])
     old.to_csv(tmp_path / "rank0.csv", index=False)
-    back = merge.read_logs(str(tmp_path / "rank0.csv"))
+    back = cpio.read(str(tmp_path / "rank0.csv"))
     assert list(back.columns) == list(df.columns) and len(back) == len(df)
 
 
@@ -161,11 +162,11 @@ def test_real_run_names_the_sleeping_rank(gloo_logs, capsys):
 
 @pytest.mark.slow
 def test_real_run_every_op_matches_across_ranks(gloo_logs):
-    df = merge.read_logs(gloo_logs)
-    cr = merge.cross_rank(df)
+    df = cpio.read(gloo_logs)
+    cr = analysis.cross_rank(df)
     assert cr.mismatches.empty, cr.mismatches.to_dict("records")
     assert cr.collectives["missing"].sum() == 0
-    p2p = df["op"].isin(merge.P2P_OPS)
+    p2p = df["op"].isin(analysis.P2P_OPS)
     assert p2p.any() and cr.p2p["matched"].all()
     # every non-p2p call is in exactly one matched collective
     assert cr.collectives["ranks"].sum() == int((~p2p).sum())
@@ -175,7 +176,7 @@ def test_real_run_every_op_matches_across_ranks(gloo_logs):
 def test_real_run_trace_has_one_event_per_row(gloo_logs, tmp_path):
     from commpatch import trace
 
-    df = merge.read_logs(gloo_logs)
+    df = cpio.read(gloo_logs)
     path = trace.write_chrome_trace(df, str(tmp_path / "trace.json"))   # strict JSON: no NaN
     with open(path) as f:
         events = json.load(f)["traceEvents"]

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from commpatch._targets import TARGET_NAMES
+from commpatch.data.ops import TARGET_NAMES
 from tests import workers
 from tests.multiproc import run_ranks
 

@@ -3,8 +3,8 @@
 import os
 import re
 
-from commpatch._config import SETTINGS
-from commpatch._log import SCHEMA
+from commpatch.config import SETTINGS
+from commpatch.data.schema import SCHEMA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 import commpatch
-from commpatch import _runtime, _session, _wrapper
+from commpatch import session as _session
+from commpatch.record import state as _runtime
+from commpatch.record import wrapper as _wrapper
 from tests.fakepg import fake_world
 from tests.multiproc import run_ranks
 
@@ -81,7 +83,7 @@ def _cuda_event_raises():
 
 
 def _cuda_start_raises():
-    return _stack(cuda_wrappers(), mock.patch.object(_session.TIMING, "cuda_start", side_effect=injected))
+    return _stack(cuda_wrappers(), mock.patch.object(_session.default().timing, "cuda_start", side_effect=injected))
 
 
 CALLS = (("all_reduce", "sync"), ("all_reduce", "async"), ("broadcast", "sync"), ("all_gather", "sync"),
@@ -89,7 +91,7 @@ CALLS = (("all_reduce", "sync"), ("all_reduce", "async"), ("broadcast", "sync"),
 TENSOR_CALLS = ("sync", "async")
 EVERY_CALL = ("sync", "async", "object")
 FAULTS = [
-    Fault("timing source raises", lambda: mock.patch.object(_session.TIMING, "future", side_effect=injected),
+    Fault("timing source raises", lambda: mock.patch.object(_session.default().timing, "future", side_effect=injected),
           torch.Tensor, "timing", ("async",), True),
     Fault("cuda start raises", _cuda_start_raises, FakeCuda, "timing", TENSOR_CALLS, True),
     Fault("torch.cuda.Event raises", _cuda_event_raises, FakeCuda, "timing", TENSOR_CALLS, True),
@@ -156,8 +158,7 @@ def _faults_worker(rank, world_size):
         out[fault.name if fault else "none"] = (wrong, commpatch.internal_errors(), _warnings_of_commpatch(record),
                                                 len(df), int(df["timing"].eq("none").sum()))
         commpatch.reset()
-        _runtime.ERRORS.clear()
-        _runtime._warned.clear()
+        _runtime.reset_errors()
     return out
 
 
@@ -192,7 +193,7 @@ def test_fault_matrix_in_process(fault):
     assert len(df) == (3 * len(CALLS) if fault.keeps_rows else 0)
     if fault.tensor is FakeCuda:
         assert (df["device"] == "cuda").sum() == 3 * expected_count(fault)
-    assert _session.LOG.pending == {}
+    assert _session.default().log.pending == {}
 
 
 @pytest.mark.faults
@@ -245,7 +246,7 @@ EXIT_FAULTS = {
     "output directory removed": "shutil.rmtree(out)",
     "output directory replaced by a file": "shutil.rmtree(out); open(out, 'w').write('not a directory')",
     "pandas missing at export": "sys.modules['pandas'] = None",
-    "the CSV writer raises": "import commpatch.export as e; e.write_small_csv = lambda *a, **k: 1 / 0",
+    "the CSV writer raises": "import commpatch.io.writer as e; e.write_small_csv = lambda *a, **k: 1 / 0",
 }
 
 
@@ -309,7 +310,7 @@ def test_eight_threads_on_eight_groups_lose_and_duplicate_nothing():
         assert np.array_equal(np.sort(rows["group_seq"].to_numpy()), np.arange(calls))
         assert rows["seq"].is_monotonic_increasing and rows["group_seq"].is_monotonic_increasing
     assert df.loc[df["async_op"], "duration_us"].notna().all()
-    assert _session.LOG.pending == {}
+    assert _session.default().log.pending == {}
     for g in groups:
         dist.destroy_process_group(g)
 
@@ -330,7 +331,7 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
     import torch._dynamo
     import torch.distributed._functional_collectives as funcol
 
-    from commpatch import _compile_notice
+    from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
     before = funcol.traceable_collective_remaps
@@ -361,7 +362,7 @@ def test_torch_compile_without_collectives_says_nothing(monkeypatch):
     a compiled function whose collective runs eagerly (a ``torch._dynamo.disable``d call: recorded)."""
     import torch._dynamo
 
-    from commpatch import _compile_notice
+    from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
     torch._dynamo.reset()
@@ -387,7 +388,7 @@ def test_torch_compile_without_collectives_says_nothing(monkeypatch):
 def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd):
     import torch._dynamo
 
-    from commpatch import _compile_notice
+    from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
     torch._dynamo.reset()
@@ -430,8 +431,9 @@ def counting_events(monkeypatch):
 
 
 def test_timing_records_queries_and_synchronizes_no_event_while_capturing(monkeypatch, counting_events):
-    from commpatch._log import T_NONE, Log
-    from commpatch._timing import Timing
+    from commpatch.data.schema import T_NONE
+    from commpatch.record.log import Log
+    from commpatch.record.timing import Timing
 
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])

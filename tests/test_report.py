@@ -72,9 +72,9 @@ def test_steps_file(logs, capsys, tmp_path):
 
 
 def test_trace_loads_back_with_one_event_per_row(logs, capsys, tmp_path):
-    from commpatch import merge
+    from commpatch import io as cpio
 
-    df = merge.read_logs(logs)
+    df = cpio.read(logs)
     for name in ("trace.json", "trace.json.gz"):
         path = tmp_path / name
         assert run_cli(capsys, logs, "--trace", str(path))[0] == 0

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import commpatch
-from commpatch import _session
-from commpatch._log import CHUNK
+from commpatch import session as _session
+from commpatch.record.log import CHUNK
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +44,7 @@ def test_rows_reach_the_file_and_memory_stays_bounded(tmp_path):
     t = torch.ones(2)
     for i in range(n):
         dist.all_reduce(t, async_op=(i % 7 == 0))
-        peak = max(peak, len(_session.LOG.buf))
+        peak = max(peak, len(_session.default().log.buf))
     assert peak <= (CHUNK + 1) * 59 * 2, peak            # flushed every CHUNK calls at the latest
     assert os.path.getsize(tmp_path / "rank0.cplog") >= (n - CHUNK) * 59   # on disk while running
     df = commpatch.log()                                 # read back from the file
@@ -58,11 +58,9 @@ def test_exports_once_and_never_replace(tmp_path):
     out = tmp_path / "rank{rank}.csv"
     commpatch.enable(output=str(out))
     _calls(2 * CHUNK + 50)
-    from commpatch import export
-
-    first = export.write_at_exit()
+    first = _session.write_at_exit()
     assert str(tmp_path / "rank0.csv") in first
-    assert export.write_at_exit() == []                  # a second call writes nothing again
+    assert _session.write_at_exit() == []                  # a second call writes nothing again
     df = commpatch.read_csv(str(tmp_path / "rank0.csv"))
     assert len(df) == 2 * CHUNK + 50 and df["seq"].is_unique
 
@@ -76,9 +74,7 @@ def test_an_existing_file_is_never_replaced(tmp_path):
     assert (tmp_path / "rank0.csv").read_text() == "not ours\n"
     assert not (tmp_path / "victim").exists()
     assert (tmp_path / "rank0.2.cplog").exists()
-    from commpatch import export
-
-    assert export.write_at_exit() == [str(tmp_path / "rank0.2.csv")]
+    assert _session.write_at_exit() == [str(tmp_path / "rank0.2.csv")]
 
 
 def test_hard_cap_without_a_file_counts_dropped_rows():
@@ -99,11 +95,11 @@ def test_bad_max_rows(monkeypatch, env, value):
 
 FORK_SCRIPT = textwrap.dedent("""
     import multiprocessing, os, sys, time, torch, torch.distributed as dist, commpatch
-    from commpatch import export
+    from commpatch import session as _session
 
     def worker(q):                     # a DataLoader-like worker (fork start method)
         q.put(len(commpatch.log()))    # the parent's rows are not the child's
-        q.put(export.write_at_exit() or None)  # what its exit would do: write nothing
+        q.put(_session.write_at_exit() or None)  # what its exit would do: write nothing
         time.sleep(60)                 # then the parent terminates it (SIGTERM)
 
     if __name__ == "__main__":

@@ -7,8 +7,10 @@ import time
 import pytest
 
 import commpatch
-from commpatch import _runtime, _session, watchdog
-from commpatch._targets import OP_CODE
+from commpatch import session as _session
+from commpatch import watchdog
+from commpatch.record import state as _runtime
+from commpatch.data.ops import OP_CODE
 from tests.fakepg import fake_world
 from tests.multiproc import run_ranks
 
@@ -78,10 +80,10 @@ class StuckThread:
     def parked_in_a_collective(self):
         entry = list(self.entry)
         entry[3] = threading.get_ident()
-        _session.LOG.pending[self.seq] = tuple(entry)
+        _session.default().log.pending[self.seq] = tuple(entry)
         self.ready.set()
         self.release.wait(30)                  # the line the dump must show
-        _session.LOG.pending.pop(self.seq, None)
+        _session.default().log.pending.pop(self.seq, None)
 
     def __enter__(self):
         self.thread.start()
@@ -95,7 +97,7 @@ class StuckThread:
 
 def _dog(output):
     """A watchdog that is never started: tests call check() themselves (no waiting on time)."""
-    return watchdog.Watchdog(_session.LOG, THRESHOLD_S, output)
+    return watchdog.Watchdog(_session.default().log, THRESHOLD_S, output)
 
 
 def test_dump_lists_the_call_its_stack_and_the_last_rows_once_per_stuck_call(tmp_path, capsys):
@@ -129,11 +131,11 @@ def test_async_call_shows_where_it_was_issued_and_output_none_writes_to_cwd(tmp_
     import torch
     import torch.distributed as dist
 
-    from commpatch._log import T_FUTURE
+    from commpatch.data.schema import T_FUTURE
 
     monkeypatch.chdir(tmp_path)
     commpatch.enable(output="none", watchdog=600)
-    monkeypatch.setattr(_session.TIMING, "future", lambda *args: T_FUTURE)
+    monkeypatch.setattr(_session.default().timing, "future", lambda *args: T_FUTURE)
     work = dist.all_reduce(torch.ones(3), async_op=True)      # ISSUED HERE
     work.wait()
     dump = _dog("").check(now_ns=time.perf_counter_ns() + 10**10)
@@ -141,7 +143,7 @@ def test_async_call_shows_where_it_was_issued_and_output_none_writes_to_cwd(tmp_
     assert "in test_async_call_shows_where_it_was_issued" in dump
     assert "work = dist.all_reduce(torch.ones(3), async_op=True)      # ISSUED HERE" in dump
     assert (tmp_path / "hang_rank0.txt").read_text() == dump
-    _session.LOG.pending.clear()
+    _session.default().log.pending.clear()
     capsys.readouterr()
 
 

@@ -29,11 +29,11 @@ from __future__ import annotations
 import contextlib
 import time
 
-from .. import _runtime
-from .._log import T_HOST, T_NONE
-from .._targets import OP_CODE
-from .._wrapper import SEQ
-from . import record, when_imported
+from ..data.ops import OP_CODE
+from ..data.schema import T_HOST, T_NONE
+from ..record import state as _runtime
+from ..record.rows import SEQ
+from .base import Integration, record, when_imported
 
 C10D = "torch.distributed.distributed_c10d"
 _pc = time.perf_counter_ns
@@ -104,3 +104,11 @@ def _record(ctx, pg, queue, span, end, cm, err) -> None:
         tcode = ctx.timing.future(seq, start, list(cm.works), op) if cm.works else T_NONE
     record(ctx.log, "coalesced." + name, pg, queue[0].tensor, numel, start, end, cm is not None, tcode, err, seq=seq)
     ctx.log.buckets.append((seq, seq + 1, -1, len(queue)))
+
+
+INTEGRATION = Integration(
+    name="coalescing",
+    patches="distributed_c10d._coalescing_manager (in distributed_c10d and torch.distributed)",
+    relies_on=("distributed_c10d._coalescing_manager", "_world.pg_coalesce_state (the queued _CollOp list)",
+               "_IllegalWork"),
+    wanted=wanted, apply=apply)

@@ -51,12 +51,12 @@ import functools
 import time
 import weakref
 
-from .. import _runtime
-from .._log import T_FUTURE, T_HOST
-from .._runtime import P_BACKWARD
-from .._session import _peek_seq
-from .._wrapper import SEQ
-from . import modules, record, when_imported
+from ..data.schema import P_BACKWARD, T_FUTURE, T_HOST
+from ..record import state as _runtime
+from ..record.rows import SEQ
+from ..record.rows import peek_seq as _peek_seq
+from . import modules
+from .base import Integration, record, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
 _pc = time.perf_counter_ns
@@ -417,3 +417,13 @@ def _rebuild_buckets(log, orig):
         return rebuilt
 
     return _rebuild_buckets
+
+
+INTEGRATION = Integration(
+    name="ddp",
+    patches="DistributedDataParallel: __init__, forward pre-hook, register_comm_hook, _register_builtin_comm_hook, "
+            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs",
+    relies_on=("torch.nn.parallel.distributed.DistributedDataParallel.reducer", "dist._register_comm_hook",
+               "Reducer._run_allreduce_hook", "GradBucket (index, parameters, buffer, is_last)",
+               "DistributedDataParallel._set_forward_pass_work_handle / _pre_forward"),
+    wanted=wanted, apply=apply)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import weakref
 
-from .. import _runtime
-from .._runtime import P_BACKWARD
-from . import modules, when_imported
+from ..data.schema import P_BACKWARD
+from ..record import state as _runtime
+from . import modules
+from .base import Integration, when_imported
 
 FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 FSDP1 = "torch.distributed.fsdp._runtime_utils"
@@ -85,3 +86,11 @@ def _attributed(orig, unit_of):
             state.where = where
 
     return wrapper
+
+
+INTEGRATION = Integration(
+    name="fsdp",
+    patches="FSDP2 FSDPParamGroup.unshard / post_backward; FSDP1 _runtime_utils._unshard / _reduce_grad",
+    relies_on=(FSDP2 + ".FSDPParamGroup", FSDP1 + " (_unshard, _reduce_grad, handle._fully_sharded_module)",
+               "torch._C._current_graph_task_id"),
+    wanted=wanted, apply=apply)

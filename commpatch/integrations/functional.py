@@ -15,10 +15,10 @@ from __future__ import annotations
 import inspect
 import time
 
-from .. import _runtime
-from .._log import T_HOST, T_NONE, T_WAIT
-from .. import _compile_notice
-from . import record, when_imported
+from ..data.schema import T_HOST, T_NONE, T_WAIT
+from ..patch import compile_notice as _compile_notice
+from ..record import state as _runtime
+from .base import Integration, record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -153,3 +153,12 @@ def _process_group(funcol, cache: dict, group, tag: str):
     if key is not None:
         cache[key] = pg
     return pg
+
+
+INTEGRATION = Integration(
+    name="functional",
+    patches="the leaf functions of torch.distributed._functional_collectives (FUNCTIONS), and the wait of their "
+            "AsyncCollectiveTensor results",
+    relies_on=("torch.distributed._functional_collectives (leaf functions, _resolve_group_name / "
+               "c10d._resolve_process_group)", "AsyncCollectiveTensor.wait_tensor", "torch.compiler.is_compiling"),
+    wanted=wanted, apply=apply)

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import weakref
 
-from .. import _runtime
-from .._runtime import P_BACKWARD, P_FORWARD, P_OPTIMIZER
-from . import when_imported
+from ..data.schema import P_BACKWARD, P_FORWARD, P_OPTIMIZER, pack_where
+from ..record import state as _runtime
+from .base import Integration, when_imported
 
 
 class _Codes:
@@ -109,7 +109,7 @@ def _named_modules(root):
 
 
 def where(module, phase: int) -> int:
-    return (code_of(module) << 2) | phase
+    return pack_where(code_of(module), phase)
 
 
 def apply(ctx) -> None:
@@ -137,7 +137,7 @@ def _install(ctx, compiler) -> None:
             code = code_of(module) if not stack else _child_code(module)
         stack.append((id(module), state.where))
         if code >= 0:
-            state.where = (code << 2) | P_FORWARD
+            state.where = (code << 2) | P_FORWARD     # pack_where inlined: this runs per module call
 
     def forward_post(module, args, output):
         if compiling() or not stack:
@@ -159,7 +159,7 @@ def _install(ctx, compiler) -> None:
         code = codes.get(module)
         if node is None or code is None or code < 0:
             return
-        marker = (code << 2) | P_BACKWARD
+        marker = pack_where(code, P_BACKWARD)
 
         def begin(grad_outputs):
             previous = state.where
@@ -176,7 +176,7 @@ def _install(ctx, compiler) -> None:
         if compiling():
             return
         stack.append((id(optimizer), state.where))
-        state.where = P_OPTIMIZER | (_optimizer_code(optimizer) << 2)
+        state.where = pack_where(_optimizer_code(optimizer), P_OPTIMIZER)
 
     def optim_post(optimizer, args, kwargs):
         if compiling():
@@ -263,3 +263,14 @@ def _grad_fn(output):
         if node is not None:
             return node
     return None
+
+
+INTEGRATION = Integration(
+    name="modules",
+    patches="global nn.Module forward pre/post hooks, optimizer step pre/post hooks, a grad_fn pre-hook per root "
+            "output, torch.nn.modules.module._has_any_global_hook",
+    relies_on=("torch.nn.modules.module.register_module_forward_pre_hook / _hook",
+               "torch.optim.optimizer.register_optimizer_step_pre_hook / post_hook",
+               "torch.nn.modules.module._has_any_global_hook", "Variable._execution_engine.queue_callback",
+               "torch.compiler.is_compiling"),
+    wanted=wanted, apply=apply, remove=remove)

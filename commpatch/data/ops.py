@@ -1,10 +1,11 @@
 """The declarative table of what is wrapped, and how each call's arguments are read.
 
-One row per public ``torch.distributed`` function. Patch, unpatch, argument reading,
+One row per public ``torch.distributed`` function (plus the extra ops the integrations
+record). Data only: no torch import; ``record.readers`` compiles each row's argument reader. Patch, unpatch, argument reading,
 byte counting and the bus-bandwidth factor are all driven from this table; nothing else
 lists op names.
 
-Size rules (``S`` is the message size as nccl-tests counts it, DESIGN.md section 4):
+Size rules (``S`` is the message size as nccl-tests counts it, docs/design-notes.md, bandwidth):
 
 - ``t``      numel of one tensor argument
 - ``list``   sum of numel over a list of tensors
@@ -18,7 +19,6 @@ Size rules (``S`` is the message size as nccl-tests counts it, DESIGN.md section
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 C10D = "torch.distributed.distributed_c10d"
@@ -104,78 +104,22 @@ OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
 BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}
 OP_CODE = {name: i for i, name in enumerate(OP_NAMES)}
 
-# dtype sentinels for rows without a tensor of their own
-NO_TENSOR = None
+# dtype name of the rows of object collectives (their bytes are those of the tensors they moved)
 OBJECT = "object"
 
 
-def reader_lines(target: Target, fn, direct: bool = False) -> list[str]:
-    """Statements that set ``t, numel, group, async_op, peer`` from the call's arguments.
+def bus_factor(kind: str, n):
+    """nccl-tests bus-bandwidth factor for a factor kind and group size(s) ``n``."""
+    import numpy as np
 
-    ``direct``: the code runs in a function with ``fn``'s own signature, so each parameter
-    is a local variable. Otherwise it reads ``args``/``kwargs``, with positions from the
-    installed function's signature. Either way the table holds only parameter names and
-    works across torch versions whose positional order differs.
-    """
-    params = list(inspect.signature(fn).parameters)
-
-    def arg(name: str, default: str = "None") -> str:
-        if direct:
-            return name if name in params else default
-        if name in params:
-            i = params.index(name)
-            return f"(args[{i}] if n > {i} else kwargs.get({name!r}, {default}))"
-        return f"kwargs.get({name!r}, {default})"
-
-    lines = [] if direct else ["n = len(args)"]
-    lines.append(f"group = {arg('group')}" if "group" in params else "group = None")
-    rule, sparam = target.size
-    if target.tensor is not None:
-        lines.append(f"t = {arg(target.tensor)}")
-        if target.tensor.endswith(("_list", "tensors")):
-            lines.append("t = t[0] if t else None")
-    else:
-        lines.append("t = None")
-    if rule in ("t", "xn"):
-        lines.append("numel = t.numel()" if sparam == target.tensor else f"numel = {arg(sparam)}.numel()")
-    elif rule == "list":
-        lines.append(f"numel = sum([x.numel() for x in {arg(sparam)}])")
-    elif rule == "lists":
-        lines.append(f"numel = sum([x.numel() for xs in {arg(sparam)} for x in xs])")
-    elif rule == "p2p":
-        lines += [f"ops = {arg(sparam)}", "t = ops[0].tensor if ops else None",
-                  "numel = sum([p.tensor.numel() for p in ops])", "group = ops[0].group if ops else None"]
-    else:
-        lines.append("numel = 0")
-    if isinstance(target.asynchronous, bool):
-        lines.append(f"async_op = {target.asynchronous}")
-    else:
-        lines.append(f"async_op = {arg(target.asynchronous, 'False')}")
-    if target.peer:
-        gname, lname = target.peer
-        lines.append(f"peer = {arg(gname)}")
-        if lname in params:
-            lines += ["if peer is None:", f"    peer = group_peer(group, {arg(lname)})"]
-    else:
-        lines.append("peer = -1")
-    return lines
-
-
-def make_reader(target: Target, fn):
-    """``read(args, kwargs) -> (t, numel, group, async_op, peer)`` compiled from reader_lines."""
-    body = "\n".join("    " + line for line in reader_lines(target, fn))
-    source = f"def read(args, kwargs):\n{body}\n    return t, numel, group, async_op, peer\n"
-    ns = {"group_peer": group_peer}
-    exec(source, ns)  # noqa: S102 - source built from the table above only
-    return ns["read"]
-
-
-def group_peer(group, group_rank) -> int:
-    """Global rank of a group-local peer, -1 when unknown."""
-    if group_rank is None:
-        return -1
-    if group is None:
-        return group_rank
-    import torch.distributed as dist
-
-    return dist.get_global_rank(group, group_rank)
+    n = np.asarray(n, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == ALLREDUCE:
+            return 2.0 * (n - 1) / n
+        if kind in (ALLGATHER, REDUCESCATTER, ALLTOALL, ROOTED_N):
+            return (n - 1) / n
+        if kind == ONE:
+            return np.ones_like(n)
+        if kind == NO_BW:
+            return np.full_like(n, np.nan)
+    raise ValueError(f"unknown bandwidth kind {kind!r}")

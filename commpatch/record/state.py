@@ -11,6 +11,7 @@ import threading
 import warnings
 
 
+
 class State:
     """Mutable process-wide switches (plain attributes: one read each on the hot path)."""
 
@@ -20,7 +21,7 @@ class State:
         self.step = 0             # commpatch.step() counter
         self.tag = 0              # index into TAGS; 0 is no tag
         self.nesting = 0          # nesting ops (object collectives, send, ...) running in any thread
-        self.where = 0            # (index into MODULES) << 2 | index into PHASES
+        self.where = 0            # (index into MODULES) << 2 | index into data.schema.PHASES (data.schema.pack_where)
         self.settings: dict = {}
 
 
@@ -37,8 +38,6 @@ COALESCING: dict = {}
 TAGS: list[str] = [""]
 _TAG_INDEX = {"": 0}
 MODULES: list[str] = [""]          # module FQNs seen by commpatch.integrations.modules
-PHASES = ("other", "forward", "backward", "optimizer")
-P_OTHER, P_FORWARD, P_BACKWARD, P_OPTIMIZER = range(4)
 
 # Internal failures: counted per kind, warned once per kind. The user's call proceeds.
 ERRORS: dict[str, int] = {}
@@ -78,6 +77,13 @@ def _consequence(kind: str, rows: int) -> str:
     if kind.startswith("watchdog"):
         return "the hang dump went to stderr only" if kind == "watchdog.file" else "the watchdog may miss a hang"
     return "the collective proceeds"
+
+
+def reset_errors() -> None:
+    """Forget the internal errors counted so far (and that their kinds were warned)."""
+    with _errors_lock:
+        ERRORS.clear()
+        _warned.clear()
 
 
 def after_fork() -> None:

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 import threading
 import time
 
-from . import _runtime
-from ._runtime import COALESCING
-from ._log import CHUNK_MASK, F_ASYNC, F_CUDA, F_ERROR, ROW, T_CUDA, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHIFT
-from ._targets import OBJECT, OP_CODE, Target, group_peer, make_reader, reader_lines
+from ..data.ops import OBJECT, OP_CODE, Target
+from ..data.schema import ROW, T_CUDA, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHIFT, pack_flags
+from . import state as _runtime
+from .log import CHUNK_MASK
+from .readers import group_peer, make_reader, reader_lines
+from .rows import SEQ, Pending, write_row
+from .state import COALESCING
 
-SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
-MARK = "__commpatch_original__"
+MARK = "__commpatch_original__"   # attribute of every wrapper commpatch installs: the original
 
 
 # The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
@@ -72,7 +73,8 @@ def {name}({params}):
 _RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
              "fail", "slow", "t", "numel", "peer", "start", "pc", "result", "error_row",
              "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
-             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor"}
+             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor", "Pending",
+             "pending", "get_ident"}
 
 
 def signature_source(fn):
@@ -133,7 +135,6 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     xn = target.size[0] == "xn"
     no_tensor_dtype = OBJECT if nested_op else None
     state, local, fail = _runtime.STATE, _runtime.LOCAL, _runtime.fail
-    rows_append = log.rows.append
     pc = time.perf_counter_ns
     next_seq = SEQ.__next__
     coalescing = _coalesce_state()
@@ -153,7 +154,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         if (async_op or cuda) and not err:
             # in flight until its timing resolves: registered before the completion callback is
             # attached, because then() on an already completed future runs the callback inline
-            pending[seq] = (code, gid, numel, get_ident(), start, _issue_stack() if watch else None)
+            pending[seq] = Pending(code, gid, numel, get_ident(), start, _issue_stack() if watch else None)
         try:
             if queued:
                 tcode = T_NONE         # only queued: the coalesced op runs when the manager exits
@@ -168,9 +169,8 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             tcode = T_NONE
         if tcode not in PENDING_TIMINGS:
             pending.pop(seq, None)
-        flags = (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
-        rows_append((seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel, flags,
-                     start, end, peer, state.step, state.tag, state.where))
+        write_row(log, seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel,
+                  pack_flags(async_op, cuda, err, tcode), start, end, peer)
         if not seq & CHUNK_MASK:
             maintain(seq)
 
@@ -208,7 +208,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             if nested_op:
                 local.nested = 0
         if watch:
-            pending[seq] = (code, gid, numel, get_ident(), pc(), None)
+            pending[seq] = Pending(code, gid, numel, get_ident(), pc(), None)
         start = pc()
         try:
             result = orig(*args, **kwargs)
@@ -253,7 +253,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         slow_test += f" or (t is not None and (t.__class__ is not Tensor{cuda_test}))"
     dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
         else str(log.dtype_id(no_tensor_dtype))
-    watch_enter = "\n    pending[seq] = (code, gid, numel, get_ident(), start, None)" if watch else ""
+    watch_enter = "\n    pending[seq] = Pending(code, gid, numel, get_ident(), start, None)" if watch else ""
     watch_exit = "\n    pending.pop(seq, None)" if watch else ""
     sig = signature_source(orig)
     if sig is not None:
@@ -270,7 +270,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
               next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
               extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
               HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
-              group_peer=group_peer, pending=pending, get_ident=get_ident, Tensor=Tensor, **defaults)
+              group_peer=group_peer, pending=pending, get_ident=get_ident, Pending=Pending, Tensor=Tensor, **defaults)
     exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
     wrapper = ns[target.name]
     functools.update_wrapper(wrapper, orig)
@@ -309,6 +309,12 @@ def _add_nested(read, xn, args, kwargs) -> None:
 
 
 _nesting_lock = threading.Lock()
+
+
+def after_fork() -> None:
+    """A fresh lock in a forked child (the parent's may have been held by another thread)."""
+    global _nesting_lock
+    _nesting_lock = threading.Lock()
 
 
 def _nesting(delta: int) -> None:

@@ -7,17 +7,21 @@ One wrapper object per function, installed in every namespace that holds the ori
 functions by identity (``op.op is isend`` in ``batch_isend_irecv``). Removal restores the
 recorded originals by identity from our own registry. Post-import hooks (wrapt) patch
 modules imported later; they cannot be unregistered, so they check state and identity.
+The integrations are applied by the session, after this (``commpatch.integrations``).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import wrapt
 
-from . import _compile_notice, _runtime
-from ._targets import C10D, DIST, TARGETS
-from ._wrapper import MARK, make_wrapper
+from ..data.ops import C10D, DIST, TARGETS
+from ..record import state as _runtime
+from ..record.wrapper import MARK, make_wrapper
+from . import compile_notice as _compile_notice
+from .hooks import when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _ALSO_IN = {t.name: t.also_in for t in TARGETS}
@@ -28,15 +32,15 @@ def _namespaces(name: str) -> tuple[str, ...]:
 
 
 class Patcher:
-    def __init__(self, log, timing) -> None:
+    def __init__(self, log, timing, on_destroy=None) -> None:
         self.log = log
         self.timing = timing
+        self.on_destroy = on_destroy                 # called at destroy_process_group() of the default group
         self.originals: dict[str, object] = {}       # op name -> original function
         self.wrappers: dict[str, object] = {}        # op name -> the one wrapper object
         self.installed: list[tuple[object, str]] = []  # (module, attribute) we replaced
         self.remaps: list[object] = []               # wrappers added to dynamo's remap table
         self._hooked: set[str] = set()
-        self.integrations = None                     # integrations.Context while applied
 
     @property
     def active(self) -> bool:
@@ -62,15 +66,8 @@ class Patcher:
         self._patch_user_modules()
         self._add_remaps()
         self._hook(FUNCOL)
-        from . import integrations
-
-        self.integrations = integrations.apply(self.log, self.timing, _runtime.STATE.settings)
 
     def remove(self) -> None:
-        from . import integrations
-
-        integrations.remove(self.integrations)
-        self.integrations = None
         for mod, attr in reversed(self.installed):
             current = getattr(mod, attr, None)
             orig = getattr(current, MARK, None)
@@ -97,17 +94,14 @@ class Patcher:
         self._hooked.add(modname)
 
         def on_import(module, modname=modname):
-            try:
-                if not self.active:
-                    return
-                if modname == FUNCOL:
-                    self._add_remaps()
-                for attr in list(self.wrappers):
-                    self._patch_module(modname, attr)
-            except Exception as exc:  # noqa: BLE001
-                _runtime.fail("patch.import_hook", exc)
+            if not self.active:
+                return
+            if modname == FUNCOL:
+                self._add_remaps()
+            for attr in list(self.wrappers):
+                self._patch_module(modname, attr)
 
-        wrapt.register_post_import_hook(on_import, modname)
+        when_imported(modname, on_import, run_now=False, error_kind="patch.import_hook")
 
     def _patch_user_modules(self) -> None:
         """Catch ``from torch.distributed import all_reduce`` done before enable().
@@ -156,21 +150,17 @@ class Patcher:
         orig = getattr(c10d, "destroy_process_group", None)
         if orig is None or hasattr(orig, MARK):
             return
-        log, timing = self.log, self.timing
+        log, timing, on_destroy = self.log, self.timing, self.on_destroy
 
         def destroy_process_group(*args, **kwargs):
             try:
                 timing.resolve(block=True)
-                if not args and kwargs.get("group") is None:
-                    from . import export
-
-                    export.write_at_exit(reason="destroy_process_group")
+                if not args and kwargs.get("group") is None and on_destroy is not None:
+                    on_destroy()
                 log.forget_groups()
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("destroy_process_group", exc)
             return orig(*args, **kwargs)
-
-        import functools
 
         functools.update_wrapper(destroy_process_group, orig)
         setattr(destroy_process_group, MARK, orig)

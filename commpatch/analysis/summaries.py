@@ -9,23 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._targets import (ALLGATHER, ALLREDUCE, ALLTOALL, BY_NAME, NO_BW, ONE,
-                       REDUCESCATTER, ROOTED_N)
-
-
-def bus_factor(kind: str, n):
-    """nccl-tests bus-bandwidth factor for a factor kind and group size(s) ``n``."""
-    n = np.asarray(n, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if kind == ALLREDUCE:
-            return 2.0 * (n - 1) / n
-        if kind in (ALLGATHER, REDUCESCATTER, ALLTOALL, ROOTED_N):
-            return (n - 1) / n
-        if kind == ONE:
-            return np.ones_like(n)
-        if kind == NO_BW:
-            return np.full_like(n, np.nan)
-    raise ValueError(f"unknown bandwidth kind {kind!r}")
+from ..data.ops import BY_NAME, NO_BW, bus_factor
 
 
 def durations(df) -> np.ndarray:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .data.ops import TARGET_NAMES
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
@@ -48,8 +50,6 @@ def _parse_ops(name: str, env: str, value: Any) -> tuple[str, ...] | None:
     ops = tuple(op.strip() for op in items if op.strip())
     if not ops or ops == ("all",):
         return None
-    from ._targets import TARGET_NAMES
-
     unknown = [op for op in ops if op not in TARGET_NAMES]
     if unknown:
         raise ConfigError(

@@ -7,7 +7,7 @@
   events are queried lazily, and synchronized only when the log is read or written.
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
-Durations land in ``Log.done`` (seq -> ns) and are folded into compact arrays by ``Log.maintain``.
+Durations land in ``Log.done`` (seq -> ns) and are flushed to the rank log by ``Log.flush``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 import threading
 import time
 
-from . import _runtime
-from ._log import T_CUDA, T_FUTURE, T_NCCL, T_NONE
+from ..data.schema import T_CUDA, T_FUTURE, T_NCCL, T_NONE
+from . import state as _runtime
 
 _pc = time.perf_counter_ns
 

@@ -1,0 +1,326 @@
+"""Cross-rank analysis: read every rank's file, match the same collective across ranks, and
+report arrival skew, stragglers, time spent waiting for peers, and mismatches.
+
+Matching rule. A collective is identified by its group and its *collective sequence number*
+``coll_seq``: the log's ``group_seq`` minus the point-to-point calls this rank made on that
+group before it. Point-to-point ops (``P2P_OPS``) involve two ranks only, so they advance
+``group_seq`` on those two ranks and not on the others; leaving them in would misalign every
+later collective. They are matched separately, pairwise: the k-th send (send, isend) from
+rank a to rank b on a group with the k-th receive (recv, irecv) of rank b from rank a, and
+``send_object_list`` with ``recv_object_list`` likewise. ``batch_isend_irecv`` rows carry no
+peer and are left out of both matchings. Receives from any source (peer -1) are left out too.
+
+Everything here is DataFrame -> DataFrame (or a small bundle of DataFrames); nothing prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.schema import expand_ranks
+from .summaries import durations
+
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
+# p2p op -> (direction, channel): sends pair with receives of the same channel
+P2P_SIDES = {"send": ("send", "tensor"), "isend": ("send", "tensor"), "recv": ("recv", "tensor"),
+             "irecv": ("recv", "tensor"), "send_object_list": ("send", "object"),
+             "recv_object_list": ("recv", "object")}
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+
+# ---- matching ---------------------------------------------------------------------------
+def _runs(*sorted_keys):
+    """First/last positions of runs of equal values in already sorted key arrays."""
+    n = len(sorted_keys[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    change = np.zeros(n, bool)
+    change[0] = True
+    for k in sorted_keys:
+        change[1:] |= k[1:] != k[:-1]
+    first = np.flatnonzero(change)
+    last = np.append(first[1:] - 1, n - 1)
+    return first, last
+
+
+def collective_seq(df):
+    """Per row: the collective sequence number within (rank, group), p2p calls left out (-1 for them)."""
+    p2p = df["op"].isin(P2P_OPS).to_numpy()
+    rank = df["rank"].to_numpy()
+    group = df["group"].cat.codes.to_numpy() if hasattr(df["group"], "cat") else \
+        df["group"].astype("category").cat.codes.to_numpy()
+    gseq = df["group_seq"].to_numpy()
+    order = np.lexsort((gseq, group, rank))
+    first, last = _runs(rank[order], group[order])
+    cum = np.cumsum(p2p[order])
+    base = np.repeat(np.append(0, cum)[first], last - first + 1)     # p2p calls before the run
+    before = cum - p2p[order] - base                                 # p2p calls before this row
+    out = np.empty(len(df), np.int64)
+    out[order] = np.where(p2p[order], -1, gseq[order] - before)
+    return out
+
+
+def _present_ranks(df) -> np.ndarray:
+    return np.unique(df["rank"].to_numpy())
+
+
+def _expected(group_ranks, present) -> dict[str, frozenset]:
+    """group_ranks string -> the ranks of that group that have a log here."""
+    present = set(present.tolist())
+    return {s: frozenset(r for r in expand_ranks(s) if r in present) for s in group_ranks}
+
+
+def match_collectives(df):
+    """One row per collective (group, coll_seq) matched across ranks; p2p ops left out.
+
+    Columns: group, coll_seq, op, dtype, bytes (of the earliest rank), step, ranks (how many
+    ranks recorded it), expected_ranks (members of the group that have a log here),
+    first_start_ns, last_start_ns, skew_us (latest minus earliest issue time), straggler (the
+    rank that issued it last), mean_duration_us, max_duration_us, op_mismatch, dtype_mismatch,
+    bytes_mismatch, missing (ranks < expected_ranks).
+    """
+    return _match(df)[0]
+
+
+def _match(df):
+    """(collectives table, per-row waits, the collective rows, their coll_seq): shared by the
+    functions of this module so that ``cross_rank`` matches only once."""
+    import pandas as pd
+
+    cseq = collective_seq(df)
+    keep = cseq >= 0
+    sub = df[keep]
+    cseq = cseq[keep]
+    group = sub["group"].cat.codes.to_numpy().astype(np.int64)
+    start = sub["start_ns"].to_numpy()
+    rank = sub["rank"].to_numpy()
+    order = np.lexsort((rank, start, cseq, group))
+    first, last = _runs(group[order], cseq[order])
+    size = last - first + 1
+    run_of = np.repeat(np.arange(len(first)), size)                 # sorted row -> collective
+    f_rows, l_rows = order[first], order[last]
+
+    def differs(codes):
+        codes = codes[order]
+        return np.maximum.reduceat((codes != codes[first][run_of]).astype(np.int8), first).astype(bool) \
+            if len(first) else np.zeros(0, bool)
+
+    op_codes = sub["op"].cat.codes.to_numpy()
+    dtype_codes = sub["dtype"].cat.codes.to_numpy()
+    nbytes = sub["bytes"].to_numpy()
+    duration = durations(sub)
+    dur_sorted = duration[order]
+    with np.errstate(invalid="ignore"):
+        total_dur = np.add.reduceat(np.nan_to_num(dur_sorted), first) if len(first) else np.zeros(0)
+        measured = np.add.reduceat((~np.isnan(dur_sorted)).astype(np.int64), first) if len(first) else np.zeros(0)
+        max_dur = np.fmax.reduceat(dur_sorted, first) if len(first) else np.zeros(0)
+    expected_sets = _expected(sub["group_ranks"].cat.categories, _present_ranks(df))
+    ranks_cat = sub["group_ranks"]
+    expected_n = np.array([len(expected_sets[s]) for s in ranks_cat.cat.categories], np.int64)
+    expected = expected_n[ranks_cat.cat.codes.to_numpy()[f_rows]] if len(first) else np.zeros(0, np.int64)
+    table = pd.DataFrame({
+        "group": sub["group"].iloc[f_rows].to_numpy(),
+        "coll_seq": cseq[f_rows],
+        "op": sub["op"].iloc[f_rows].to_numpy(),
+        "dtype": sub["dtype"].iloc[f_rows].to_numpy(),
+        "bytes": nbytes[f_rows],
+        "step": sub["step"].to_numpy()[f_rows],
+        "ranks": size,
+        "expected_ranks": expected,
+        "first_start_ns": start[f_rows],
+        "last_start_ns": start[l_rows],
+        "skew_us": (start[l_rows] - start[f_rows]) / 1e3,
+        "straggler": rank[l_rows],
+        "mean_duration_us": np.where(measured > 0, total_dur / np.maximum(measured, 1), np.nan),
+        "max_duration_us": max_dur,
+        "op_mismatch": differs(op_codes),
+        "dtype_mismatch": differs(dtype_codes),
+        "bytes_mismatch": differs(nbytes),
+    })
+    table["missing"] = table["ranks"] < table["expected_ranks"]
+    # time each rank waited for the last arrival, bounded by the call's own measured duration
+    wait, skew, arrival, coll = np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub), np.int64)
+    wait[order] = (start[l_rows][run_of] - start[order]) / 1e3
+    arrival[order] = (start[order] - start[f_rows][run_of]) / 1e3
+    skew[order] = table["skew_us"].to_numpy()[run_of]
+    coll[order] = run_of
+    last = np.zeros(len(sub), bool)
+    last[l_rows[size > 1]] = True
+    waits = pd.DataFrame({"rank": rank, "collective": coll, "arrival_us": arrival,
+                          "wait_us": np.minimum(wait, duration), "duration_us": duration,
+                          "last": last, "skew_us": skew})
+    return table, waits, sub, cseq
+
+
+def rank_table(df, matched=None):
+    """Per rank: how often and by how much it arrived last, and its time spent waiting.
+
+    Columns: rank, collectives, last_count (collectives of two or more ranks it issued last),
+    last_share, late_us (sum of the skew of the collectives it was last in), wait_us (sum over
+    its collectives of latest arrival minus its own, bounded by the measured duration),
+    measured_us (sum of its measured durations), wait_share (wait_us / measured_us).
+    Sorted by late_us then last_count: the rank that held the others up longest comes first
+    (being last by a few microseconds is noise; being last by milliseconds is a straggler).
+    """
+    waits = (matched or _match(df))[1]
+    w = waits.assign(late_us=np.where(waits["last"], waits["skew_us"], 0.0),
+                     measured=~np.isnan(waits["duration_us"]))
+    w["wait_us"] = w["wait_us"].where(w["measured"])
+    out = w.groupby("rank").agg(collectives=("wait_us", "size"), last_count=("last", "sum"),
+                                late_us=("late_us", "sum"), wait_us=("wait_us", "sum"),
+                                measured_us=("duration_us", "sum"))
+    out["last_share"] = out["last_count"] / out["collectives"].where(out["collectives"] > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["wait_share"] = out["wait_us"] / out["measured_us"].where(out["measured_us"] > 0)
+    out = out.reset_index()[["rank", "collectives", "last_count", "last_share", "late_us",
+                             "wait_us", "measured_us", "wait_share"]]
+    return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
+
+
+def arrival_matrix(df, bins: int = 200, matched=None):
+    """Mean arrival delay (issue time minus the earliest rank's, us) per rank and collective bin.
+
+    Rows: ranks; columns: the first collective index (in ``match_collectives`` order) of each
+    of at most ``bins`` consecutive bins. The input of the per-rank skew heatmap.
+    """
+    waits = (matched or _match(df))[1]
+    ncoll = int(waits["collective"].max()) + 1 if len(waits) else 0
+    bins = max(1, min(bins, ncoll))
+    b = waits["collective"].to_numpy() * bins // max(ncoll, 1)
+    starts = (np.arange(bins) * ncoll + bins - 1) // bins       # first collective of each bin
+    out = waits.assign(bin=starts[b]).pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
+    out.columns.name = "collective"
+    return out
+
+
+def match_p2p(df):
+    """Pairs of point-to-point calls: k-th send a->b with the k-th receive of b from a.
+
+    Columns: group, channel (tensor / object), src, dst, k, send_op, recv_op, send_bytes,
+    recv_bytes, send_start_ns, recv_start_ns, skew_us (|difference of issue times|), late_rank
+    (the side that issued last), matched (both sides present), bytes_mismatch.
+    """
+    import pandas as pd
+
+    sel = df["op"].isin(list(P2P_SIDES)) & (df["peer"] >= 0)
+    p = df.loc[sel, ["group", "rank", "peer", "op", "bytes", "start_ns", "seq"]]
+    p = p.assign(group=p["group"].astype(str), op=p["op"].astype(str))
+    p["side"] = p["op"].map(lambda o: P2P_SIDES[o][0])
+    p["channel"] = p["op"].map(lambda o: P2P_SIDES[o][1])
+    is_send = p["side"] == "send"
+    p["src"] = np.where(is_send, p["rank"], p["peer"])
+    p["dst"] = np.where(is_send, p["peer"], p["rank"])
+    p = p.sort_values(["rank", "seq"], kind="stable")
+    keys = ["group", "channel", "src", "dst"]
+    p["k"] = p.groupby(keys + ["side"]).cumcount()
+    cols = ["op", "bytes", "start_ns"]
+    sends = p[is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("send_")
+    recvs = p[~is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("recv_")
+    out = sends.join(recvs, how="outer").reset_index()
+    out["matched"] = out["send_op"].notna() & out["recv_op"].notna()
+    out["skew_us"] = (out["send_start_ns"] - out["recv_start_ns"]).abs() / 1e3
+    out["late_rank"] = np.where(out["send_start_ns"] >= out["recv_start_ns"], out["src"], out["dst"])
+    out["late_rank"] = out["late_rank"].where(out["matched"], -1).astype(np.int64)
+    out["bytes_mismatch"] = out["matched"] & (out["send_bytes"] != out["recv_bytes"])
+    return out.sort_values(keys + ["k"], kind="stable").reset_index(drop=True) if len(out) else \
+        pd.DataFrame(columns=keys + ["k", "send_op", "recv_op", "send_bytes", "recv_bytes",
+                                     "send_start_ns", "recv_start_ns", "matched", "skew_us",
+                                     "late_rank", "bytes_mismatch"])
+
+
+def mismatches(df, matched=None, p2p=None):
+    """The errors that hang or corrupt jobs, first occurrence first.
+
+    One row per (group, kind) with the first collective where it happens and how many are
+    affected: kind is ``op``, ``dtype``, ``bytes`` (same collective, different value on some
+    ranks), ``missing`` (a member rank never recorded it), ``p2p_unmatched`` (a send without
+    its receive or the reverse) or ``p2p_bytes``. Columns: kind, group, coll_seq, step, op,
+    detail (which ranks had which value), affected. Empty when everything matches.
+    """
+    import pandas as pd
+
+    collectives, _, sub, cseq = matched or _match(df)
+    if p2p is None:
+        p2p = match_p2p(df)
+    present = set(_present_ranks(df).tolist())
+    rows = []
+    for kind, flag in (("op", "op_mismatch"), ("dtype", "dtype_mismatch"), ("bytes", "bytes_mismatch"),
+                       ("missing", "missing")):
+        bad = collectives[collectives[flag]]
+        for group, part in bad.groupby("group", observed=True, sort=True):
+            first = part.iloc[0]
+            rows.append(dict(kind=kind, group=str(group), coll_seq=int(first["coll_seq"]), step=int(first["step"]),
+                             op=str(first["op"]), detail=_detail(sub[(cseq == first["coll_seq"]) & (sub["group"] == group)],
+                                                                 kind, present),
+                             affected=len(part)))
+    unmatched = p2p[~p2p["matched"].astype(bool)] if len(p2p) else p2p
+    if len(unmatched):
+        unmatched = unmatched[unmatched["src"].isin(present) & unmatched["dst"].isin(present)]
+    for kind, bad in (("p2p_unmatched", unmatched), ("p2p_bytes", p2p[p2p["bytes_mismatch"].astype(bool)])):
+        for group, part in bad.groupby("group", sort=True):
+            first = part.iloc[0]
+            if kind == "p2p_unmatched":
+                missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
+                detail = (f"{first['send_op'] if missing_side == 'receive' else first['recv_op']} "
+                          f"#{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}")
+            else:
+                detail = (f"{first['send_op']} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
+                          f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}")
+            rows.append(dict(kind=kind, group=str(group), coll_seq=-1, step=-1,
+                             op=str(first["send_op"] if kind == "p2p_bytes" else first["send_op"] or first["recv_op"]),
+                             detail=detail, affected=len(part)))
+    out = pd.DataFrame(rows, columns=["kind", "group", "coll_seq", "step", "op", "detail", "affected"])
+    return out.sort_values(["group", "coll_seq"], kind="stable").reset_index(drop=True)
+
+
+def _detail(rows, kind, present) -> str:
+    """Which ranks had which value for one collective's rows (only for first occurrences)."""
+    if kind == "missing":
+        group_ranks = str(rows["group_ranks"].iloc[0])
+        expected = set(expand_ranks(group_ranks)) & present
+        lacking = sorted(expected - set(rows["rank"].tolist()))
+        return f"no record on rank(s) {_ranks(lacking)} (recorded by {_ranks(sorted(rows['rank']))})"
+    values = rows.groupby(rows[kind].astype(str), observed=True)["rank"].apply(sorted)
+    values = sorted(values.items(), key=lambda kv: -len(kv[1]))
+    return "; ".join(f"{v} on rank(s) {_ranks(r)}" for v, r in values)
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    return ",".join(map(str, ranks[:16])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 16 else "")
+
+
+@dataclass
+class CrossRank:
+    """Everything the cross-rank report shows, as DataFrames."""
+
+    collectives: "object"   # match_collectives
+    arrivals: "object"      # arrival_matrix
+    ranks: "object"         # rank_table
+    mismatches: "object"    # mismatches
+    p2p: "object"           # match_p2p
+    missing_logs: list      # members of some group with no log file here
+
+
+def cross_rank(df) -> CrossRank:
+    """Match collectives across ranks and derive stragglers, waits and mismatches in one pass."""
+    matched = _match(df)
+    p2p = match_p2p(df)
+    present = set(_present_ranks(df).tolist())
+    members = set()
+    for s in df["group_ranks"].cat.categories:
+        members.update(expand_ranks(s))
+    return CrossRank(collectives=matched[0], arrivals=arrival_matrix(df, matched=matched),
+                     ranks=rank_table(df, matched),
+                     mismatches=mismatches(df, matched, p2p), p2p=p2p,
+                     missing_logs=sorted(members - present))
+
+
+def top_skew(collectives, n: int = 10):
+    """The ``n`` collectives with the largest arrival skew."""
+    return collectives.nlargest(n, "skew_us")[["group", "coll_seq", "step", "op", "bytes", "ranks",
+                                              "skew_us", "straggler", "max_duration_us"]].reset_index(drop=True)

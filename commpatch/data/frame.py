@@ -1,0 +1,220 @@
+"""A parsed rank log (``data.logfile``) -> the SCHEMA's columns: numpy arrays, a pandas DataFrame
+or a pyarrow Table. Built once, vectorised; every derived column (bytes, Unix times, bandwidth)
+is computed here, never on the hot path."""
+
+from __future__ import annotations
+
+from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor
+from .logfile import parse
+from .schema import (ROW, _FIELDS, COLUMNS, PHASES, SCHEMA, T_HOST, TIMINGS, printable_name, row_dtype, unpack_flags,
+                     unpack_where)
+
+
+_DTYPES = {c.name: c.dtype for c in SCHEMA}
+
+
+def concat_frames(pd, frames):
+    from pandas.api.types import union_categoricals
+
+    out = {}
+    for col in COLUMNS:
+        if _DTYPES[col] == "category":
+            out[col] = union_categoricals([f[col] for f in frames], sort_categories=True)
+        else:
+            out[col] = pd.concat([f[col] for f in frames], ignore_index=True)
+    return pd.DataFrame(out)
+
+
+class Cat:
+    """A categorical column: integer codes into sorted unique ``categories`` (-1: missing)."""
+
+    __slots__ = ("codes", "categories")
+
+    def __init__(self, codes, categories) -> None:
+        self.codes, self.categories = codes, categories
+
+
+def columns(parsed) -> dict:
+    """The SCHEMA's columns of one parsed rank log (``data.logfile.parse``): numpy arrays, and ``Cat``
+    for categorical ones. Built once, vectorised; shared by the DataFrame and the Arrow export."""
+    import numpy as np
+
+    h = parsed.header
+    rows = parsed.rows
+    rows = rows[np.argsort(rows["seq"], kind="stable")]
+    raw = {name: rows[name] for name, _ in _FIELDS}
+    clock = sorted(parsed.clock) or [(0, 0)]
+    off_seq = np.array([c[0] for c in clock], np.int64)
+    off_val = np.array([c[1] for c in clock], np.int64)
+    offset = off_val[np.maximum(np.searchsorted(off_seq, raw["seq"], side="right") - 1, 0)]
+    late = np.full(len(rows), -1, np.int64)
+    late_seq, late_dur = parsed.late_seq, parsed.late_dur
+    if len(late_seq):
+        pos = np.searchsorted(raw["seq"], late_seq)
+        ok = pos < len(rows)
+        ok[ok] &= raw["seq"][pos[ok]] == late_seq[ok]
+        late[pos[ok]] = late_dur[ok]
+
+    n_groups = max(parsed.groups, default=-1) + 1
+    groups = [parsed.groups.get(i, {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3})
+              for i in range(n_groups)]
+    op_names = h.get("ops", list(OP_NAMES))
+    n_dtypes = max(parsed.dtypes, default=1) + 1
+    dtypes = [parsed.dtypes.get(i, ("none", 0) if i == 0 else (OBJECT, 1) if i == 1 else ("?", 0)) for i in range(n_dtypes)]
+
+    gid = raw["gid"].astype(np.int64)
+    g_size = np.array([g["size"] for g in groups] or [0], dtype=np.int64)[gid]
+    op = raw["op"].astype(np.int64)
+    targets = [BY_NAME.get(name) for name in op_names]
+    xn = np.array([t is not None and t.size[0] == "xn" for t in targets] or [False])[op]
+    numel = raw["numel"] * np.where(xn, g_size, 1)
+    nbytes = numel * np.array([d[1] for d in dtypes], dtype=np.int64)[raw["dtype"]]
+    flags = raw["flags"].astype(np.int64)
+    is_async, is_cuda, is_error, timing = unpack_flags(flags)
+    host_ns = raw["end"] - raw["start"]
+    dur_ns = np.where(timing == T_HOST, host_ns, late).astype(np.float64)
+    dur_ns[dur_ns < 0] = np.nan
+    device = np.where(is_cuda, 1, np.where(raw["dtype"] <= 1, 2, 0))
+    n = len(gid)
+    module, phase = unpack_where(raw["where"].astype(np.int64))
+    seconds = dur_ns / 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        algbw = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
+    factor = np.full(n, np.nan)
+    sizes = g_size.astype(np.float64)
+    for code in np.unique(op):
+        mask = op == code
+        factor[mask] = bus_factor(targets[code].bw if targets[code] is not None else NO_BW, sizes[mask])
+    out = {
+        "seq": raw["seq"],
+        "op": _cat(np, op, op_names),
+        "rank": np.full(n, h.get("rank", -1), np.int64),
+        "world_size": np.full(n, h.get("world_size", -1), np.int64),
+        "group": _cat(np, gid, [g["name"] for g in groups]),
+        "group_size": g_size,
+        "group_ranks": _cat(np, gid, [g["ranks"] for g in groups]),
+        "group_seq": _cumcount(np, gid),          # the n-th call of this rank on that group
+        "backend": _cat(np, gid * 3 + device, [b for g in groups for b in g["backends"]]),
+        "device": _cat(np, device, ["cpu", "cuda", "none"]),
+        "dtype": _cat(np, raw["dtype"].astype(np.int64), [d[0] for d in dtypes]),
+        "numel": numel,
+        "bytes": nbytes,
+        "peer": raw["peer"].astype(np.int64),
+        "async_op": is_async.astype(bool),
+        "start_ns": raw["start"] + offset,
+        "host_us": host_ns / 1e3,
+        "duration_us": dur_ns / 1e3,
+        "timing": _cat(np, timing, list(h.get("timings", TIMINGS))),
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * factor,
+        "status": _cat(np, is_error, ["ok", "error"]),
+        "step": raw["step"],
+        "tag": _cat(np, raw["tag"].astype(np.int64), _names(parsed.tags)),
+        "pid": np.full(n, h.get("pid", -1), np.int64),
+        "module": _cat(np, module, _names(parsed.modules)),
+        "phase": _cat(np, phase, list(PHASES)),
+        **_bucket_columns(np, raw["seq"], parsed.buckets),
+    }
+    return {name: out[name] for name in COLUMNS}
+
+
+def dataframe(parsed):
+    """The SCHEMA's DataFrame of one parsed rank log."""
+    import pandas as pd
+
+    cols = columns(parsed)
+    df = pd.DataFrame({name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
+                       for name, c in cols.items()}, copy=False)
+    df.attrs["torn_records"] = parsed.torn
+    return df
+
+
+def arrow_table(parsed):
+    """The same columns as a pyarrow Table (no pandas involved: the fast path of the exports)."""
+    import pyarrow as pa
+
+    arrays = []
+    for name, c in columns(parsed).items():
+        if isinstance(c, Cat):
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(c.codes.astype("int32")),
+                                                         pa.array(c.categories, type=pa.string())))
+        else:
+            arrays.append(pa.array(c))
+    return pa.Table.from_arrays(arrays, names=list(COLUMNS))
+
+
+def _names(registry: dict) -> list[str]:
+    """code -> name as a list, each as ``printable_name`` makes it."""
+    out = [""] * (max(registry, default=0) + 1)
+    for code, name in registry.items():
+        out[code] = printable_name(name)
+    return out
+
+
+def _bucket_columns(np, seqs, spans):
+    """DDP bucket index / parameter count per row, from the hook spans (derived, not on the hot path)."""
+    bucket = np.full(len(seqs), -1, np.int64)
+    params = np.zeros(len(seqs), np.int64)
+    for lo, hi, index, nparams in spans:
+        i, j = np.searchsorted(seqs, (lo, hi))
+        bucket[i:j], params[i:j] = index, nparams
+    return {"bucket": bucket, "bucket_params": params}
+
+
+def _cumcount(np, keys):
+    """For each row, how many earlier rows share its key (vectorised groupby().cumcount())."""
+    if len(keys) == 0:
+        return np.zeros(0, np.int64)
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.r_[True, sorted_keys[1:] != sorted_keys[:-1]])
+    run_start = np.repeat(starts, np.diff(np.r_[starts, len(keys)]))
+    out = np.empty(len(keys), np.int64)
+    out[order] = np.arange(len(keys)) - run_start
+    return out
+
+
+def _cat(np, codes, names) -> Cat:
+    """Sorted categories of the values present (the dtype read_csv gives); ``names`` may repeat a
+    value (two groups with the same ranks): categories are unique values."""
+    if len(codes) == 0:
+        return Cat(np.zeros(0, np.int64), [])
+    present = np.flatnonzero(np.bincount(codes, minlength=len(names)))
+    categories = sorted({names[i] for i in present})
+    position = {name: i for i, name in enumerate(categories)}
+    lut = np.full(len(names), -1, dtype=np.int64)
+    lut[present] = [position[names[i]] for i in present]
+    return Cat(lut[codes], categories)
+
+
+def apply_schema(df):
+    """Give a DataFrame read from disk the SCHEMA's dtypes (and column order)."""
+    import pandas as pd
+
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"not a commpatch log: missing column(s) {', '.join(missing)}")
+    out = {}
+    for col in SCHEMA:
+        s = df[col.name]
+        if col.dtype == "category":
+            s = s.astype(object).fillna("").astype(str)
+            out[col.name] = pd.Categorical(s)
+        elif col.dtype == "bool":
+            out[col.name] = s.astype(str).str.lower().isin(("true", "1")) if s.dtype != bool else s
+        else:
+            out[col.name] = s.astype(col.dtype)
+    return pd.DataFrame(out)
+
+
+
+def parsed_frame(data: bytes, name: str = "<log>"):
+    """The DataFrame of a rank log's bytes."""
+    return dataframe(parse_log(data, name))
+
+
+def parse_log(data: bytes, name: str = "<log>"):
+    """``data.logfile.parse`` with this version's row layout."""
+    import numpy as np
+
+    return parse(data, ROW.size, row_dtype(np), name)

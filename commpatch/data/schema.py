@@ -1,0 +1,146 @@
+"""The log's columns (SCHEMA), the packed binary row every recorded call becomes, and the
+bit fields inside it. The lowest layer: no torch, no pandas; numpy only inside functions."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# FLAGS bits
+F_ASYNC, F_CUDA, F_ERROR = 1, 2, 4
+T_SHIFT = 4                          # timing code lives in bits 4..7
+TIMINGS = ("host", "future", "cuda_event", "nccl", "none", "wait")
+T_HOST, T_FUTURE, T_CUDA, T_NCCL, T_NONE, T_WAIT = range(6)
+
+# The binary row: (field, struct code) in tuple order, little-endian, no padding.
+_FIELDS = (("seq", "q"), ("op", "h"), ("gid", "h"), ("dtype", "h"), ("numel", "q"),
+           ("flags", "B"), ("start", "q"), ("end", "q"), ("peer", "i"), ("step", "q"),
+           ("tag", "i"), ("where", "i"))
+ROW = struct.Struct("<" + "".join(code for _, code in _FIELDS))
+_NP_CODES = {"q": "<i8", "i": "<i4", "h": "<i2", "B": "u1"}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str   # pandas dtype of the DataFrame column (and of the CSV round trip)
+    unit: str
+    doc: str
+
+
+SCHEMA: tuple[Column, ...] = (
+    Column("seq", "int64", "", "per-process sequence number of the call (0, 1, 2, ...)"),
+    Column("op", "category", "", "torch.distributed function name (torch's own name, e.g. all_reduce)"),
+    Column("rank", "int64", "", "global rank of the process that made the call"),
+    Column("world_size", "int64", "", "size of the default process group"),
+    Column("group", "category", "", "process group name ('0' is the default group)"),
+    Column("group_size", "int64", "", "number of ranks in the group used by the call"),
+    Column("group_ranks", "category", "", "global ranks of that group, space separated"),
+    Column("group_seq", "int64", "", "sequence number of the call within its group on this rank (matches the same collective across ranks)"),
+    Column("backend", "category", "", "backend that ran the call: the group's backend for the tensors' device (gloo, nccl, or a registered backend's name); a group configured 'cpu:gloo,cuda:nccl' shows gloo or nccl per row"),
+    Column("device", "category", "", "device type of the tensors (cpu, cuda, none)"),
+    Column("dtype", "category", "", "element type ('object' for object collectives, 'none' when no tensor)"),
+    Column("numel", "int64", "elements", "elements in the message S (see bytes)"),
+    Column("bytes", "int64", "bytes", "message size S as nccl-tests counts it: all_reduce the tensor, all_gather the full output, reduce_scatter the full input, all_to_all the total; for object collectives the bytes of the tensors they moved"),
+    Column("peer", "int64", "", "global rank of the peer (send/recv) or root (broadcast/reduce/gather/scatter); -1 if none"),
+    Column("async_op", "bool", "", "the call was asynchronous (returned a Work)"),
+    Column("start_ns", "int64", "ns", "Unix time when the call was issued"),
+    Column("host_us", "float64", "us", "wall time spent inside the Python call"),
+    Column("duration_us", "float64", "us", "duration from the source named in 'timing' (NaN when unknown)"),
+    Column("timing", "category", "", "source of duration_us: host, future, cuda_event, nccl, wait or none"),
+    Column("algbw_gbps", "float64", "GB/s", "bytes / duration (1e9 bytes per second)"),
+    Column("busbw_gbps", "float64", "GB/s", "algbw times the nccl-tests bus factor for the op and group size"),
+    Column("status", "category", "", "ok, or error when torch raised"),
+    Column("step", "int64", "", "value of commpatch.step() when the call was issued"),
+    Column("tag", "category", "", "innermost commpatch.tag() active when the call was issued"),
+    Column("pid", "int64", "", "process id"),
+    Column("module", "category", "", "fully qualified name of the innermost nn.Module running when the call was issued (forward), or of the root module whose backward issued it; '' outside modules"),
+    Column("phase", "category", "", "forward, backward, optimizer (inside optimizer.step) or other"),
+    Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
+    Column("bucket_params", "int64", "", "number of parameters in that DDP bucket, or of tensors in a coalesced.* call; 0 if none"),
+)
+COLUMNS = tuple(c.name for c in SCHEMA)
+
+# Schema version: bumped whenever columns are added (columns are never renamed, retyped or
+# removed). ADDED_IN names the version that added a column (the others are in version 1).
+# Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
+# header is its schema: readers go by column names, and fill columns a file predates.
+SCHEMA_VERSION = 2
+SCHEMA_VERSION_KEY = b"commpatch.schema_version"
+ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2}
+
+
+
+PHASES = ("other", "forward", "backward", "optimizer")
+P_FORWARD, P_BACKWARD, P_OPTIMIZER = 1, 2, 3
+
+
+# ---- the packed bit fields of a row ----------------------------------------------------------
+def pack_flags(async_op, cuda, err, tcode: int) -> int:
+    """The ``flags`` byte: F_ASYNC | F_CUDA | F_ERROR bits, the timing code in bits 4..7."""
+    return (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
+
+
+def unpack_flags(flags):
+    """(async_op, cuda, err, timing code) of a ``flags`` value (an int or a numpy array)."""
+    return flags & F_ASYNC, flags & F_CUDA, (flags & F_ERROR) >> 2, flags >> T_SHIFT
+
+
+def pack_where(module: int, phase: int) -> int:
+    """The ``where`` field: module code << 2 | phase code (an index into PHASES)."""
+    return module << 2 | phase
+
+
+def unpack_where(where):
+    """(module code, phase code) of a ``where`` value (an int or a numpy array)."""
+    return where >> 2, where & 3
+
+
+def row_dtype(np):
+    """numpy dtype of one packed row (the same layout as ROW)."""
+    return np.dtype([(name, _NP_CODES[code]) for name, code in _FIELDS])
+
+
+def printable_name(name: str) -> str:
+    """A tag or module name as every file format can hold it: what UTF-8 cannot encode (lone
+    surrogates, how Python carries undecodable file names) and NUL bytes are backslash-escaped."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return name.replace("\x00", "\\x00") if "\x00" in name else name
+
+
+def compact_ranks(ranks) -> str:
+    """Global ranks of a group in range notation: '0-7', '0-1022:2', '0 3 5' (runs of equal step
+    of 3 or more become 'first-last[:step]'), so a row's group costs the same at 8 or 8,192 ranks."""
+    ranks = list(ranks)
+    parts, i = [], 0
+    while i < len(ranks):
+        j = i + 1
+        if j < len(ranks):
+            step = ranks[j] - ranks[i]
+            while j + 1 < len(ranks) and ranks[j + 1] - ranks[j] == step:
+                j += 1
+            if j - i >= 2 and step > 0:
+                parts.append(f"{ranks[i]}-{ranks[j]}" + (f":{step}" if step != 1 else ""))
+                i = j + 1
+                continue
+        parts.append(str(ranks[i]))
+        i += 1
+    return " ".join(parts)
+
+
+def expand_ranks(text) -> list[int]:
+    """The ranks of a ``group_ranks`` value (range notation or the older space-separated list)."""
+    out: list[int] = []
+    for part in str(text).split():
+        if "-" in part:
+            span, _, step = part.partition(":")
+            first, _, last = span.partition("-")
+            out.extend(range(int(first), int(last) + 1, int(step or 1)))
+        else:
+            out.append(int(part))
+    return out
+
+

@@ -1,0 +1,48 @@
+"""The integration contract (``Integration``), the context an integration gets, and its helpers:
+``when_imported`` (with the current context) and ``record`` (``record.rows``: the one row writer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..patch.hooks import Patches
+from ..patch.hooks import when_imported as _when_imported
+from ..record.rows import record  # noqa: F401 - the row writer of every integration
+
+CURRENT = None   # the Context between apply() and remove()
+_ADAPTERS: dict = {}
+
+
+@dataclass(frozen=True)
+class Integration:
+    """What one integration patches and relies on, and how it is switched on and off."""
+
+    name: str
+    patches: str                   # what it replaces (for the docs and for a reader of a traceback)
+    relies_on: tuple[str, ...]     # torch internals it depends on (checked by nothing: read them on upgrades)
+    wanted: Callable[[dict], bool]
+    apply: Callable[["Context"], None]
+    remove: Callable[["Context"], None] = lambda ctx: None
+
+
+class Context:
+    """What an integration needs from the session: the log, the timing state, its patches."""
+
+    def __init__(self, log, timing) -> None:
+        self.log = log
+        self.timing = timing
+        self.patches = Patches()
+
+
+def when_imported(modname: str, fn) -> None:
+    """Run ``fn(ctx, module)`` now if imported, and at every later import while an integration
+    context is active (``patch.hooks.when_imported``, with the current context)."""
+    adapter = _ADAPTERS.get((modname, fn))
+    if adapter is None:
+        def adapter(module):
+            if CURRENT is not None:
+                fn(CURRENT, module)
+
+        _ADAPTERS[(modname, fn)] = adapter
+    _when_imported(modname, adapter, error_kind=f"integrations.import:{modname}")

@@ -1,0 +1,792 @@
+"""Reading logs: per-rank CSV / Parquet / binary (``.cplog``) files, a directory, a glob or a list,
+into one DataFrame with the SCHEMA's dtypes; every problem with the input is a one-line
+``LogFileError`` or, where a correct best-effort result exists, a ``LogFileWarning``. Also the
+run directories (``runs``, ``latest_run``)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import TYPE_CHECKING
+
+from ..data.frame import arrow_table, dataframe, parse_log
+from ..data.logfile import SUFFIX
+from ..data.schema import ADDED_IN, COLUMNS, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from . import writer as _writer
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+# ---- reading --------------------------------------------------------------------------
+# Every problem with the files given to ``read`` is either a LogFileError (one line: the file,
+# then what is wrong) or, where a correct best-effort result exists, a LogFileWarning and the
+# rest of the data. Nothing else escapes from here for bad input: no raw pyarrow / pandas error.
+
+class LogFileError(ValueError):
+    """A file given to ``read`` (or the set of files) cannot be read as commpatch logs.
+
+    ``str(exc)`` is one line, ``<path>: <what is wrong>``; ``exc.path`` and ``exc.problem`` hold
+    the two parts (``path`` is None when no single file is to blame).
+    """
+
+    def __init__(self, path, problem: str):
+        self.path = None if path is None else str(path)
+        self.problem = problem
+        super().__init__(problem if path is None else f"{path}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.path, self.problem)
+
+
+class LogFileNotFoundError(LogFileError, FileNotFoundError):
+    """A path given to ``read`` does not exist, or a directory / glob holds no log file."""
+
+
+class LogFileWarning(UserWarning):
+    """A log was read best-effort: something was skipped, filled in or treated as unmeasured."""
+
+
+class _NotALog(LogFileError):
+    """The file is another tool's (not commpatch's columns): skipped when a directory scan found it."""
+
+
+_SNIFF = 1 << 16                       # bytes looked at to tell what a file is
+_PARQUET_MAGIC = b"PAR1"
+_IDENTITY = ("seq", "rank", "world_size", "start_ns", "pid")   # read always: duplicate / mixed-job checks
+_NEUTRAL = {"category": "", "int64": 0, "float64": float("nan"), "bool": False}
+_NEUTRAL_BY_COLUMN = {"bucket": -1, "peer": -1}
+_WORDS = {"int64": "an integer", "float64": "a number", "bool": "true or false", "double": "a number",
+          "bool_": "true or false"}
+
+
+def read(paths, progress=None, columns=None) -> "pd.DataFrame":
+    """Read per-rank files (a file, a directory, a glob, or a list of them) into one DataFrame
+    with the SCHEMA's dtypes; ``read(write(df, p)) == df``.
+
+    With pyarrow each file is parsed straight into typed and dictionary-encoded columns and the
+    files are joined in Arrow (64 ranks x 100k rows: ~3x faster and ~3x less memory than parsing
+    strings then converting). ``progress(done, total)`` is called after each file. ``columns``:
+    read only these (in SCHEMA order).
+
+    Bad input raises ``LogFileError`` (a ValueError; ``LogFileNotFoundError``, also a
+    FileNotFoundError, for paths that do not exist) naming the file and the problem. What can be
+    read correctly anyway is, with a ``LogFileWarning``: empty files and the partial last line of
+    a file cut short are skipped; a copy of a file already read is read once; columns a file
+    predates (an older commpatch) get neutral values, listed in ``df.attrs["filled_columns"]``;
+    infinite or negative durations become NaN (unmeasured); non-UTF-8 bytes in names are
+    replaced; files found in a directory that are not commpatch logs are skipped. Files of two
+    different jobs (different world sizes, or two processes for one rank) are refused.
+    """
+    wanted = set(c.name for c in SCHEMA) if columns is None else set(columns)
+    schema = tuple(c for c in SCHEMA if c.name in wanted)
+    read_schema = tuple(c for c in SCHEMA if c.name in wanted or c.name in _IDENTITY)
+    names = [c.name for c in schema]
+    notes = _Notes()
+    try:
+        files = _resolve(paths, notes)
+        pa = _writer._pyarrow()
+        parts, filled, foreign = [], set(), []
+        jobs = _Jobs()
+        for i, (path, scanned) in enumerate(files):
+            try:
+                part = _read_file(pa, path, read_schema, notes)
+            except _NotALog as exc:
+                if not scanned:
+                    raise
+                notes.add(path, f"{exc.problem}: skipped")
+                foreign.append(exc)
+                part = None
+            if part is not None:
+                data, keys, fill = part
+                if jobs.admit(path, keys, notes):
+                    if len(schema) != len(read_schema):      # the identity columns were for admit()
+                        data = data.select(names) if pa is not None else data[names]
+                    parts.append(data)
+                    filled.update(fill)
+            if progress is not None:
+                progress(i + 1, len(files))
+        if foreign and len(foreign) == len(files):
+            raise LogFileNotFoundError(_describe(paths), f"no commpatch log among {len(files)} file(s) "
+                                                         f"({foreign[0]})")
+    finally:
+        notes.emit()
+    df = _arrow_frame(pa, parts, schema) if pa is not None else _pandas_frame(parts, schema)
+    df.attrs["filled_columns"] = sorted(filled & wanted)
+    return df
+
+
+def expand(paths) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files: list[str] = []
+    for p in map(str, paths):
+        if os.path.isdir(p):
+            files += _log_files(p) or _log_files(latest_run(p) or p)
+        elif any(ch in p for ch in "*?["):
+            files += sorted(glob.glob(p))
+        else:
+            files.append(p)
+    return files
+
+
+def _describe(paths) -> str:
+    if isinstance(paths, (str, os.PathLike)):
+        return str(paths)
+    paths = [str(p) for p in paths]
+    return paths[0] if len(paths) == 1 else ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+
+def _resolve(paths, notes) -> list[tuple[str, bool]]:
+    """The files to read, each with whether a directory / glob found it (else it was named);
+    each file once. Raises LogFileNotFoundError for a path that names nothing readable."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[tuple[str, bool]] = []
+    seen: dict[str, str] = {}
+    for p in map(os.fspath, paths):
+        p = str(p)
+        if os.path.isdir(p):
+            found = _log_files(p)
+            if not found:
+                run = latest_run(p, notes)
+                found = _log_files(run) if run else []
+            if not found:
+                raise LogFileNotFoundError(p, "no .cplog, .csv or .parquet file in this directory (nor in a run "
+                                              "directory under it)")
+            scanned = True
+        elif os.path.exists(p):
+            found, scanned = [p], False
+        elif any(ch in p for ch in "*?["):
+            found = [f for f in sorted(glob.glob(p)) if os.path.isfile(f)]
+            if not found:
+                raise LogFileNotFoundError(p, "matches no file")
+            scanned = True
+        else:
+            raise LogFileNotFoundError(p, "no such file or directory")
+        for f in found:
+            key = os.path.realpath(f)
+            if key in seen:
+                also = f" (also as {seen[key]})" if seen[key] != f else ""
+                notes.add(f, f"given twice{also}: read once")
+                continue
+            seen[key] = f
+            out.append((f, scanned))
+    if not out:
+        raise LogFileNotFoundError(_describe(paths), "no log file given")
+    return out
+
+
+def _log_files(directory: str) -> list[str]:
+    """The log files of a directory: binary rank logs, and CSV / Parquet files except those that
+    are the export of a binary log beside them (the same rows twice)."""
+    names = [f for f in os.listdir(directory) if f.endswith((SUFFIX, ".csv", ".parquet"))
+             and os.path.isfile(os.path.join(directory, f))]
+    binary = {f[: -len(SUFFIX)] for f in names if f.endswith(SUFFIX)}
+    keep = [f for f in names if f.endswith(SUFFIX) or os.path.splitext(f)[0] not in binary]
+    return [os.path.join(directory, f) for f in sorted(keep)]
+
+
+def runs(directory: str) -> list[str]:
+    """Run directories (one per job and restart attempt) directly under ``directory``, oldest first."""
+    subdirs = [os.path.join(directory, d) for d in os.listdir(directory)]
+    found = [d for d in subdirs if os.path.isdir(d) and _log_files(d)]
+    return sorted(found, key=lambda d: (os.path.getmtime(d), d))
+
+
+def latest_run(directory: str, notes=None) -> str | None:
+    """The newest run directory under ``directory`` (None if there is none), said in a note."""
+    found = runs(directory)
+    if not found:
+        return None
+    if notes is not None:
+        others = f"; the other run(s): {', '.join(os.path.basename(d) for d in found[:-1])}" if len(found) > 1 else ""
+        notes.add(directory, f"holds {len(found)} run(s): reading the latest, {os.path.basename(found[-1])}{others}")
+    return found[-1]
+
+
+class _Notes:
+    """Warnings collected while reading, one per problem: the same problem in many files (64
+    ranks written by an older commpatch) is one warning naming the first file and a count."""
+
+    def __init__(self) -> None:
+        self.problems: dict[str, list[str]] = {}
+
+    def add(self, path, problem: str) -> None:
+        self.problems.setdefault(problem, []).append(str(path))
+
+    def emit(self) -> None:
+        import warnings
+
+        problems, self.problems = self.problems, {}
+        for problem, where in problems.items():
+            more = f" (and {len(where) - 1} other file(s))" if len(where) > 1 else ""
+            warnings.warn(f"{where[0]}{more}: {problem}", LogFileWarning, stacklevel=4)
+
+
+class _Jobs:
+    """The (rank, pid) keys of the files read so far: refuses files of another job, and tells a
+    copy of a file already read (skipped) from rows given twice (refused)."""
+
+    def __init__(self) -> None:
+        self.world: tuple | None = None            # (world_size, file)
+        self.ranks: dict[int, list] = {}           # rank -> [(pid, file, key summary)]
+
+    def admit(self, path, keys, notes) -> bool:
+        copies = []
+        for k in keys:
+            for ws in sorted({k["world_size_min"], k["world_size_max"]}):
+                if self.world is None:
+                    self.world = (ws, path)
+                elif ws != self.world[0]:
+                    where = "it" if self.world[1] == path else self.world[1]
+                    raise LogFileError(path, f"world_size {ws}, but {where} has world_size {self.world[0]}: logs "
+                                             "of two different jobs. Read one run's files at a time (one directory "
+                                             "per run; `commpatch report --compare DIR...` compares runs)")
+            for pid, other, o in self.ranks.get(k["rank"], ()):
+                if pid != k["pid"]:
+                    raise LogFileError(path, f"rank {k['rank']} recorded by pid {k['pid']}, but {other} holds rank "
+                                             f"{k['rank']} recorded by pid {pid}: logs of two different runs (or a "
+                                             "restarted job). Read one run's files at a time (one directory per run)")
+                if all(o[f] == k[f] for f in ("seq_count", "seq_min", "seq_max", "start_ns_min", "start_ns_max")):
+                    copies.append(other)
+                elif k["seq_min"] <= o["seq_max"] and o["seq_min"] <= k["seq_max"]:
+                    raise LogFileError(path, f"repeats rows of rank {k['rank']} (pid {pid}, seq {k['seq_min']}-"
+                                             f"{k['seq_max']}) that {other} also holds: give each rank's rows once")
+        if copies:
+            if len(copies) == len(keys) and len(set(copies)) == 1:
+                notes.add(path, f"a copy of {copies[0]} (the same rank, process and rows): read once")
+                return False
+            raise LogFileError(path, f"repeats rows that {copies[0]} also holds: give each rank's rows once")
+        for k in keys:
+            self.ranks.setdefault(k["rank"], []).append((k["pid"], path, k))
+        return True
+
+
+def _read_file(pa, path, schema, notes):
+    """(data, key summary, filled columns) of one file, or None when it holds no row.
+    ``data`` is a conformed Arrow table (or, without pyarrow, a DataFrame)."""
+    size, head, end = _sniff(path)
+    if not head.strip():
+        notes.add(path, "empty file (no header, no rows): skipped" if size == 0 else "blank file: skipped")
+        return None
+    if head.startswith(_PARQUET_MAGIC):
+        if pa is None:
+            raise LogFileError(path, "reading Parquet needs pyarrow: pip install 'commpatch[arrow]'")
+        table, fill = _read_parquet(pa, path, schema, notes)
+        data = _conform(pa, path, table, schema, fill, lambda i: f"row {i + 1}")
+    elif str(path).endswith(".parquet"):
+        raise LogFileError(path, "not a Parquet file (no Parquet magic bytes at its start; truncated to "
+                                 "nothing, or another format)")
+    elif head.startswith(b"CPLOG"):
+        data, fill = _read_binary(pa, path, schema, notes)
+    elif b"\0" in head:
+        raise LogFileError(path, "binary data, not a CSV (or Parquet) commpatch log")
+    else:
+        names = _csv_header(path, head)
+        fill = _plan(path, names, schema, None, notes)
+        if 0 < end < size:
+            notes.add(path, "its last line is incomplete (the file was cut short, e.g. the process was killed "
+                            "while writing): that partial row is left out")
+        else:
+            end = size
+        if pa is not None:
+            table = _read_csv_arrow(pa, path, names, schema, fill, size, end, notes)
+            data = _conform(pa, path, table, schema, fill, lambda i: f"line {i + 2}")
+        else:
+            data = _read_csv_pandas(path, names, schema, fill, size, end, notes)
+    if pa is not None:
+        data = _sanitize_arrow(pa, data, path, notes)
+        rows, keys = data.num_rows, _keys_arrow(data)
+    else:
+        data = _sanitize_pandas(data, path, notes)
+        rows, keys = len(data), _keys_pandas(data)
+    if rows == 0:
+        notes.add(path, "no rows (header only): nothing was recorded in this file")
+        return None
+    return data, keys, fill
+
+
+def _read_binary(pa, path, schema, notes):
+    """A binary rank log (``data.logfile``), as it stands on disk, also that of a process that died."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        parsed = parse_log(data, name=str(path))
+    except ValueError as exc:
+        raise LogFileError(path, str(exc).split(": ", 1)[-1]) from None
+    if parsed.torn:
+        notes.add(path, f"{parsed.torn} record(s) cut short (the process died while writing them): left out")
+    names = [c.name for c in schema]
+    if pa is not None:
+        table = arrow_table(parsed).select(names)
+        return _conform(pa, path, table, schema, set(), lambda i: f"row {i + 1}"), set()
+    return dataframe(parsed)[names], set()
+
+
+def _sniff(path):
+    """(size, first bytes, offset just past the last line break: 0 when none near the end)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF)
+            size = os.fstat(f.fileno()).st_size
+            if size > len(head):
+                f.seek(max(0, size - _SNIFF))
+                tail, tail_at = f.read(), max(0, size - _SNIFF)
+            else:
+                tail, tail_at = head, 0
+    except IsADirectoryError:
+        raise LogFileError(path, "is a directory") from None
+    except OSError as exc:
+        raise LogFileError(path, f"cannot be read: {exc.strerror or exc}") from None
+    last = tail.rfind(b"\n")
+    return size, head, (tail_at + last + 1) if last >= 0 else 0
+
+
+def _csv_header(path, head) -> list[str]:
+    import csv
+
+    nl = head.find(b"\n")
+    if nl < 0 and len(head) == _SNIFF:
+        raise _NotALog(path, "not a commpatch log: no header line in its first 64 KiB")
+    line = head[: nl if nl >= 0 else len(head)].rstrip(b"\r")
+    if line.startswith(b"\xef\xbb\xbf"):
+        line = line[3:]
+    text = line.decode("utf-8", "replace")
+    try:
+        names = next(csv.reader([text]), [])
+    except csv.Error:
+        names = [text]
+    return [n.strip() for n in names]
+
+
+def _plan(path, names, schema, version, notes) -> list[str]:
+    """The wanted columns the file lacks, to be filled with neutral values; raises when the file
+    is not a commpatch log, or lacks a column that every log of its schema version has."""
+    present = set(names)
+    base = [c for c in COLUMNS if ADDED_IN.get(c, 1) == 1]
+    if sum(c in present for c in base) < len(base) // 2:
+        shown = ", ".join(repr(n)[1:-1][:30] for n in names[:6]) + (f", ... ({len(names)} columns)"
+                                                                  if len(names) > 6 else "")
+        raise _NotALog(path, f"not a commpatch log: its columns are {shown or 'none'}; a log has "
+                             f"{', '.join(COLUMNS[:4])}, ... (see commpatch.schema())")
+    missing = [c.name for c in schema if c.name not in present]
+    required = [c for c in missing if ADDED_IN.get(c, 1) <= (version or 1)]
+    if required:
+        which = f"schema {version}" if version else "commpatch"
+        raise LogFileError(path, f"no {', '.join(map(repr, required))} column: every {which} log has it (the file "
+                                 "was edited, or written by another tool)")
+    if missing:
+        since = min(ADDED_IN.get(c, 1) for c in missing)
+        notes.add(path, f"written by an older commpatch (schema {since - 1}, before the column(s) "
+                        f"{', '.join(missing)}): filled with neutral values")
+    return missing
+
+
+def _bad_value(path, name, value, where, kind) -> LogFileError:
+    word = _WORDS.get(kind, kind)
+    if value == "":
+        return LogFileError(path, f"column {name!r} is empty on {where} ({word} is needed)")
+    hint = " (a second header line: files joined together?)" if value == name else ""
+    shown = repr(value if len(value) <= 40 else value[:40] + "...")
+    return LogFileError(path, f"column {name!r} holds {shown} on {where}, not {word}{hint}")
+
+
+def _short(exc) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _arrow_type(pa, dtype):
+    return {"category": pa.dictionary(pa.int32(), pa.string()), "int64": pa.int64(),
+            "float64": pa.float64(), "bool": pa.bool_()}[dtype]
+
+
+def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
+    import re
+
+    import pyarrow.csv as pacsv
+
+    cols = [c.name for c in schema if c.name not in fill]
+    types = {c.name: _arrow_type(pa, c.dtype) for c in schema if c.name not in fill}
+
+    def source():
+        return path if end == size else pa.BufferReader(pa.memory_map(path).read_buffer(end))
+
+    bad_rows = []
+
+    def on_bad_row(row):
+        bad_rows.append(row)
+        return "skip"
+
+    def parse(check_utf8, include=cols, column_types=types):
+        return pacsv.read_csv(source(), parse_options=pacsv.ParseOptions(invalid_row_handler=on_bad_row),
+                              convert_options=pacsv.ConvertOptions(
+                                  column_types=column_types, include_columns=include,
+                                  strings_can_be_null=False, quoted_strings_can_be_null=False,
+                                  check_utf8=check_utf8))
+
+    try:
+        try:
+            table = parse(True)
+        except pa.ArrowInvalid as exc:
+            if "invalid UTF8" not in str(exc):
+                raise
+            del bad_rows[:]
+            table = _fix_utf8(pa, parse(False), path, notes)
+    except pa.ArrowInvalid as exc:
+        m = re.search(r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'",
+                      str(exc), re.S)
+        if m is None:
+            raise LogFileError(path, f"not a valid CSV log ({_short(exc)})") from None
+        index, kind, value = int(m.group(1)), m.group(2), m.group(3)
+        name = names[index] if index < len(names) else f"#{index}"
+        where = "a line"
+        try:   # the error path only: find the line of the first bad value
+            import pyarrow.compute as pc
+
+            column = parse(False, [name], {name: pa.string()}).column(name)
+            row = pc.index(column, value).as_py()
+            where = f"line {row + 2}" if row >= 0 else where
+        except Exception:  # noqa: BLE001 - the message without a line number is still right
+            pass
+        raise _bad_value(path, name, value, where, kind) from None
+    except (pa.ArrowException, OSError) as exc:
+        raise LogFileError(path, f"cannot be read as CSV ({_short(exc)})") from None
+    if bad_rows:
+        row = bad_rows[0]
+        raise _damaged_line(path, _line_of(path, row.text), row.actual_columns, row.expected_columns)
+    return table
+
+
+def _damaged_line(path, where, fields, expected) -> LogFileError:
+    return LogFileError(path, f"{where} has {fields} field(s) where the header has {expected}: the file is "
+                              "damaged (or two files were joined)")
+
+
+def _fields_on_line(path, number) -> int:
+    """How many fields line ``number`` has (the error path only)."""
+    import csv
+    import itertools
+
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        line = next(itertools.islice(f, number - 1, None), "")
+    return len(next(csv.reader([line.rstrip("\r\n")]), []))
+
+
+def _line_of(path, text) -> str:
+    """'line N' of the first line holding ``text`` (the error path only)."""
+    newline = b"\n"
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        at = data.find(text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text)
+        return f"line {data.count(newline, 0, at) + 1}" if at >= 0 else "a line"
+    except OSError:
+        return "a line"
+
+
+def _fix_utf8(pa, table, path, notes):
+    """Replace invalid UTF-8 in the text (dictionary) columns by U+FFFD, with a warning."""
+    import pyarrow.compute as pc
+
+    for i, name in enumerate(table.column_names):
+        col = table.column(i)
+        if not pa.types.is_dictionary(col.type):
+            continue
+        broken = []
+        for chunk in col.chunks:
+            try:
+                chunk.dictionary.validate(full=True)
+            except pa.ArrowInvalid:
+                broken.append(chunk)
+        if not broken:
+            continue
+        chunks, examples = [], []
+        for chunk in col.chunks:
+            raw = pc.cast(chunk.dictionary, pa.binary()).to_pylist()
+            fixed = [v.decode("utf-8", "replace") for v in raw]
+            examples += [f for f, v in zip(fixed, raw) if f.encode("utf-8") != v]
+            chunks.append(pc.take(pa.array(fixed, pa.string()), chunk.indices))
+        col = pc.cast(pc.dictionary_encode(pa.chunked_array(chunks, pa.string())), col.type)
+        table = table.set_column(i, name, col)
+        notes.add(path, f"invalid UTF-8 bytes in column {name!r} (e.g. {examples[0]!r}): replaced by U+FFFD")
+    return table
+
+
+def _read_parquet(pa, path, schema, notes):
+    import pyarrow.parquet as pq
+
+    pf = None
+    try:
+        try:
+            pf = pq.ParquetFile(path)
+            arrow_schema = pf.schema_arrow
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise LogFileError(path, f"not a readable Parquet file (truncated or corrupt: {_short(exc)})") from None
+        version = None
+        raw = (arrow_schema.metadata or {}).get(SCHEMA_VERSION_KEY)
+        if raw is not None:
+            try:
+                version = int(raw)
+            except ValueError:
+                notes.add(path, f"unreadable schema version {raw[:20]!r} in its metadata: ignored")
+        if version is not None and version > SCHEMA_VERSION:
+            notes.add(path, f"written by a newer commpatch (schema {version}; this one knows up to "
+                            f"{SCHEMA_VERSION}): the columns added since are ignored")
+        fill = _plan(path, arrow_schema.names, schema, version and min(version, SCHEMA_VERSION), notes)
+        try:
+            table = pf.read(columns=[c.name for c in schema if c.name not in fill])
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise LogFileError(path, f"corrupt Parquet data ({_short(exc)})") from None
+        return table, fill
+    finally:
+        if pf is not None and hasattr(pf, "close"):
+            pf.close()
+
+
+def _conform(pa, path, table, schema, fill, where):
+    """The SCHEMA's columns (of ``schema``), order and Arrow types; ``fill``: columns the file
+    lacks, given neutral values. Raises for a column of the wrong type, or an empty integer."""
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    columns = []
+    for c in schema:
+        target = _arrow_type(pa, c.dtype)
+        if c.name in fill:
+            value = _NEUTRAL_BY_COLUMN.get(c.name, _NEUTRAL[c.dtype])
+            if c.dtype == "category":
+                col = pa.DictionaryArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n),
+                                                     pa.array([value] if n else [], pa.string()))
+            elif c.dtype == "float64":
+                col = pa.nulls(n, pa.float64())
+            else:
+                col = pa.repeat(pa.scalar(value, target), n)
+            columns.append(col)
+            continue
+        col = table.column(c.name)
+        try:
+            if c.dtype == "category":
+                if col.null_count or not pa.types.is_dictionary(col.type) \
+                        or not pa.types.is_string(col.type.value_type):
+                    col = pc.dictionary_encode(pc.fill_null(pc.cast(col, pa.string()), ""))
+                col = pc.cast(col, target)
+            elif col.type != target:
+                col = pc.cast(col, target)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            raise LogFileError(path, f"column {c.name!r} has type {col.type}, not {c.dtype}") from None
+        if c.dtype in ("int64", "bool") and col.null_count:
+            first = pc.index(pc.is_null(col), pa.scalar(True)).as_py()
+            raise _bad_value(path, c.name, "", where(first), c.dtype)
+        columns.append(col)
+    return pa.table(columns, names=[c.name for c in schema])
+
+
+def _sanitize_arrow(pa, table, path, notes):
+    """Infinite or negative durations -> null (unmeasured), with their bandwidth; a warning."""
+    import pyarrow.compute as pc
+
+    names = table.column_names
+
+    def impossible(name):
+        col = table.column(name)
+        inf = pc.fill_null(pc.is_inf(col), False)
+        neg = pc.fill_null(pc.less(col, 0.0), False)
+        return pc.or_(inf, neg), pc.sum(inf).as_py() or 0, pc.sum(neg).as_py() or 0
+
+    def clear(name, mask):
+        return table.set_column(names.index(name), name,
+                                pc.if_else(mask, pa.scalar(None, pa.float64()), table.column(name)))
+
+    for name, derived in (("duration_us", ("algbw_gbps", "busbw_gbps")), ("host_us", ()),
+                          ("algbw_gbps", ()), ("busbw_gbps", ())):
+        if name not in names:
+            continue
+        mask, inf, neg = impossible(name)
+        if inf + neg == 0:
+            continue
+        for target in (name,) + derived:
+            if target in names:
+                table = clear(target, mask)
+        _note_impossible(notes, path, name, inf, neg)
+    if "duration_us" in names:
+        unknown = pc.fill_null(pc.is_nan(table.column("duration_us")), True)
+        if pc.any(unknown).as_py():     # no duration: no bandwidth either, whatever the file says
+            for target in ("algbw_gbps", "busbw_gbps"):
+                if target in names:
+                    table = clear(target, unknown)
+            if "timing" in names:
+                host = pc.fill_null(pc.equal(table.column("timing"), pa.scalar("host")), False)
+                _note_host_unmeasured(notes, path, pc.sum(pc.and_(unknown, host)).as_py() or 0)
+    return table
+
+
+def _note_host_unmeasured(notes, path, n) -> None:
+    if n:
+        notes.add(path, f"{n} row(s) with timing 'host' but no duration_us (a host-timed call always has "
+                        "one: the value was lost or edited): counted as unmeasured")
+
+
+def _note_impossible(notes, path, name, inf, neg) -> None:
+    if name in ("algbw_gbps", "busbw_gbps"):
+        return      # derived from duration_us: cleared with it, or on its own without a word
+    kinds = " and ".join(f"{k} {what}" for k, what in ((inf, "infinite"), (neg, "negative")) if k)
+    effect = ("treated as unmeasured (left out of times and bandwidth)" if name == "duration_us"
+              else "set to NaN")
+    notes.add(path, f"{inf + neg} impossible {name} value(s) ({kinds}): {effect}")
+
+
+_KEY_AGGREGATES = (("seq", "count"), ("seq", "min"), ("seq", "max"), ("start_ns", "min"), ("start_ns", "max"),
+                   ("world_size", "min"), ("world_size", "max"))
+
+
+def _keys_arrow(table) -> list[dict]:
+    if table.num_rows == 0:
+        return []
+    return table.group_by(["rank", "pid"]).aggregate(list(_KEY_AGGREGATES)).to_pylist()
+
+
+def _keys_pandas(df) -> list[dict]:
+    if len(df) == 0:
+        return []
+    spec = {f"{col}_{how}": (col, how) for col, how in _KEY_AGGREGATES}
+    out = df.groupby(["rank", "pid"]).agg(**spec).reset_index()
+    return [{k: int(v) for k, v in row.items()} for row in out.to_dict("records")]
+
+
+def _arrow_frame(pa, tables, schema):
+    if not tables:
+        tables = [pa.table([pa.array([], _arrow_type(pa, c.dtype)) for c in schema], names=[c.name for c in schema])]
+    table = pa.concat_tables(tables).unify_dictionaries()
+    del tables[:]
+    df = table.to_pandas(self_destruct=True, split_blocks=True)
+    del table
+    for c in schema:   # sorted categories, as the in-memory log gives
+        if c.dtype == "category":
+            df[c.name] = df[c.name].cat.reorder_categories(sorted(df[c.name].cat.categories))
+    return df
+
+
+# ---- reading without pyarrow (pandas) -----------------------------------------------------
+def _read_csv_pandas(path, names, schema, fill, size, end, notes):
+    import io
+
+    import pandas as pd
+
+    cols = [c.name for c in schema if c.name not in fill]
+
+    def parse(errors):
+        if end == size:
+            source = path
+        else:
+            with open(path, "rb") as f:
+                source = io.BytesIO(f.read(end))
+        return pd.read_csv(source, usecols=cols, dtype=str, keep_default_na=False, na_filter=False,
+                           encoding="utf-8", encoding_errors=errors)
+
+    try:
+        try:
+            raw = parse("strict")
+        except UnicodeDecodeError:
+            raw = parse("replace")
+            notes.add(path, "invalid UTF-8 bytes: replaced by U+FFFD")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as exc:
+        import re
+
+        m = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(exc))
+        if m is not None:
+            raise _damaged_line(path, f"line {m.group(2)}", int(m.group(3)), int(m.group(1))) from None
+        raise LogFileError(path, f"not a valid CSV log ({_short(exc)})") from None
+    except OSError as exc:
+        raise LogFileError(path, f"cannot be read: {exc.strerror or exc}") from None
+    out = {}
+    for c in schema:
+        if c.name in fill:
+            value = _NEUTRAL_BY_COLUMN.get(c.name, _NEUTRAL[c.dtype])
+            out[c.name] = pd.Series([value] * len(raw), dtype=object if c.dtype == "category" else c.dtype)
+        else:
+            out[c.name] = _typed_pandas(path, c.name, raw[c.name], c.dtype, len(names))
+    return pd.DataFrame(out)
+
+
+def _typed_pandas(path, name, s, dtype, fields):
+    """A column read as text, converted to ``dtype``; raises on the first value that is not one."""
+    import numpy as np
+    import pandas as pd
+
+    text = s.fillna("").astype(str).str.strip()
+    if dtype == "category":
+        return text.astype(object)
+    low = text.str.lower()
+    if dtype == "int64":
+        ok = text.str.fullmatch(r"[+-]?\d+").fillna(False)
+        values = lambda: pd.to_numeric(text.where(ok, "0")).astype(np.int64)   # noqa: E731
+    elif dtype == "bool":
+        ok = low.isin(("true", "false", "1", "0"))
+        values = lambda: low.isin(("true", "1")).astype(bool)   # noqa: E731
+    else:
+        nan = low.isin(("", "nan", "-nan", "+nan", "na", "n/a", "null", "none"))
+        number = pd.to_numeric(text.where(~nan, "nan"), errors="coerce").astype(np.float64)
+        ok = nan | number.notna()
+        values = lambda: number   # noqa: E731
+    ok = ok.to_numpy(bool)
+    if not ok.all():
+        first = int(np.flatnonzero(~ok)[0])
+        if text.iloc[first] == "":      # pandas gives "" for the fields a short line lacks
+            found = _fields_on_line(path, first + 2)
+            if found < fields:
+                raise _damaged_line(path, f"line {first + 2}", found, fields)
+        raise _bad_value(path, name, text.iloc[first], f"line {first + 2}", dtype)
+    return values().reset_index(drop=True)
+
+
+def _sanitize_pandas(df, path, notes):
+    import numpy as np
+
+    for name, derived in (("duration_us", ("algbw_gbps", "busbw_gbps")), ("host_us", ()),
+                          ("algbw_gbps", ()), ("busbw_gbps", ())):
+        if name not in df.columns:
+            continue
+        values = df[name].to_numpy(np.float64)
+        inf, neg = np.isinf(values), values < 0
+        if not (inf.any() or neg.any()):
+            continue
+        mask = inf | neg
+        for target in (name,) + derived:
+            if target in df.columns:
+                df[target] = np.where(mask, np.nan, df[target].to_numpy(np.float64))
+        _note_impossible(notes, path, name, int(inf.sum()), int(neg.sum()))
+    if "duration_us" in df.columns:
+        unknown = np.isnan(df["duration_us"].to_numpy(np.float64))
+        if unknown.any():               # no duration: no bandwidth either, whatever the file says
+            for target in ("algbw_gbps", "busbw_gbps"):
+                if target in df.columns:
+                    df[target] = np.where(unknown, np.nan, df[target].to_numpy(np.float64))
+            if "timing" in df.columns:
+                _note_host_unmeasured(notes, path, int((unknown & (df["timing"].to_numpy() == "host")).sum()))
+    return df
+
+
+def _pandas_frame(frames, schema):
+    import pandas as pd
+
+    if frames:
+        df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    else:
+        df = pd.DataFrame({c.name: pd.Series([], dtype=object if c.dtype == "category" else c.dtype)
+                           for c in schema})
+    for c in schema:
+        if c.dtype == "category":
+            df[c.name] = pd.Categorical(df[c.name].astype(str))
+        else:
+            df[c.name] = df[c.name].astype(c.dtype)
+    return df[[c.name for c in schema]]
+
+
+def _read_pandas(path: str):
+    """One CSV file read by pandas, every column as the SCHEMA's dtype (no pyarrow needed)."""
+    part = _read_file(None, path, SCHEMA, _Notes())
+    return _pandas_frame([part[0]] if part is not None else [], SCHEMA)
+
+

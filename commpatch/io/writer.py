@@ -1,0 +1,139 @@
+"""Writing logs: a DataFrame (or Arrow Table) to CSV / Parquet, published atomically; a binary
+rank log (``.cplog``) converted to CSV / Parquet.
+
+pyarrow writes CSV ~10x faster than ``DataFrame.to_csv`` (1M rows: ~1.5 s vs ~15 s) and
+gives Parquet for free; it is an optional extra (``commpatch[arrow]``), with pandas as the
+fallback writer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..data.frame import Cat, arrow_table, columns, dataframe, parse_log
+from ..data.logfile import SUFFIX
+from ..data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+
+
+def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
+    """Write the CSV (or, for an ``out`` ending in .parquet, Parquet) of a binary rank log; by
+    default beside it with the same stem. Never replaces an existing file when ``exclusive``."""
+    with open(path, "rb") as f:
+        parsed = parse_log(f.read(), name=path)
+    out = out or path[: -len(SUFFIX)] + ".csv"
+    if out.endswith(".csv") and len(parsed.rows) <= SMALL_ROWS and "pyarrow" not in sys.modules:
+        return write_small_csv(parsed, out, exclusive)
+    if _pyarrow() is not None:            # straight to Arrow: no pandas import, no DataFrame
+        return write(arrow_table(parsed), out, exclusive=exclusive)
+    return write(dataframe(parsed), out, exclusive=exclusive)
+
+
+SMALL_ROWS = 20_000    # up to this many rows, a CSV is written without importing pyarrow or pandas
+
+
+def write_small_csv(parsed, out: str, exclusive: bool = True) -> str:
+    """The CSV of a small rank log with the standard library: importing pyarrow (or pandas) costs
+    more than the writing itself at a process's exit (0.2-0.3 s measured, see design notes)."""
+    import csv
+    import io
+
+    import numpy as np
+
+
+    cols = columns(parsed)
+    text = []
+    for c in cols.values():
+        if isinstance(c, Cat):
+            names = np.array(list(c.categories) + [""], dtype=object)
+            text.append(names[c.codes])             # code -1 picks the trailing ""
+        elif c.dtype == bool:
+            text.append(np.where(c, "true", "false"))
+        elif c.dtype.kind == "f":
+            text.append(np.where(np.isnan(c), "", c.astype(str)))
+        else:
+            text.append(c.astype(str))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(list(cols))
+    writer.writerows(zip(*text))
+    return write_bytes(buf.getvalue().encode("utf-8", "backslashreplace"), out, exclusive)
+
+
+def write_bytes(data: bytes, path: str, exclusive: bool) -> str:
+    """``data`` to ``path`` through an exclusively created temporary file (see ``write``)."""
+    return _publish(path, exclusive, lambda f: f.write(data))
+
+
+# nthreads=1 in every Table.from_pandas: the exit writer runs after the interpreter started
+# shutting down, when thread pools refuse new work ("cannot schedule new futures").
+
+
+def write(df, path: str, exclusive: bool = False) -> str:
+    """Write a log DataFrame to ``path`` (.csv or .parquet); returns the path. The data goes to a
+    temporary file created exclusively (never through a link), then takes the final name:
+    ``exclusive`` refuses to replace an existing file (FileExistsError)."""
+    return _publish(path, exclusive, lambda f: _write_to(df, path, f))
+
+
+def _publish(path: str, exclusive: bool, fill) -> str:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
+            fill(f)
+        if exclusive:
+            os.link(tmp, path)          # fails if the name is taken: nothing is replaced
+        else:
+            os.replace(tmp, path)       # readers never see a half-written file
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _write_to(df, path: str, f) -> None:
+    """``df``: a log DataFrame, or the same columns as a pyarrow Table."""
+    pa = _pyarrow()
+    if path.endswith(".parquet"):
+        if pa is None:
+            raise RuntimeError("Parquet output needs pyarrow: pip install 'commpatch[arrow]'")
+        import pyarrow.parquet as pq
+
+        pq.write_table(with_schema_version(_as_table(pa, df)), f)
+    elif pa is not None:
+        import pyarrow.csv as pacsv
+
+        table = _as_table(pa, df)
+        try:
+            pacsv.write_csv(table, f)          # categorical columns written as their strings
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            # older pyarrow cannot write dictionary columns: decode them first
+            table = table.cast(pa.schema([
+                pa.field(x.name, pa.string()) if pa.types.is_dictionary(x.type) else x for x in table.schema]))
+            pacsv.write_csv(table, f)
+    else:
+        df.to_csv(f, index=False)
+
+
+def _as_table(pa, df):
+    return df if isinstance(df, pa.Table) else pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
+
+
+def with_schema_version(table):
+    """A pyarrow Table with the schema version in its key-value metadata, as Parquet logs carry it
+    (``pq.write_table(with_schema_version(table), path)``); other metadata is kept."""
+
+    return table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                          SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+
+        return pyarrow
+    except ImportError:
+        return None

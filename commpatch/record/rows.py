@@ -1,0 +1,60 @@
+"""The one row writer outside the generated fast path: the wrapper's slow path (CUDA, async,
+nested and coalesced calls, errors) and every integration write their rows through ``write_row``
+(and ``record`` for a call an integration observed), into the same ``Log`` with the same packed
+layout (``data.schema.ROW``) as the fast path's inline ``extend(pack(...))``.
+
+Also: ``Pending``, the named entry of ``Log.pending`` (a call in flight, shown by the watchdog),
+and the process's sequence counter ``SEQ``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple
+
+from ..data.ops import OP_CODE
+from ..data.schema import ROW, pack_flags
+from .state import STATE
+
+SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
+
+
+def peek_seq(counter=SEQ) -> int:
+    """Next value of an itertools.count without consuming it."""
+    text = repr(counter)          # 'count(42)'
+    return int(text[text.index("(") + 1:text.index(")")])
+
+
+class Pending(NamedTuple):
+    """A call in flight: an async one until its timing resolves; a sync one too while the watchdog runs."""
+
+    op: int               # op code (data.ops.OP_NAMES)
+    gid: int              # group code (Log.groups)
+    numel: int
+    thread: int           # threading.get_ident() of the caller
+    start: int            # perf_counter_ns at issue
+    stack: tuple | None   # (file, line, function) frames where it was issued, or None
+
+
+def write_row(log, seq: int, code: int, gid: int, dtype, numel: int, flags: int, start: int, end: int,
+              peer: int) -> None:
+    """Append one packed row; ``dtype`` is a torch dtype, ``data.ops.OBJECT`` or None (no tensor).
+    Step, tag and module/phase are those current now (``record.state.STATE``)."""
+    state = STATE
+    log.buf.extend(ROW.pack(seq, code, gid, log.dtype_id(dtype), numel, flags, start, end, peer,
+                            state.step, state.tag, state.where))
+
+
+def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_op: bool,
+           tcode: int, err: bool = False, peer: int = -1, seq: int | None = None) -> int:
+    """One row for a call an integration observed (the op by name, the group object, the tensor
+    that gives dtype and device); returns its seq."""
+    gid = log.group_ids.get(group)
+    if gid is None:
+        gid = log.group_id(group)
+    if seq is None:
+        seq = next(SEQ)
+    cuda = tensor is not None and tensor.is_cuda     # the device column (and its backend) come from it
+    write_row(log, seq, OP_CODE[op], gid, tensor.dtype if tensor is not None else None, numel,
+              pack_flags(async_op, cuda, err, tcode), start, end, peer)
+    return seq

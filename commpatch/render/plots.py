@@ -1,0 +1,119 @@
+"""Plots (matplotlib, optional extra ``commpatch[plots]``): each function takes analysis
+DataFrames and returns a ``matplotlib.figure.Figure``; ``write_plots`` saves the standard set
+as PNG. Figures are built without pyplot, so nothing here touches global GUI state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def _figure(*size):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("commpatch plots need matplotlib: pip install 'commpatch[plots]' "
+                          "(or pip install matplotlib)") from None
+    return Figure(figsize=size or (8, 4.5), layout="constrained")
+
+
+def bandwidth_vs_size(summary_by_op_size):
+    """Bus bandwidth against message size, one line per op (from summary(by=['op', 'size_bucket']))."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    s = summary_by_op_size[summary_by_op_size["busbw_gbps"].notna() & (summary_by_op_size["size_bucket"] > 0)]
+    for op, part in s.groupby(s["op"].astype(str), sort=True):
+        part = part.sort_values("size_bucket")
+        ax.plot(part["size_bucket"], part["busbw_gbps"], marker="o", label=op)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size bucket (bytes, upper bound)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title("Bus bandwidth vs message size")
+    if len(s):
+        ax.legend(fontsize="small")
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+def comm_per_step(steps):
+    """Communication time per step (from per_step(by_rank=False)): exposed and other, and share."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    x = steps["step"].to_numpy()
+    ax.bar(x, steps["exposed_us"] / 1e3, label="blocking (exposed)", color="tab:red")
+    ax.bar(x, steps["overlap_unknown_us"] / 1e3, bottom=steps["exposed_us"] / 1e3,
+           label="async / device-timed (overlap unknown)", color="tab:orange")
+    top = float(((steps["exposed_us"] + steps["overlap_unknown_us"]) / 1e3).max())
+    ax.set_ylim(0, top * 1.25 if top > 0 else 1)        # room for the legend
+    ax.set_xlabel("step")
+    ax.set_ylabel("communication per rank (ms, mean over ranks)")
+    ax.set_title("Communication time per step")
+    if steps["comm_share"].notna().any():
+        ax2 = ax.twinx()
+        ax2.plot(x, 100 * steps["comm_share"], color="k", marker=".", label="share of step")
+        ax2.set_ylabel("share of step time (%)")
+        ax2.set_ylim(0, 100)
+    ax.legend(loc="upper left", fontsize="small")
+    return fig
+
+
+def skew_heatmap(arrivals):
+    """Arrival delay per rank (rows) and collective bin (columns), from merge.arrival_matrix."""
+    fig = _figure(9, max(3.0, min(12.0, 0.25 * len(arrivals) + 2)))
+    ax = fig.add_subplot()
+    data = arrivals.to_numpy(np.float64) / 1e3
+    image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma",
+                      extent=(-0.5, data.shape[1] - 0.5, len(arrivals) - 0.5, -0.5))
+    ax.set_yticks(range(len(arrivals)))
+    ax.set_yticklabels([str(r) for r in arrivals.index], fontsize="small" if len(arrivals) <= 32 else 4)
+    ticks = np.linspace(0, data.shape[1] - 1, num=min(8, data.shape[1])).astype(int) if data.shape[1] else []
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(arrivals.columns[t]) for t in ticks])
+    ax.set_xlabel("collective (sequence in its group)")
+    ax.set_ylabel("rank")
+    ax.set_title("Arrival delay behind the earliest rank (ms)")
+    fig.colorbar(image, ax=ax, label="ms")
+    return fig
+
+
+def scaling(table, by_op):
+    """Communication per step, its share, and busbw against world size (from analysis.scaling*)."""
+    fig = _figure(12, 4)
+    a, b, c = fig.subplots(1, 3)
+    a.plot(table["world_size"], table["comm_per_step_us"] / 1e3, marker="o")
+    a.set_xlabel("world size")
+    a.set_ylabel("ms per step (mean per rank)")
+    a.set_title("Communication per step")
+    b.plot(table["world_size"], 100 * table["comm_share"], marker="o")
+    b.set_xlabel("world size")
+    b.set_ylabel("% of step")
+    b.set_title("Communication share of step")
+    for op, part in by_op[by_op["busbw_gbps"].notna()].groupby("op", sort=True):
+        c.plot(part["world_size"], part["busbw_gbps"], marker="o", label=op)
+    c.set_xlabel("world size")
+    c.set_ylabel("busbw (GB/s)")
+    c.set_title("Bus bandwidth")
+    c.legend(fontsize="x-small")
+    for ax in (a, b, c):
+        ax.grid(True, alpha=0.3)
+    return fig
+
+
+def save(fig, path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_plots(directory: str, summary_by_op_size=None, steps=None, arrivals=None) -> list[str]:
+    """Save the plots whose inputs are given (and not empty) as PNG files; returns their paths."""
+    written = []
+    if summary_by_op_size is not None and len(summary_by_op_size):
+        written.append(save(bandwidth_vs_size(summary_by_op_size), os.path.join(directory, "bandwidth_vs_size.png")))
+    if steps is not None and len(steps):
+        written.append(save(comm_per_step(steps), os.path.join(directory, "comm_per_step.png")))
+    if arrivals is not None and arrivals.size and len(arrivals) > 1:
+        written.append(save(skew_heatmap(arrivals), os.path.join(directory, "skew_heatmap.png")))
+    return written

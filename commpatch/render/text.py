@@ -1,0 +1,227 @@
+"""Renderers: analysis DataFrames -> text. Each renderer declares its file extension."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..analysis import matching, summaries
+
+_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+
+
+def human_bytes(n) -> str:
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit, scale in _UNITS:
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _binary_bytes(n) -> str:
+    """Power-of-two sizes read best in binary units (the bucket 4194304 is '4 MiB')."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt(value, col: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if col == "size_bucket":
+        return _binary_bytes(value)
+    if col == "bytes" or col.endswith("_bytes"):
+        return human_bytes(value)
+    if col == "time_share" or col.endswith("_share"):
+        return f"{100 * value:.1f}%"
+    if col.endswith("_us"):
+        return f"{value:,.1f}"
+    if col.endswith("_gbps"):
+        return f"{value:.3f}"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def render_text(df, title: str = "commpatch summary") -> str:
+    """A plain aligned table (no colours), one row per summary row."""
+    cols = list(df.columns)
+    cells = [[_fmt(v, c) for v, c in zip(row, cols)] for row in df.itertuples(index=False)]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    numeric = [df[c].dtype.kind in "iuf" for c in cols]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
+
+    out = [title, line(cols), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+render_text.extension = ".txt"
+
+
+def render_markdown(df) -> str:
+    cols = list(df.columns)
+    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if df[c].dtype.kind in "iuf" else "---" for c in cols) + "|"]
+    out += ["| " + " | ".join(_fmt(v, c) for v, c in zip(row, cols)) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(out)
+
+
+render_markdown.extension = ".md"
+
+
+# ---- the full report ----------------------------------------------------------------------
+SECTIONS = {   # key -> title, in the order they are rendered
+    "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
+    "summary": "Per op and message size",
+    "steps": "Per step (mean over ranks)",
+    "ranks": "Ranks by how long and how often they arrived last (stragglers first)",
+    "skew": "Collectives with the largest arrival skew",
+    "p2p": "Point-to-point channels (matched pairwise)",
+}
+
+
+# the log columns build_report reads: enough to load for a report of a very large log
+REPORT_COLUMNS = ("seq", "op", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
+                  "async_op", "start_ns", "duration_us", "timing", "algbw_gbps", "busbw_gbps", "step")
+
+
+@dataclass
+class Report:
+    """Data of a full report: named DataFrames, error lines and notes. Renderers turn it into text."""
+
+    title: str
+    sections: dict = field(default_factory=dict)   # key of SECTIONS -> DataFrame
+    errors: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+def build_report(df, by=("op", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
+    """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
+
+    ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
+    ``matching.cross_rank(df)``; computed here when the log has more than one rank.
+    """
+
+    ranks = sorted(df["rank"].unique().tolist())
+    rep = Report(title=f"commpatch report: {len(df)} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    rep.sections["summary"] = summaries.summary(df, by=by)
+    unmeasured = int(np.isnan(summaries.durations(df)).sum())
+    if unmeasured:
+        rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
+                         "not in times or bandwidth.")
+    per_step = summaries.per_step(df, steps=steps, by_rank=False)
+    if per_step["step"].nunique() > 1 or steps is not None:
+        rep.sections["steps"] = per_step
+        rep.notes += _step_notes(per_step)
+    if len(ranks) > 1:
+        cr = cross if cross is not None else matching.cross_rank(df)
+        rep.sections["mismatches"] = cr.mismatches
+        rep.errors += [f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
+                       f"{m.detail}; {m.affected} collective(s) affected" for m in cr.mismatches.itertuples()]
+        rep.sections["ranks"] = cr.ranks
+        rep.sections["skew"] = matching.top_skew(cr.collectives, top)
+        if len(cr.p2p):
+            rep.sections["p2p"] = _p2p_channels(cr.p2p)
+        excluded = df["op"].isin(matching.P2P_OPS)
+        if excluded.any():
+            batch = int((df["op"] == "batch_isend_irecv").sum())
+            rep.notes.append(f"{int(excluded.sum())} point-to-point call(s) are matched pairwise, not across all ranks"
+                             + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
+        if cr.missing_logs:
+            rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
+                             "their collectives are not checked.")
+        rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; it includes "
+                         "clock differences between hosts. wait = time a rank's call spent until the last rank "
+                         "issued it (bounded by its measured duration).")
+    else:
+        rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
+    return rep
+
+
+def _span(ranks) -> str:
+    ranks = list(ranks)
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _step_notes(per_step) -> list:
+    notes = []
+    source = set(per_step["step_source"])
+    if "user" in source:
+        notes.append("step time: given by the user.")
+    elif "log" in source:
+        notes.append("step time: period between the first collective of a step and the first of the next "
+                     "(the last step has none).")
+    else:
+        notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
+    exposed, unknown = per_step["exposed_us"].sum(), per_step["overlap_unknown_us"].sum()
+    if exposed + unknown > 0:
+        notes.append(f"exposed vs overlapped: {100 * exposed / (exposed + unknown):.0f}% of communication time is on "
+                     "blocking calls (fully exposed); the rest is async or device-timed, whose overlap with "
+                     "compute is not measurable from this log.")
+    return notes
+
+
+def _p2p_channels(pairs):
+    g = pairs.groupby(["group", "channel", "src", "dst"], sort=True)
+    out = g.agg(pairs=("k", "size"), matched=("matched", "sum"), bytes_mismatch=("bytes_mismatch", "sum"),
+                mean_skew_us=("skew_us", "mean"), max_skew_us=("skew_us", "max"))
+    return out.reset_index()
+
+
+def render_report_text(rep: Report, max_rows: int = 20) -> str:
+    out = [rep.title, "=" * len(rep.title)]
+    out += [f"ERROR: {e}" for e in rep.errors]
+    for key, title in SECTIONS.items():
+        frame = rep.sections.get(key)
+        if frame is None or (key == "mismatches"):
+            continue
+        out += ["", render_text(_head(frame, max_rows), title=title) + _more(frame, max_rows)]
+    if rep.notes:
+        out += ["", "Notes:"] + [f"- {n}" for n in rep.notes]
+    return "\n".join(out)
+
+
+render_report_text.extension = ".txt"
+
+
+def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
+    out = [f"# {rep.title}"]
+    if rep.errors:
+        out += ["", "## Errors", ""] + [f"- **{e}**" for e in rep.errors]
+    for key, title in SECTIONS.items():
+        frame = rep.sections.get(key)
+        if frame is None or key == "mismatches":
+            continue
+        out += ["", f"## {title}", "", render_markdown(_head(frame, max_rows)) + _more(frame, max_rows)]
+    if rep.notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in rep.notes]
+    return "\n".join(out)
+
+
+render_report_markdown.extension = ".md"
+
+
+def render_report_json(rep: Report) -> str:
+    sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
+    return json.dumps({"title": rep.title, "errors": rep.errors, "notes": rep.notes, "sections": sections}, indent=1)
+
+
+render_report_json.extension = ".json"
+
+
+def _head(frame, max_rows):
+    return frame.head(max_rows) if len(frame) > max_rows else frame
+
+
+def _more(frame, max_rows) -> str:
+    return f"\n... {len(frame) - max_rows} more row(s) (--format json or csv for all)" if len(frame) > max_rows else ""

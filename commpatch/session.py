@@ -1,0 +1,375 @@
+"""``Session``: the log, timing state, patcher, integrations, watchdog and flusher of a process,
+and its lifecycle (enable / disable, the export at exit and at ``destroy_process_group``, fork).
+
+The module-level functions (re-exported by ``commpatch/__init__.py``) act on a default session,
+created on first use; ``new_default()`` replaces it with a fresh one (tests). Only one session
+records at a time: torch's functions are process-global, and so are the hot path's switches
+(``record.state.STATE``) and sequence counter (``record.rows.SEQ``). Importing this module imports
+neither torch nor pandas.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+
+from . import config, integrations, watchdog
+from .analysis.summaries import summary as _summary
+from .data.logfile import SUFFIX
+from .io.paths import check_writable, rank_path
+from .io.writer import convert, write
+from .patch.patcher import Patcher
+from .record import state as _runtime
+from .record import wrapper as _wrapper
+from .record.log import Log
+from .record.rows import SEQ, peek_seq
+from .record.sinks import Flusher
+from .record.timing import Timing
+from .render.text import render_text
+
+
+class Session:
+    """Everything commpatch holds for one process's recording, and its lifecycle."""
+
+    def __init__(self) -> None:
+        self.log = Log()
+        self.timing = Timing(self.log)
+        self.patcher = Patcher(self.log, self.timing, on_destroy=self._on_destroy)
+        self.integrations = None           # integrations.Context while enabled
+        self.flusher: Flusher | None = None
+        self.lock = threading.RLock()
+        self.warned: set[str] = set()
+        self.exit_lock = threading.Lock()
+        self.exported: set[str] = set()    # binary logs already converted by this process
+        self.exit_handler = False
+
+    # ---- enable / disable ------------------------------------------------------------------
+    def enable(self, **settings) -> None:
+        with self.lock:
+            state = _runtime.STATE
+            if state.enabled:
+                state.recording = True
+                return
+            resolved = config.resolve(settings)
+            output = resolved["output"]
+            if output:
+                setting = "output" if "output" in settings else "COMMPATCH_OUTPUT"
+                check_writable(output, setting)
+                world = os.environ.get("WORLD_SIZE", "")
+                if world.isdigit() and int(world) > 1 and "{rank}" not in output and "{pid}" not in output:
+                    raise config.ConfigError(
+                        f"{setting}={output!r} has no {{rank}} in a {world}-rank job (WORLD_SIZE={world}): every rank "
+                        "writes its own file, e.g. 'commpatch_logs/{run}/rank{rank}.csv'")
+            state.settings = resolved
+            log = self.log
+            log.set_output(output)
+            log.forget_groups()         # groups may have been destroyed and re-created while disabled
+            if log.rank >= 0:
+                import torch.distributed as dist
+
+                if not dist.is_initialized() or dist.get_rank() != log.rank:
+                    log.end_file()      # re-initialised while disabled: a new file for the new rank
+            log.max_rows = resolved["max_rows"]
+            log.on_open = self._start_flusher
+            log.on_warn = self._warn_once
+            _register_fork_handler()
+            self.patcher.apply(resolved["ops"], host_only=resolved["timing"] == "host")
+            self.integrations = integrations.apply(log, self.timing, resolved)
+            state.enabled = True
+            state.recording = True
+            watchdog.start(log, resolved)
+            if not self.exit_handler:
+                self.exit_handler = True
+                atexit.register(self.write_at_exit)   # atexit only: the binary log needs no signal handler
+
+    def disable(self) -> None:
+        with self.lock:
+            state = _runtime.STATE
+            state.recording = False
+            if state.enabled:
+                watchdog.stop()
+                self.timing.resolve(block=False)
+                integrations.remove(self.integrations)
+                self.integrations = None
+                self.patcher.remove()
+                self._stop_flusher()
+                self.log.flush()
+                state.enabled = False
+
+    def close(self) -> None:
+        """Disable, stop the flusher and drop the exit handler: a session replaced by another."""
+        self.disable()
+        self._stop_flusher()
+        if self.exit_handler:
+            atexit.unregister(self.write_at_exit)
+            self.exit_handler = False
+
+    # ---- the log -----------------------------------------------------------------------------
+    def dataframe(self):
+        self.timing.resolve(block=True)
+        return self.log.to_dataframe()
+
+    def reset(self) -> None:
+        self.timing.resolve(block=True)
+        self.log.clear(peek_seq(SEQ))
+
+    def export_csv(self, path: str | None = None, df=None) -> str:
+        log = self.log
+        if path is None and log.sink is not None and log.sink.path is not None:
+            suffix = os.path.splitext(_runtime.STATE.settings.get("output") or ".csv")[1]
+            path = log.sink.path[: -len(SUFFIX)] + suffix
+        template = path or _runtime.STATE.settings.get("output") or config.BY_NAME["output"].default
+        rank = log.rank if log.rank >= 0 else None
+        return write(self.dataframe() if df is None else df, os.path.normpath(rank_path(str(template), rank=rank)))
+
+    # ---- flusher, warnings ---------------------------------------------------------------------
+    def _start_flusher(self, log) -> None:
+        """The first row of a rank with an output file: flush it now, then every FLUSH_S seconds."""
+        log.open()
+        if self.flusher is None:
+            self.flusher = Flusher(log.flush)
+
+    def _stop_flusher(self) -> None:
+        flusher, self.flusher = self.flusher, None
+        if flusher is not None:
+            flusher.stop()
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            import warnings
+
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    # ---- exit, destroy_process_group, fork -------------------------------------------------------
+    def _on_destroy(self) -> None:
+        self.write_at_exit(reason="destroy_process_group")
+
+    def write_at_exit(self, reason: str = "exit") -> list[str]:
+        """Flush this rank's binary log and write its CSV / Parquet beside it; never raises, never
+        waits (a second caller, e.g. a signal handler of the user's during the first, returns at once)."""
+        settings = _runtime.STATE.settings
+        if not self.exit_lock.acquire(blocking=False):
+            return []
+        log = self.log
+        written: list[str] = []
+        try:
+            self.timing.resolve(block=True)
+            if reason == "destroy_process_group":
+                log.end_file()
+            else:
+                log.flush()
+            last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+            if reason == "exit" and isinstance(last, KeyboardInterrupt):
+                # Ctrl-C: the rows are on disk already; importing the writers' extension modules now
+                # would turn the process's exit status from -SIGINT into 1 (CPython), and slow it down
+                if log.files:
+                    sys.stderr.write(f"commpatch: interrupted: this rank's rows are in {log.files[-1].path} "
+                                     "(`commpatch report` reads it, `commpatch convert` converts it)\n")
+                return written
+            _, suffix = os.path.splitext(settings.get("output") or ".csv")
+            for sink in list(log.files):
+                if sink.path in self.exported or sink is log.sink and reason != "exit":
+                    continue
+                self.exported.add(sink.path)
+                out = sink.path[: -len(SUFFIX)] + suffix
+                if not os.path.isfile(sink.path):  # the binary log was removed under us
+                    _runtime.fail(f"export.{reason}", FileNotFoundError(f"{sink.path} was removed"), rows=len(log))
+                    continue
+                try:
+                    written.append(convert(sink.path, out))
+                except FileExistsError:
+                    _runtime.fail("export.exists", FileExistsError(
+                        f"{out} exists and was not written by commpatch; the rows are in {sink.path}"), rows=0)
+                except Exception as exc:  # noqa: BLE001 - the rows stay in the binary log
+                    _runtime.fail("export.convert", exc, rows=0)
+            if settings.get("summary") and reason == "exit" and len(log):
+                sys.stderr.write(summary_text(log.to_dataframe()) + "\n")
+            return written
+        except Exception as exc:  # noqa: BLE001 - the user's exit must not fail because of us
+            _runtime.fail(f"export.{reason}", exc, rows=0)
+            return written
+        finally:
+            self.exit_lock.release()
+
+    def after_fork_in_child(self) -> None:
+        """A forked child (a DataLoader worker, say) starts with an empty log and never writes the
+        parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
+        self.lock = threading.RLock()
+        self.flusher = None                 # threads do not survive fork
+        self.exit_lock = threading.Lock()
+        self.exported.clear()
+        self.log.after_fork()
+        self.timing.after_fork()
+        _runtime.STATE.settings = dict(_runtime.STATE.settings, output="")
+
+
+# ---- the default session ------------------------------------------------------------------------
+_default: Session | None = None
+_default_lock = threading.Lock()
+_fork_handler_registered = False
+
+
+def default() -> Session:
+    """The process's session, created on first use."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Session()
+    return _default
+
+
+def new_default() -> Session:
+    """Replace the default session with a fresh one (the old one is closed first): a clean log,
+    timing state and patcher. Process-wide counters (seq, internal errors) are not reset."""
+    global _default
+    with _default_lock:
+        old, _default = _default, Session()
+    if old is not None:
+        old.close()
+    return _default
+
+
+def _register_fork_handler() -> None:
+    global _fork_handler_registered
+    if not _fork_handler_registered and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_handler_registered = True
+
+
+def _after_fork_in_child() -> None:
+    """Fork handling in one place: the record layer's locks, then the session's state."""
+    global _default_lock
+    _default_lock = threading.Lock()
+    _runtime.after_fork()
+    _wrapper.after_fork()
+    if _default is not None:
+        _default.after_fork_in_child()
+
+
+# ---- the public functions (commpatch.enable() etc.) ------------------------------------------------
+def enable(**settings) -> None:
+    """Patch every torch.distributed collective and start recording.
+
+    Keyword arguments override the environment (see ``commpatch env``): ``output``,
+    ``ops``, ``timing``, ``summary``. Calling it again while enabled only resumes recording
+    (and applies nothing new); ``disable()`` first to change settings.
+    """
+    default().enable(**settings)
+
+
+def disable() -> None:
+    """Stop recording and restore every original function object. The log is kept."""
+    default().disable()
+
+
+def is_enabled() -> bool:
+    return _runtime.STATE.enabled
+
+
+def log():
+    """The recorded calls as a pandas DataFrame (one row per user-level call), read back from this
+    rank's log (a file on disk when an output is configured)."""
+    return default().dataframe()
+
+
+def reset() -> None:
+    """Drop every recorded row from what ``log()`` returns (sequence numbers keep counting; rows
+    already in this rank's file stay there)."""
+    default().reset()
+
+
+def export_csv(path: str | None = None, df=None) -> str:
+    """Write the log (or ``df``, a log already built) to ``path``; ``.parquet`` writes Parquet.
+
+    ``{rank}``/``{pid}``/``{run}`` expand; the default path is this rank's export beside its binary log
+    (or the output template).
+    """
+    return default().export_csv(path, df)
+
+
+def write_at_exit(reason: str = "exit") -> list[str]:
+    """The default session's export at exit (see ``Session.write_at_exit``)."""
+    return default().write_at_exit(reason)
+
+
+def step(value: int | None = None) -> int:
+    """Advance the step counter (or set it); rows carry the value current at their call."""
+    state = _runtime.STATE
+    state.step = state.step + 1 if value is None else int(value)
+    return state.step
+
+
+@contextlib.contextmanager
+def tag(name: str):
+    """Label the calls issued inside the block (process-wide; the innermost tag wins)."""
+    state = _runtime.STATE
+    previous = state.tag
+    state.tag = _runtime.tag_id(str(name))
+    try:
+        yield
+    finally:
+        state.tag = previous
+
+
+class Capture:
+    """Result of ``capture()``: the rows recorded inside the block."""
+
+    def __init__(self) -> None:
+        self.first_seq = None
+        self.last_seq = None
+        self._df = None
+
+    @property
+    def df(self):
+        if self._df is None:
+            df = log()
+            mask = df["seq"] >= self.first_seq
+            if self.last_seq is not None:
+                mask &= df["seq"] < self.last_seq
+            self._df = df[mask].reset_index(drop=True)
+        return self._df
+
+    def __len__(self) -> int:
+        return len(self.df)
+
+
+@contextlib.contextmanager
+def capture(**settings):
+    """Record only inside the block: ``with commpatch.capture() as cap: ...; cap.df``.
+
+    Enables commpatch if needed (and disables it again on exit if it did).
+    """
+    session = default()
+    with session.lock:
+        was_enabled, was_recording = _runtime.STATE.enabled, _runtime.STATE.recording
+        session.enable(**settings)
+    cap = Capture()
+    cap.first_seq = peek_seq(SEQ)
+    try:
+        yield cap
+    finally:
+        cap.last_seq = peek_seq(SEQ)
+        with session.lock:
+            if not was_enabled:
+                session.disable()
+            else:
+                _runtime.STATE.recording = was_recording
+
+
+def internal_errors() -> dict[str, int]:
+    """Internal failures of commpatch so far, per kind (each warned once)."""
+    return dict(_runtime.ERRORS)
+
+
+def summary(df=None, by=("op",)):
+    """Per-op (or per ``by``) summary DataFrame of a log (default: this process's log)."""
+    return _summary(log() if df is None else df, by=by)
+
+
+def summary_text(df=None, by=("op",)) -> str:
+    return render_text(summary(df, by=by))
