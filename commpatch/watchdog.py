@@ -167,7 +167,7 @@ class Watchdog(threading.Thread):
             f"[{stuck}] {op}  seq={seq}  group={name} (ranks {ranks}; size {size}; {backend})  "
             f"numel={numel}  pending for {age:.1f} s  thread {threads.get(ident, '?')!r} ({ident})",
         ]
-        if issue_stack is not None:      # (file, line, function) per frame, from _wrapper._issue_stack
+        if issue_stack is not None:      # (file, line, function) per frame, from record.wrapper._issue_stack
             lines.append("  issued from (async call; the thread has moved on), most recent call last:")
             summary = [traceback.FrameSummary(*frame) for frame in issue_stack][-STACK_LIMIT:]
             stack = traceback.StackSummary.from_list(summary).format()

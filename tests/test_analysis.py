@@ -27,7 +27,7 @@ def frame(rows):
     return analysis.add_bandwidth(df)[list(COLUMNS)]
 
 
-# (op, group size, expected bus factor) by DESIGN.md section 4
+# (op, group size, expected bus factor) as nccl-tests defines it (doc/PERFORMANCE.md)
 FACTORS = [
     ("all_reduce", 4, 2 * 3 / 4), ("all_reduce", 2, 1.0), ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 1, 0.0),
     ("all_gather", 8, 7 / 8), ("all_gather_into_tensor", 4, 3 / 4), ("reduce_scatter_tensor", 2, 1 / 2),

@@ -1,7 +1,7 @@
 """Pure analysis: DataFrame -> DataFrame, vectorised, units in column names.
 
-Nothing here prints or plots; renderers live in ``report.py``.
-Bandwidth follows nccl-tests (DESIGN.md section 4): algbw = S / t and
+Nothing here prints or plots; renderers live in ``commpatch.render``.
+Bandwidth follows nccl-tests: algbw = S / t and
 busbw = algbw x factor(n), with n the size of the group actually used.
 """
 

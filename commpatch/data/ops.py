@@ -5,7 +5,7 @@ record). Data only: no torch import; ``record.readers`` compiles each row's argu
 byte counting and the bus-bandwidth factor are all driven from this table; nothing else
 lists op names.
 
-Size rules (``S`` is the message size as nccl-tests counts it, docs/design-notes.md, bandwidth):
+Size rules (``S`` is the message size as nccl-tests counts it):
 
 - ``t``      numel of one tensor argument
 - ``list``   sum of numel over a list of tensors

@@ -8,7 +8,7 @@ collective for the whole list (``allreduce_coalesced``, ``all_gather_single_coal
 (``async_ops=True``). The manager is wrapped (in ``distributed_c10d``, where
 ``batch_isend_irecv`` looks it up, and ``torch.distributed``): while it is open, the core
 wrappers record no row for a queued call and only hand over the start of the first one
-(``_runtime.COALESCING``); at exit one row is recorded:
+(``record.state.COALESCING``); at exit one row is recorded:
 
 - op ``coalesced.<queued op>`` (``coalesced.all_reduce``, ...) with a seq taken at exit, where
   the collective runs (``group_seq`` follows the order of execution); bytes of the whole list as

@@ -1,4 +1,4 @@
-"""Renderers: analysis DataFrames -> text. Each renderer declares its file extension."""
+"""Renderers: analysis DataFrames -> text (summary tables, the report as text, Markdown or JSON)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,6 @@ def render_text(df, title: str = "commpatch summary") -> str:
     return "\n".join(out)
 
 
-render_text.extension = ".txt"
 
 
 def render_markdown(df) -> str:
@@ -74,7 +73,6 @@ def render_markdown(df) -> str:
     return "\n".join(out)
 
 
-render_markdown.extension = ".md"
 
 
 # ---- the full report ----------------------------------------------------------------------
@@ -191,7 +189,6 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
     return "\n".join(out)
 
 
-render_report_text.extension = ".txt"
 
 
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
@@ -208,7 +205,6 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     return "\n".join(out)
 
 
-render_report_markdown.extension = ".md"
 
 
 def render_report_json(rep: Report) -> str:
@@ -216,7 +212,6 @@ def render_report_json(rep: Report) -> str:
     return json.dumps({"title": rep.title, "errors": rep.errors, "notes": rep.notes, "sections": sections}, indent=1)
 
 
-render_report_json.extension = ".json"
 
 
 def _head(frame, max_rows):
