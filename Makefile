@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py
+	$(PYTHON) benchmarks/durable.py
 	$(PYTHON) benchmarks/compare.py
 	$(PYTHON) benchmarks/ddp_step.py
 	$(PYTHON) benchmarks/merge_scale.py

@@ -57,3 +57,37 @@ def test_limit_compiled_collectives_are_not_recorded(run):
     for out in run:
         df, witness = out["compiled"]
         assert len(df) == 0 and witness == {"all_reduce": 1}
+
+
+# ---- traced and simulated tensors (one process, fake backend) ---------------------------------
+
+def test_traced_and_meta_tensors_are_not_recorded_and_raise_nothing():
+    """Regressions found by running torch's own test_functional_api.py under COMMPATCH=1: the
+    wait_tensor wrapper read the storage of fake tensors (RuntimeError into the user's code), and
+    meta tensors made the group lookup warn. Traced or meta calls run nothing: no row, no warning."""
+    import warnings
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import commpatch
+    from commpatch.record import state as _runtime
+    from tests.fakepg import fake_world
+
+    def fn(x):
+        y = funcol.all_reduce(x, "sum", [0, 1])
+        return funcol.wait_tensor(y) * 2
+
+    with fake_world(2):
+        commpatch.enable(output="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            graph = make_fx(fn, tracing_mode="fake")(torch.ones(4))
+            funcol.wait_tensor(funcol.all_reduce(torch.ones(4, device="meta"), "sum", [0, 1]))
+        assert "all_reduce" in str(graph.code)
+        assert len(commpatch.log()) == 0 and not _runtime.ERRORS
+        out = fn(torch.ones(4))                      # and run for real: one row, timed to its wait
+        df = commpatch.log()
+    assert torch.equal(out, torch.full((4,), 2.0)) or out.shape == (4,)
+    assert df["op"].tolist() == ["funcol.all_reduce"] and df["timing"].tolist() == ["wait"]

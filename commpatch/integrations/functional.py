@@ -147,9 +147,13 @@ def _process_group(funcol, cache: dict, group, tag: str):
         pg = cache.get(key)
         if pg is not None:
             return pg
+    import warnings
+
     import torch.distributed.distributed_c10d as c10d
 
-    pg = c10d._resolve_process_group(funcol._resolve_group_name(group, tag))
+    with warnings.catch_warnings():      # torch warned the user already, from their own call
+        warnings.simplefilter("ignore")
+        pg = c10d._resolve_process_group(funcol._resolve_group_name(group, tag))
     if key is not None:
         cache[key] = pg
     return pg

@@ -83,8 +83,12 @@ class Patcher:
         mod = sys.modules.get(modname)
         if mod is None or attr not in self.wrappers:
             return
-        if mod.__dict__.get(attr) is self.originals[attr]:
+        current = mod.__dict__.get(attr)
+        if current is self.originals[attr]:
             wrapt.apply_patch(mod, attr, self.wrappers[attr])
+            self.installed.append((mod, attr))
+        elif current is self.wrappers[attr] and (mod, attr) not in self.installed:
+            # imported while enabled: its own `from ... import` bound the wrapper; restore it too
             self.installed.append((mod, attr))
 
     def _hook(self, modname: str) -> None:
