@@ -1,0 +1,159 @@
+"""A stream-ordered process group for the emulated device, like NCCL on a GPU.
+
+    from tests.emulated_device import pg
+    pg.register()                                        # once per process, after emulated_device.load()
+    dist.init_process_group("cpu:gloo,emu:emustream", ...)
+
+gloo refuses emu tensors, so the "emustream" backend (a C++ c10d Backend forwarding to
+``StreamCollectives`` below) queues each collective on the caller's *current stream*: the stream's
+worker runs a private gloo group on CPU views of the device memory. The host call returns at
+once with a Work whose future is device-aware and already completed; ``work.wait()`` makes the
+current stream wait for the collective (not the host), and ``get_future().then(cb)`` runs ``cb``
+on a stream that waits for it, as with NCCL. Only ``barrier()``'s wait blocks the host (as NCCL's does).
+
+Keep all of a group's collectives on one stream per rank (or in the same order on every rank):
+like NCCL, gloo matches calls by order.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from . import BACKEND, enqueue, ext
+
+NAME = "emustream"
+
+
+class EmuWork(dist.Work):
+    def __init__(self, result, event, device, blocking: bool = False):
+        super().__init__()
+        self._event = event
+        self._device = device
+        self._blocking = blocking
+        self.error: BaseException | None = None
+        # Completed now, on the collective's stream: the future records its own events there, and
+        # then() callbacks / wait() order device work after the collective.
+        self._fut = torch.futures.Future(devices=[device])
+        self._fut.set_result(result)
+
+    def wait(self, timeout=None):
+        if self._blocking:
+            self._event.synchronize()
+        else:
+            torch.accelerator.current_stream(self._device).wait_event(self._event)
+        return True
+
+    def get_future(self):
+        return self._fut
+
+    def is_completed(self):
+        return self._event.query()
+
+    def is_success(self):
+        return self.error is None
+
+    def exception(self):
+        return self.error
+
+
+class StreamCollectives:
+    """The Python side of the backend: one method per collective, each returning an EmuWork."""
+
+    def __init__(self, gloo, rank: int, size: int):
+        self.gloo = gloo
+        self.rank = rank
+        self.size = size
+
+    def _launch(self, device, job, result, blocking=False):
+        device = torch.device(BACKEND, device.index if device.index is not None else ext().current_device())
+        stream = torch.accelerator.current_stream(device)
+        event = torch.Event(device=device)
+        holder = {}
+
+        def run():
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - a failed collective must not kill the worker
+                if "work" in holder:
+                    holder["work"].error = e
+                print(f"emustream: collective failed on rank {self.rank}:\n{traceback.format_exc()}",
+                      file=sys.stderr)
+                raise
+
+        enqueue(run, stream)
+        event.record(stream)
+        work = EmuWork(result, event, device, blocking)
+        holder["work"] = work
+        return work
+
+    # -- collectives (called by the C++ backend with the GIL held; must not block) --
+    def allreduce(self, tensors, op):
+        views = [ext().cpu_view(t) for t in tensors]
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        return self._launch(tensors[0].device, lambda: self.gloo.allreduce(views, opts).wait(), tensors)
+
+    def broadcast(self, tensors, root):
+        views = [ext().cpu_view(t) for t in tensors]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return self._launch(tensors[0].device, lambda: self.gloo.broadcast(views, opts).wait(), tensors)
+
+    def allgather(self, outputs, inputs):
+        out_views = [[ext().cpu_view(t) for t in lst] for lst in outputs]
+        in_views = [ext().cpu_view(t) for t in inputs]
+        return self._launch(inputs[0].device, lambda: self.gloo.allgather(out_views, in_views).wait(), outputs)
+
+    def allgather_into_tensor(self, output, input):
+        out_view, in_view = ext().cpu_view(output), ext().cpu_view(input)
+
+        def job():
+            parts = [torch.empty_like(in_view) for _ in range(self.size)]
+            self.gloo.allgather([parts], [in_view.contiguous()]).wait()
+            out_view.copy_(torch.cat([p.reshape(-1) for p in parts]).view_as(out_view))
+
+        return self._launch(input.device, job, [output])
+
+    def _reduce_scatter_flat(self, flat_in, out_view, op):
+        tmp = flat_in.clone()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.gloo.allreduce([tmp], opts).wait()
+        out_view.copy_(tmp.chunk(self.size)[self.rank].reshape(out_view.shape))
+
+    def reduce_scatter(self, outputs, inputs, op):
+        out_view = ext().cpu_view(outputs[0])
+        in_views = [ext().cpu_view(t) for t in inputs[0]]
+        return self._launch(outputs[0].device, lambda: self._reduce_scatter_flat(
+            torch.cat([v.reshape(-1) for v in in_views]), out_view, op), outputs)
+
+    def reduce_scatter_tensor(self, output, input, op):
+        out_view, in_view = ext().cpu_view(output), ext().cpu_view(input)
+        return self._launch(output.device, lambda: self._reduce_scatter_flat(in_view.reshape(-1), out_view, op),
+                            [output])
+
+    def barrier(self):
+        return self._launch(torch.device(BACKEND, ext().current_device()), lambda: self.gloo.barrier().wait(), [],
+                            blocking=True)
+
+    def send(self, tensors, dst, tag):
+        views = [ext().cpu_view(t) for t in tensors]
+        return self._launch(tensors[0].device, lambda: self.gloo.send(views, dst, tag).wait(), tensors)
+
+    def recv(self, tensors, src, tag):
+        views = [ext().cpu_view(t) for t in tensors]
+        return self._launch(tensors[0].device, lambda: self.gloo.recv(views, src, tag).wait(), tensors)
+
+
+def create(store, rank, size, timeout):
+    gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+    return ext().PyForwardBackend(rank, size, StreamCollectives(gloo, rank, size))
+
+
+def register() -> None:
+    if NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(NAME, create, devices=[BACKEND])

@@ -1,0 +1,327 @@
+"""Multi-process workers for tests/test_emulated_device.py (module-level: spawned ranks import them).
+
+``run_emu_ranks(fn, world_size)`` runs ``fn(rank, world_size, **kwargs)`` in real processes whose
+default group is ``init_process_group("cpu:gloo,emu:emustream")`` on the emulated device.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from tests.multiproc import run_ranks
+
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+def _emu_entry(rank, world_size, target, store_path, emu_pg_timeout, kwargs):
+    """Runs inside tests.multiproc's gloo-initialised rank: swap in the cpu:gloo,emu:emustream group."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tests import emulated_device as emu
+    from tests.emulated_device import pg
+
+    emu.load()
+    pg.register()
+    dist.destroy_process_group()          # the plain gloo group tests.multiproc made
+    dist.init_process_group(f"cpu:gloo,{emu.BACKEND}:{pg.NAME}", init_method=f"file://{store_path}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=emu_pg_timeout))
+    try:
+        return target(rank, world_size, **kwargs)
+    finally:
+        torch.accelerator.synchronize()   # nothing left queued when the group goes away
+        dist.destroy_process_group()
+
+
+def run_emu_ranks(fn, world_size=2, timeout=60, pg_timeout=30, **kwargs):
+    """``fn(rank, world_size, **kwargs)`` in ``world_size`` spawned ranks on cpu:gloo,emu:emustream;
+    a hang fails after ``timeout`` seconds (tests.multiproc kills the ranks)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(_emu_entry, world_size, timeout=timeout, pg_timeout=pg_timeout, target=fn,
+                         store_path=os.path.join(tmp, "emu_store"), emu_pg_timeout=pg_timeout, kwargs=kwargs)
+
+
+def _timed_events(torch, n=2):
+    return [torch.Event(device="emu", enable_timing=True) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ single process: the device itself
+def device_checks(rank, world_size):
+    import torch
+
+    from tests import emulated_device as emu
+
+    emu.load()
+    out = {}
+    acc = torch.accelerator
+    out["accelerator"] = (acc.is_available(), str(acc.current_accelerator()), acc.device_count())
+    out["stream_type"] = type(acc.current_stream(torch.device("emu", 0))).__name__
+    x = torch.ones(1024, device="emu")
+    emu.reset_host_waits()
+
+    # 1. events time device work; the host does not wait
+    start, end = _timed_events(torch)
+    t0 = time.perf_counter()
+    start.record()
+    emu.sleep(x, 150)
+    end.record()
+    out["host_ms"] = (time.perf_counter() - t0) * 1e3
+    out["query_while_busy"] = end.query()
+    try:
+        start.elapsed_time(end)
+        out["elapsed_before_done"] = "no error"
+    except (RuntimeError, ValueError) as e:
+        out["elapsed_before_done"] = str(e).splitlines()[0]
+    out["waits_before_sync"] = emu.host_waits()
+    end.synchronize()
+    out["waits_after_sync"] = emu.host_wait_counts()
+    out["query_after_sync"] = end.query()
+    out["elapsed_ms"] = start.elapsed_time(end)
+    untimed = torch.Event(device="emu")
+    untimed.record()
+    untimed.synchronize()
+    try:
+        start.elapsed_time(untimed)
+        out["elapsed_untimed"] = "no error"
+    except (RuntimeError, ValueError) as e:
+        out["elapsed_untimed"] = str(e).splitlines()[0]
+
+    # 2. a second stream, wait_event, stream / device synchronize
+    emu.reset_host_waits()
+    side = torch.Stream(device="emu")
+    main = acc.current_stream(torch.device("emu", 0))
+    a, b, c = _timed_events(torch, 3)
+    a.record(main)
+    with side:
+        emu.sleep(x, 100)
+        b.record()
+    main.wait_event(b)
+    c.record(main)
+    t0 = time.perf_counter()
+    main.synchronize()
+    out["stream_sync_ms"] = (time.perf_counter() - t0) * 1e3
+    out["wait_event_ms"] = a.elapsed_time(c)
+    out["side_id"] = side.stream_id
+    emu.sleep(x, 50)
+    acc.synchronize()
+    out["waits_stream_device"] = emu.host_wait_counts()
+
+    # 3. aten ops are ordered after queued work (a Python job writes, then an op reads)
+    emu.reset_host_waits()
+    y = torch.zeros(4, device="emu")
+    view = emu.cpu_view(y)
+    emu.sleep(y, 80)
+    emu.enqueue(lambda: view.fill_(7.0))
+    out["op_after_job"] = (y + 1).cpu().tolist()
+    out["op_waits"] = emu.host_wait_counts()["op_wait"]
+    out["matmul_ok"] = bool(torch.allclose((torch.arange(6.0).view(2, 3).to("emu") @ torch.ones(3, 2, device="emu")).cpu(),
+                                           torch.arange(6.0).view(2, 3) @ torch.ones(3, 2)))
+
+    # 4. the capture switch
+    out["capturing"] = [main.is_capturing()]
+    with emu.capturing():
+        out["capturing"].append(acc.current_stream(torch.device("emu", 0)).is_capturing())
+    out["capturing"].append(main.is_capturing())
+
+    # 5. exit with a Python job still queued (the atexit drain must make this safe)
+    emu.enqueue(lambda: time.sleep(0.05))
+    out["errors"] = emu.take_errors()
+    return out
+
+
+# ------------------------------------------------------------------ collectives on the device
+def collective_timing(rank, world_size, busy_ms=150):
+    """Rank 0's stream is busy for busy_ms before the all_reduce; every rank times the collective
+    with events on its current stream, and the host calls."""
+    import torch
+    import torch.distributed as dist
+
+    from tests import emulated_device as emu
+
+    x = torch.full((256,), float(rank + 1), device="emu")
+    dist.all_reduce(x)                          # warm-up: connections, first-call costs
+    torch.accelerator.synchronize()
+    dist.barrier()
+    x.fill_(float(rank + 1))
+    emu.reset_host_waits()
+    start, end, after_cb = _timed_events(torch, 3)
+    if rank == 0:
+        emu.sleep(x, busy_ms)
+    start.record()
+    t0 = time.perf_counter()
+    work = dist.all_reduce(x, async_op=True)
+    host_call_ms = (time.perf_counter() - t0) * 1e3
+    t0 = time.perf_counter()
+    work.wait()
+    host_wait_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+
+    def cb(fut):
+        after_cb.record()                       # on the callback's current stream
+        return fut.value()
+
+    chained = work.get_future().then(cb)
+    waits_before = emu.host_waits()
+    chained.wait()
+    end.synchronize()
+    after_cb.synchronize()
+    expected = world_size * (world_size + 1) / 2
+    return {
+        "host_call_ms": host_call_ms,
+        "host_wait_ms": host_wait_ms,
+        "device_ms": start.elapsed_time(end),
+        "cb_ms_from_start": start.elapsed_time(after_cb),   # the then() callback's device work
+        "waits_before_sync": waits_before,
+        "waits_after_sync": emu.host_wait_counts(),
+        "correct": bool((x.cpu() == expected).all()),
+        "errors": emu.take_errors(),
+    }
+
+
+def collective_coverage(rank, world_size):
+    """Every supported collective on emu tensors, checked against the expected values."""
+    import torch
+    import torch.distributed as dist
+
+    from tests import emulated_device as emu
+
+    ok = {}
+    n = world_size
+    t = torch.full((4,), float(rank), device="emu")
+    dist.all_reduce(t)
+    ok["all_reduce"] = t.cpu().tolist() == [float(sum(range(n)))] * 4
+
+    t = torch.full((3,), float(rank), device="emu")
+    dist.broadcast(t, src=n - 1)
+    ok["broadcast"] = t.cpu().tolist() == [float(n - 1)] * 3
+
+    outs = [torch.empty(2, device="emu") for _ in range(n)]
+    dist.all_gather(outs, torch.full((2,), float(rank), device="emu"))
+    ok["all_gather"] = [o.cpu().tolist() for o in outs] == [[float(r)] * 2 for r in range(n)]
+
+    big = torch.empty(2 * n, device="emu")
+    dist.all_gather_into_tensor(big, torch.full((2,), float(rank), device="emu"))
+    ok["all_gather_into_tensor"] = big.cpu().tolist() == [float(r) for r in range(n) for _ in range(2)]
+
+    inp = torch.arange(2.0 * n, device="emu") + rank
+    out = torch.empty(2, device="emu")
+    dist.reduce_scatter_tensor(out, inp)
+    base = torch.arange(2.0 * n) * n + sum(range(n))
+    ok["reduce_scatter_tensor"] = out.cpu().tolist() == base[2 * rank:2 * rank + 2].tolist()
+
+    out = torch.empty(2, device="emu")
+    dist.reduce_scatter(out, [torch.full((2,), float(rank + r), device="emu") for r in range(n)])
+    ok["reduce_scatter"] = out.cpu().tolist() == [float(sum(q + rank for q in range(n)))] * 2
+
+    dist.barrier()
+    ok["barrier"] = True
+
+    if n >= 2:
+        if rank == 0:
+            dist.send(torch.full((3,), 42.0, device="emu"), dst=1)
+            ok["send_recv"] = True
+        elif rank == 1:
+            r = torch.zeros(3, device="emu")
+            dist.recv(r, src=0)
+            ok["send_recv"] = r.cpu().tolist() == [42.0] * 3
+        else:
+            ok["send_recv"] = True
+    # the CPU half of the group is still gloo
+    c = torch.ones(2)
+    dist.all_reduce(c)
+    ok["cpu_all_reduce"] = c.tolist() == [float(n)] * 2
+    ok["errors"] = emu.take_errors()
+    return ok
+
+
+# ------------------------------------------------------------------ DDP
+def ddp_train(rank, world_size, steps=3):
+    """The same tiny model trained with DDP on emu and on CPU (same group): identical results?"""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests import emulated_device as emu
+
+    def train(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to(device)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses = []
+        for _ in range(steps):
+            xb = torch.randn(4, 8, generator=g).to(device)
+            yb = torch.randn(4, 2, generator=g).to(device)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, [p.detach().cpu() for p in model.parameters()]
+
+    emu_losses, emu_params = train("emu")
+    cpu_losses, cpu_params = train("cpu")
+    # ranks hold identical parameters after DDP: compare across ranks too
+    flat = torch.cat([p.reshape(-1) for p in emu_params])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "emu_losses": emu_losses,
+        "cpu_losses": cpu_losses,
+        "identical": all(torch.equal(a, b) for a, b in zip(emu_params, cpu_params)),
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(emu_params, cpu_params)),
+        "ranks_agree": all(torch.equal(gathered[0], g) for g in gathered),
+        "errors": emu.take_errors(),
+    }
+
+
+# ------------------------------------------------------------------ what commpatch records today
+def commpatch_today(rank, world_size, busy_ms=150):
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+    from tests import emulated_device as emu
+
+    x = torch.ones(1024, device="emu")
+    dist.all_reduce(x)
+    torch.accelerator.synchronize()
+    commpatch.enable(output="none")
+    try:
+        emu.reset_host_waits()
+        start, end = _timed_events(torch)
+        if rank == 0:
+            emu.sleep(x, busy_ms)
+        start.record()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        t0 = time.perf_counter()
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        async_host_ms = (time.perf_counter() - t0) * 1e3
+        waits_in_calls = emu.host_wait_counts()
+        end.synchronize()
+        device_ms = start.elapsed_time(end)
+        waits_before_log = emu.host_waits()
+        df = commpatch.log()
+        waits_after_log = emu.host_waits()
+        cols = [c for c in ("op", "async_op", "device", "backend", "timing", "duration_us") if c in df.columns]
+        rows = df[cols].to_dict("records")
+    finally:
+        commpatch.disable()
+    torch.accelerator.synchronize()
+    return {"rows": rows, "host_ms": host_ms, "async_host_ms": async_host_ms, "device_ms": device_ms,
+            "waits_in_calls": waits_in_calls, "waits_before_log": waits_before_log,
+            "waits_after_log": waits_after_log, "errors": emu.take_errors()}
+
+
+def collectives(rank, world_size):
+    """collective_timing and collective_coverage in one set of ranks (one spawn per world size)."""
+    return {"timing": collective_timing(rank, world_size), "coverage": collective_coverage(rank, world_size)}
