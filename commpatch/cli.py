@@ -385,8 +385,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("report", help="summarise per-rank log files (cross-rank checks, trace, plots)")
     p.add_argument("paths", nargs="*", help="files, directories or globs (every rank's file for cross-rank checks)")
-    p.add_argument("--by", default="op,size_bucket",
-                   help="summary grouping: comma-separated columns and/or size_bucket, default op,size_bucket")
+    p.add_argument("--by", default="collective,size_bucket",
+                   help="summary grouping: comma-separated columns and/or size_bucket, default collective,size_bucket "
+                        "(op, api, source: the other names of a call)")
     p.add_argument("--format", choices=("text", "markdown", "json", "csv"), default="text")
     p.add_argument("--section", default="summary",
                    help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "

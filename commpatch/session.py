@@ -366,10 +366,10 @@ def internal_errors() -> dict[str, int]:
     return dict(_runtime.ERRORS)
 
 
-def summary(df=None, by=("op",)):
+def summary(df=None, by=("collective",)):
     """Per-op (or per ``by``) summary DataFrame of a log (default: this process's log)."""
     return _summary(log() if df is None else df, by=by)
 
 
-def summary_text(df=None, by=("op",)) -> str:
+def summary_text(df=None, by=("collective",)) -> str:
     return render_text(summary(df, by=by))

@@ -13,7 +13,8 @@ import numpy as np
 
 from .analysis.summaries import add_bandwidth
 from .data.frame import apply_schema
-from .data.schema import SCHEMA
+from .data.ops import describe_op
+from .data.schema import DERIVED_FROM_OP, SCHEMA
 from .io.writer import write
 
 # (op, bytes, dtype) issued by every rank in each step, in this order
@@ -111,6 +112,9 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
         "host_us": cols["duration_us"], "duration_us": cols["duration_us"], "timing": "host",
         "status": "ok", "step": cols["step"], "pid": 1000 + rank, "bucket": -1,
     }
+    unique_ops, which = np.unique(cols["op"].astype(str), return_inverse=True)
+    for i, name in enumerate(DERIVED_FROM_OP):
+        known[name] = np.array([describe_op(op)[i] for op in unique_ops] or [""], dtype=object)[which]
     defaults = {"category": "", "int64": 0, "float64": np.nan, "bool": False}
     out = pd.DataFrame({c.name: known.get(c.name, defaults[c.dtype]) for c in SCHEMA}, index=range(rows))
     for c in SCHEMA:

@@ -19,7 +19,7 @@ import pytest
 import commpatch
 from commpatch import analysis, cli
 from commpatch import io as cpio
-from commpatch.data.schema import SCHEMA_VERSION_KEY
+from commpatch.data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from commpatch.io import LogFileError, LogFileWarning
 from commpatch.synthetic import rank_logs
 
@@ -494,7 +494,7 @@ def test_parquet_with_the_schema_version_reads_without_a_warning(frames, tmp_pat
     path = str(tmp_path / "rank0.parquet")
     table = cpio.with_schema_version(pa.Table.from_pandas(frames[0], preserve_index=False))
     pq.write_table(table, path)
-    assert pq.read_schema(path).metadata[SCHEMA_VERSION_KEY] == b"2"
+    assert pq.read_schema(path).metadata[SCHEMA_VERSION_KEY] == str(SCHEMA_VERSION).encode()
     with warnings.catch_warnings():
         warnings.simplefilter("error", LogFileWarning)
         df = commpatch.read_csv(path)

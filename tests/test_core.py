@@ -278,3 +278,27 @@ def test_torch_compile_runs_unchanged_and_its_collectives_are_not_seen():
     assert torch.equal(compiled(torch.ones(4)), fn(torch.ones(4)))
     assert commpatch.log()["op"].tolist() == ["all_reduce"]     # only the eager call
     torch._dynamo.reset()
+
+
+def test_collective_api_and_source_are_separate_columns():
+    """One column each for the collective that ran, the function called and who issued it; the
+    summary groups by collective, so one collective's bandwidth is one row whatever API issued it."""
+    from commpatch.data.ops import OP_NAMES, describe_op
+
+    kinds = {describe_op(op)[0] for op in OP_NAMES}
+    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+                     "scatter", "barrier", "send", "recv", "send_recv"}
+    assert describe_op("ddp_bucket_allreduce") == ("all_reduce", "Reducer.allreduce", "ddp")
+    assert describe_op("funcol.all_gather") == ("all_gather", "all_gather", "funcol")
+    assert describe_op("coalesced.reduce_scatter_single") == ("reduce_scatter", "reduce_scatter_single", "coalescing")
+    commpatch.enable(output="none")
+    out = torch.zeros(2 * WORLD)
+    dist.all_gather_into_tensor(out, torch.ones(2))
+    dist.all_gather(list(out.chunk(WORLD)), torch.ones(2))
+    dist.all_reduce(torch.ones(2))
+    df = commpatch.log()
+    summary = commpatch.summary(df)
+    assert df["collective"].astype(str).tolist() == ["all_gather", "all_gather", "all_reduce"]
+    assert df["api"].astype(str).tolist() == ["all_gather_into_tensor", "all_gather", "all_reduce"]
+    assert set(df["source"].astype(str)) == {"c10d"}
+    assert summary.set_index("collective")["count"].to_dict() == {"all_gather": 2, "all_reduce": 1}

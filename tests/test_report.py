@@ -45,12 +45,12 @@ def test_markdown_and_json(logs, capsys, fmt):
         assert rep["sections"]["ranks"][0]["rank"] == 1
         assert len(rep["errors"]) == 1 and rep["sections"]["mismatches"][0]["coll_seq"] == 12
     else:
-        assert out.startswith("# commpatch report") and "## Errors" in out and "| op | size_bucket |" in out
+        assert out.startswith("# commpatch report") and "## Errors" in out and "| collective | size_bucket |" in out
 
 
 def test_csv_sections(logs, capsys):
     code, out, _ = run_cli(capsys, logs, "--format", "csv")
-    assert code == 0 and out.splitlines()[0].startswith("op,size_bucket,count,total_us")
+    assert code == 0 and out.splitlines()[0].startswith("collective,size_bucket,count,total_us")
     code, out, _ = run_cli(capsys, logs, "--format", "csv", "--section", "ranks", "--by", "op")
     assert out.splitlines()[1].split(",")[0] == "1"
     code, _, err = run_cli(capsys, logs, "--format", "csv", "--section", "nope")

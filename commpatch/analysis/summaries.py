@@ -55,7 +55,7 @@ def size_bucket(nbytes):
         return np.where(b > 0, 2.0 ** np.ceil(np.log2(np.maximum(b, 1))), 0).astype(np.int64)
 
 
-def summary(df, by=("op",)):
+def summary(df, by=("collective",)):
     """Per group of ``by``: count, time, bytes, bandwidth and share of total communication time.
 
     ``by`` may include ``"size_bucket"`` (powers of two) besides any column of the log.

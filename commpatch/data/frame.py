@@ -4,9 +4,9 @@ is computed here, never on the hot path."""
 
 from __future__ import annotations
 
-from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor
+from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
 from .logfile import parse
-from .schema import (ROW, _FIELDS, COLUMNS, PHASES, SCHEMA, T_HOST, TIMINGS, printable_name, row_dtype, unpack_flags,
+from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, PHASES, SCHEMA, T_HOST, TIMINGS, printable_name, row_dtype, unpack_flags,
                      unpack_where)
 
 
@@ -62,6 +62,7 @@ def columns(parsed) -> dict:
     groups = [parsed.groups.get(i, {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3})
               for i in range(n_groups)]
     op_names = h.get("ops", list(OP_NAMES))
+    described = [describe_op(name) for name in op_names]
     n_dtypes = max(parsed.dtypes, default=1) + 1
     dtypes = [parsed.dtypes.get(i, ("none", 0) if i == 0 else (OBJECT, 1) if i == 1 else ("?", 0)) for i in range(n_dtypes)]
 
@@ -91,6 +92,7 @@ def columns(parsed) -> dict:
     out = {
         "seq": raw["seq"],
         "op": _cat(np, op, op_names),
+        **{name: _cat(np, op, [kinds[i] for kinds in described]) for i, name in enumerate(DERIVED_FROM_OP)},
         "rank": np.full(n, h.get("rank", -1), np.int64),
         "world_size": np.full(n, h.get("world_size", -1), np.int64),
         "group": _cat(np, gid, [g["name"] for g in groups]),

@@ -101,6 +101,28 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("coalesced.reduce_scatter_single", None, ("list", None), REDUCESCATTER, runs=("reduce_scatter",)),
 )
 OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
+
+# What each op is, as three separate facts (the `op` column folds them into one name):
+# collective (the nccl-tests kind), api (the function actually called, torch's own name) and
+# source (who issued it). Derived when a DataFrame is built: nothing on the hot path.
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+          "scatter", "barrier", "send", "recv")
+_SPECIAL = {"_all_gather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
+            "monitored_barrier": "barrier", "isend": "send", "irecv": "recv", "batch_isend_irecv": "send_recv",
+            "ddp_bucket_allreduce": "all_reduce", "ddp_broadcast_coalesced": "broadcast",
+            "ddp_verify_params": "all_gather", "ddp_rebuild_buckets": "broadcast"}
+_DDP_API = {"ddp_bucket_allreduce": "Reducer.allreduce", "ddp_broadcast_coalesced": "_broadcast_coalesced",
+            "ddp_verify_params": "_verify_params_across_processes", "ddp_rebuild_buckets": "Reducer._rebuild_buckets"}
+
+
+def describe_op(name: str) -> tuple[str, str, str]:
+    """(collective, api, source) of an op name of this table (or of an older file's)."""
+    source, _, api = name.rpartition(".") if "." in name else ("c10d", "", name)
+    if name in _DDP_API:
+        source, api = "ddp", _DDP_API[name]
+    source = {"coalesced": "coalescing"}.get(source, source)
+    collective = _SPECIAL.get(name) or next((k for k in _KINDS if api.lstrip("_").startswith(k)), api)
+    return collective, api, source
 BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}
 OP_CODE = {name: i for i, name in enumerate(OP_NAMES)}
 

@@ -30,7 +30,10 @@ class Column:
 
 SCHEMA: tuple[Column, ...] = (
     Column("seq", "int64", "", "per-process sequence number of the call (0, 1, 2, ...)"),
-    Column("op", "category", "", "torch.distributed function name (torch's own name, e.g. all_reduce)"),
+    Column("op", "category", "", "what commpatch recorded: the torch.distributed function's name (e.g. all_reduce), or source.name for rows an integration records (funcol.all_gather, coalesced.all_reduce, ddp_bucket_allreduce)"),
+    Column("collective", "category", "", "the collective that ran, as nccl-tests names it: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather, scatter, barrier, send, recv, send_recv (derived from op)"),
+    Column("api", "category", "", "the function actually called, torch's own name (all_gather_into_tensor, _broadcast_coalesced, Reducer.allreduce, ...; derived from op)"),
+    Column("source", "category", "", "who issued it: c10d (a torch.distributed call), ddp (DDP's reducer), funcol (functional collectives: DTensor, tensor parallel), coalescing (derived from op)"),
     Column("rank", "int64", "", "global rank of the process that made the call"),
     Column("world_size", "int64", "", "size of the default process group"),
     Column("group", "category", "", "process group name ('0' is the default group)"),
@@ -65,9 +68,10 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # removed). ADDED_IN names the version that added a column (the others are in version 1).
 # Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
 # header is its schema: readers go by column names, and fill columns a file predates.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
-ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2}
+ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3}
+DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 
 

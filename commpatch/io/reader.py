@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from ..data.frame import arrow_table, dataframe, parse_log
 from ..data.logfile import SUFFIX
-from ..data.schema import ADDED_IN, COLUMNS, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from ..data.ops import describe_op
+from ..data.schema import ADDED_IN, COLUMNS, DERIVED_FROM_OP, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from . import writer as _writer
 
 if TYPE_CHECKING:
@@ -112,8 +113,27 @@ def read(paths, progress=None, columns=None) -> "pd.DataFrame":
     finally:
         notes.emit()
     df = _arrow_frame(pa, parts, schema) if pa is not None else _pandas_frame(parts, schema)
+    derived = [c for c in DERIVED_FROM_OP if c in filled and c in df.columns]
+    if derived and "op" in df.columns:         # an older file: from its op column, not neutral values
+        _derive_from_op(df, derived)
+        filled -= set(derived)
     df.attrs["filled_columns"] = sorted(filled & wanted)
     return df
+
+
+def _derive_from_op(df, names) -> None:
+    import numpy as np
+    import pandas as pd
+
+    ops = df["op"].astype("category")
+    described = [describe_op(str(op)) for op in ops.cat.categories]
+    codes = ops.cat.codes.to_numpy()
+    for name in names:
+        i = DERIVED_FROM_OP.index(name)
+        values = [d[i] for d in described]
+        categories = sorted(set(values))
+        lut = [categories.index(v) for v in values] or [0]
+        df[name] = pd.Categorical.from_codes(np.asarray(lut)[codes] if len(codes) else codes, categories=categories)
 
 
 def expand(paths) -> list[str]:
@@ -376,10 +396,11 @@ def _plan(path, names, schema, version, notes) -> list[str]:
         which = f"schema {version}" if version else "commpatch"
         raise LogFileError(path, f"no {', '.join(map(repr, required))} column: every {which} log has it (the file "
                                  "was edited, or written by another tool)")
-    if missing:
-        since = min(ADDED_IN.get(c, 1) for c in missing)
+    lacking = [c for c in missing if not (c in DERIVED_FROM_OP and "op" in present)]
+    if lacking:
+        since = min(ADDED_IN.get(c, 1) for c in lacking)
         notes.add(path, f"written by an older commpatch (schema {since - 1}, before the column(s) "
-                        f"{', '.join(missing)}): filled with neutral values")
+                        f"{', '.join(lacking)}): filled with neutral values")
     return missing
 
 

@@ -20,11 +20,13 @@ def _figure(*size):
 
 
 def bandwidth_vs_size(summary_by_op_size):
-    """Bus bandwidth against message size, one line per op (from summary(by=['op', 'size_bucket']))."""
+    """Bus bandwidth against message size, one line per collective (from summary(by=[KEY, 'size_bucket'])
+    with KEY the first column other than size_bucket: collective by default, or op, api...)."""
     fig = _figure()
     ax = fig.add_subplot()
     s = summary_by_op_size[summary_by_op_size["busbw_gbps"].notna() & (summary_by_op_size["size_bucket"] > 0)]
-    for op, part in s.groupby(s["op"].astype(str), sort=True):
+    key = next((c for c in ("collective", "op", "api") if c in s.columns), s.columns[0])
+    for op, part in s.groupby(s[key].astype(str), sort=True):
         part = part.sort_values("size_bucket")
         ax.plot(part["size_bucket"], part["busbw_gbps"], marker="o", label=op)
     ax.set_xscale("log", base=2)

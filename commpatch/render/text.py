@@ -87,7 +87,7 @@ SECTIONS = {   # key -> title, in the order they are rendered
 
 
 # the log columns build_report reads: enough to load for a report of a very large log
-REPORT_COLUMNS = ("seq", "op", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
+REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
                   "async_op", "start_ns", "duration_us", "timing", "algbw_gbps", "busbw_gbps", "step")
 
 
@@ -101,7 +101,7 @@ class Report:
     notes: list = field(default_factory=list)
 
 
-def build_report(df, by=("op", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
+def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
