@@ -30,7 +30,7 @@ COALESCED = {
     "all_gather": ([("coalesced.all_gather_single", 2 * 32, 2, "host")], {"all_gather": 1}),
     # gloo runs a coalesced reduce_scatter as one all_reduce per tensor, with no future
     "reduce_scatter_async": ([("coalesced.reduce_scatter_single", 2 * 32, 2, "none")], {"all_reduce": 2}),
-    "with_a_broadcast": ([("broadcast", 8, 0, "host"), ("coalesced.all_reduce", 16, 1, "host")],
+    "with_a_broadcast": ([("broadcast", 8, 1, "host"), ("coalesced.all_reduce", 16, 1, "host")],
                          {"broadcast": 1, "all_reduce": 1}),
 }
 
@@ -42,8 +42,8 @@ def test_coalescing_manager_recorded_once_as_what_ran(coalescing_run, scenario):
         df, seen, ok = out[scenario]
         assert ok, "the coalesced collective gave a wrong result"
         assert seen == witness
-        got = list(zip(df["op"].astype(str), df["bytes"], df["bucket_params"], df["timing"].astype(str)))
-        assert got == rows
+        got = list(zip(df["op"].astype(str), df["bytes"], df["tensors"], df["timing"].astype(str)))
+        assert got == rows and (df["bucket_params"] == 0).all()
         assert (df["status"] == "ok").all() and not errors
         measured = df[df["timing"] != "none"]
         assert (measured["duration_us"] > 0).all()

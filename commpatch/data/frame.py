@@ -157,13 +157,18 @@ def _names(registry: dict) -> list[str]:
 
 
 def _bucket_columns(np, seqs, spans):
-    """DDP bucket index / parameter count per row, from the hook spans (derived, not on the hot path)."""
+    """DDP bucket index / parameter count, and calls coalesced, per row, from the spans the
+    integrations record (derived, not on the hot path)."""
     bucket = np.full(len(seqs), -1, np.int64)
     params = np.zeros(len(seqs), np.int64)
-    for lo, hi, index, nparams in spans:
+    tensors = np.ones(len(seqs), np.int64)
+    for lo, hi, index, count in spans:
         i, j = np.searchsorted(seqs, (lo, hi))
-        bucket[i:j], params[i:j] = index, nparams
-    return {"bucket": bucket, "bucket_params": params}
+        if index >= 0:
+            bucket[i:j], params[i:j] = index, count
+        else:                                   # a _coalescing_manager span: calls coalesced
+            tensors[i:j] = count
+    return {"bucket": bucket, "bucket_params": params, "tensors": tensors}
 
 
 def _cumcount(np, keys):

@@ -60,7 +60,8 @@ SCHEMA: tuple[Column, ...] = (
     Column("module", "category", "", "fully qualified name of the innermost nn.Module running when the call was issued (forward), or of the root module whose backward issued it; '' outside modules"),
     Column("phase", "category", "", "forward, backward, optimizer (inside optimizer.step) or other"),
     Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
-    Column("bucket_params", "int64", "", "number of parameters in that DDP bucket, or of tensors in a coalesced.* call; 0 if none"),
+    Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
+    Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 
@@ -70,7 +71,7 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # header is its schema: readers go by column names, and fill columns a file predates.
 SCHEMA_VERSION = 3
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
-ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3}
+ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3}
 DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 

@@ -13,7 +13,7 @@ wrappers record no row for a queued call and only hand over the start of the fir
 - op ``coalesced.<queued op>`` (``coalesced.all_reduce``, ...) with a seq taken at exit, where
   the collective runs (``group_seq`` follows the order of execution); bytes of the whole list as
   the queued calls count them (all_gather the full outputs, reduce_scatter the full inputs);
-  ``bucket_params`` is the number of tensors coalesced;
+  ``tensors`` is the number of calls coalesced;
 - timed from the first queued call: to the manager's exit (``host``: the exit waits for the
   collective), or with ``async_ops=True`` to the completion of the returned Work's future
   (``future``; ``none`` where the backend gives none, e.g. gloo's coalesced reduce_scatter).

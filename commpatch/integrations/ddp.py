@@ -254,14 +254,20 @@ def _remove(handles) -> None:
 
 # ---- installing the dispatcher, filling its slot ---------------------------------------------
 def _pre_forward(log, orig):
-    def _pre_forward(self, *args, **kwargs):
-        if _runtime.STATE.recording:
+    """DDP's forward: the dispatcher goes in at the first forward while recording."""
+    return _installing(log, orig, lambda: _runtime.STATE.recording)
+
+
+def _installing(log, orig, active):
+    """``orig`` (a DDP method), which first puts the dispatcher in place when ``active()``."""
+    def installing(self, *args, **kwargs):
+        if active():
             reducer = self.__dict__.get("reducer")
             if reducer is not None and reducer not in _SLOTS:
                 _install(log, self, reducer)
         return orig(self, *args, **kwargs)
 
-    return _eager(_pre_forward)
+    return _eager(installing)
 
 
 def _eager(fn):
@@ -296,14 +302,7 @@ def _install(log, ddp, reducer) -> None:
 def _registering(log, orig):
     """register_comm_hook / _register_builtin_comm_hook while enabled: put the dispatcher in
     place first; torch's method then runs as is and its registration fills the slot."""
-    def registering(self, *args, **kwargs):
-        if _runtime.STATE.enabled:
-            reducer = self.__dict__.get("reducer")
-            if reducer is not None and reducer not in _SLOTS:
-                _install(log, self, reducer)
-        return orig(self, *args, **kwargs)
-
-    return _eager(registering)
+    return _installing(log, orig, lambda: _runtime.STATE.enabled)
 
 
 def _persist() -> None:

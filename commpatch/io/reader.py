@@ -56,7 +56,7 @@ _SNIFF = 1 << 16                       # bytes looked at to tell what a file is
 _PARQUET_MAGIC = b"PAR1"
 _IDENTITY = ("seq", "rank", "world_size", "start_ns", "pid")   # read always: duplicate / mixed-job checks
 _NEUTRAL = {"category": "", "int64": 0, "float64": float("nan"), "bool": False}
-_NEUTRAL_BY_COLUMN = {"bucket": -1, "peer": -1}
+_NEUTRAL_BY_COLUMN = {"bucket": -1, "peer": -1, "tensors": 1}
 _WORDS = {"int64": "an integer", "float64": "a number", "bool": "true or false", "double": "a number",
           "bool_": "true or false"}
 
