@@ -332,7 +332,7 @@ def cmd_convert(args) -> int:
         if not files:
             raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
         for path in files:
-            out = path[: -len(SUFFIX)] + "." + args.to
+            out = io.export_path(path, "." + args.to)
             if os.path.lexists(out):
                 print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
                 continue

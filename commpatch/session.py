@@ -18,8 +18,7 @@ import threading
 
 from . import config, integrations, watchdog
 from .analysis.summaries import summary as _summary
-from .data.logfile import SUFFIX
-from .io.paths import check_writable, rank_path
+from .io.paths import check_writable, export_path, rank_path
 from .io.writer import convert, write
 from .patch.patcher import Patcher
 from .record import state as _runtime
@@ -120,7 +119,7 @@ class Session:
         log = self.log
         if path is None and log.sink is not None and log.sink.path is not None:
             suffix = os.path.splitext(_runtime.STATE.settings.get("output") or ".csv")[1]
-            path = log.sink.path[: -len(SUFFIX)] + suffix
+            path = export_path(log.sink.path, suffix)
         template = path or _runtime.STATE.settings.get("output") or config.BY_NAME["output"].default
         rank = log.rank if log.rank >= 0 else None
         return write(self.dataframe() if df is None else df, os.path.normpath(rank_path(str(template), rank=rank)))
@@ -175,7 +174,7 @@ class Session:
                 if sink.path in self.exported or sink is log.sink and reason != "exit":
                     continue
                 self.exported.add(sink.path)
-                out = sink.path[: -len(SUFFIX)] + suffix
+                out = export_path(sink.path, suffix)
                 if not os.path.isfile(sink.path):  # the binary log was removed under us
                     _runtime.fail(f"export.{reason}", FileNotFoundError(f"{sink.path} was removed"), rows=len(log))
                     continue

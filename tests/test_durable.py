@@ -233,3 +233,18 @@ def test_any_tag_string_round_trips_or_is_escaped(tmp_path, name):
     for f in ("rank0.cplog", "rank0.csv"):
         back = commpatch.read_csv(str(tmp_path / f))
         assert back["tag"].astype(str).tolist() == [expected, ""], f
+
+
+def test_reinitialising_without_a_file_keeps_each_rows_rank():
+    """Output 'none': rows after a re-init under another rank carry the new rank (a new in-memory
+    log is started, as a new file is with an output)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    commpatch.enable(output="none")
+    for rank in (0, 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        dist.all_reduce(torch.ones(2))
+        dist.destroy_process_group()
+    assert commpatch.log()["rank"].tolist() == [0, 1]

@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 
 from ..config import ConfigError
+from ..data.logfile import SUFFIX
 
 
 def rank_path(template: str, rank: int | None = None, pid: int | None = None, run: str = "") -> str:
     """``template`` with ``{rank}`` (default: $RANK, else 0), ``{pid}`` and ``{run}`` filled in."""
     rank = _env_rank() if rank is None else rank
     return template.format(rank=rank, pid=os.getpid() if pid is None else pid, run=run)
+
+
+def export_path(binary_path: str, suffix: str = ".csv") -> str:
+    """The CSV / Parquet (``suffix``) beside a binary rank log: the same stem."""
+    return binary_path[: -len(SUFFIX)] + suffix
 
 
 def _env_rank() -> int:

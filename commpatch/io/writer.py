@@ -14,8 +14,8 @@ import sys
 import threading
 
 from ..data.frame import Cat, arrow_table, columns, dataframe, parse_log
-from ..data.logfile import SUFFIX
 from ..data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from .paths import export_path
 
 
 def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
@@ -23,7 +23,7 @@ def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
     default beside it with the same stem. Never replaces an existing file when ``exclusive``."""
     with open(path, "rb") as f:
         parsed = parse_log(f.read(), name=path)
-    out = out or path[: -len(SUFFIX)] + ".csv"
+    out = out or export_path(path)
     if out.endswith(".csv") and len(parsed.rows) <= SMALL_ROWS and "pyarrow" not in sys.modules:
         return write_small_csv(parsed, out, exclusive)
     if _pyarrow() is not None:            # straight to Arrow: no pandas import, no DataFrame

@@ -134,11 +134,7 @@ class Log:
         """The default group is destroyed: flush and close this rank's file; a re-initialised
         process group (maybe with another rank) starts a new one."""
         with self.lock:
-            self.flush()
-            if self.sink is not None and self.sink.path is not None:
-                self.sink.close()
-                self.closed.append(self.sink)
-                self.sink = None
+            self._retire_sink()
             self.rank = self.world_size = -1
             self.forget_groups()
 
@@ -290,12 +286,17 @@ class Log:
         """A new output template (enable() after disable()): later rows go to a new file."""
         with self.lock:
             if output != self.output:
-                self.flush()
-                if self.sink is not None:
-                    self.sink.close()
-                    self.closed.append(self.sink)
-                    self.sink = None
+                self._retire_sink()
                 self.output = output
+
+    def _retire_sink(self) -> None:
+        """Flush and close the current sink; log() still reads it, later rows go to a new one (an
+        in-memory sink too: its header names the rank it was opened for)."""
+        self.flush()
+        if self.sink is not None:
+            self.sink.close()
+            self.closed.append(self.sink)
+            self.sink = None
 
     def after_fork(self) -> None:
         """In a forked child: the parent's rows and file are not ours; locks may be held by dead threads.
