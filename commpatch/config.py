@@ -110,7 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ops", "COMMPATCH_OPS", None, _parse_ops,
             "Comma-separated torch.distributed function names to wrap, or 'all'."),
     Setting("timing", "COMMPATCH_TIMING", "auto", _parse_choice("auto", "host"),
-            "auto: CUDA events for CUDA tensors, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
+            "auto: device events for tensors on an accelerator, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
     Setting("watchdog", "COMMPATCH_WATCHDOG", 0.0, _parse_seconds,
             "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed."),
     Setting("max_rows", "COMMPATCH_MAX_ROWS", 0, _parse_count,

@@ -132,19 +132,72 @@ def test_ddp_on_the_device_matches_cpu_exactly(built):
         assert r["ranks_agree"]
 
 
-# ------------------------------------------------------------------ informational: commpatch today
-def test_report_what_commpatch_records_today_on_the_device(built, record_property):
-    """Not a specification: prints what commpatch records for emu collectives (the device-timing
-    issue says: device=cpu and host/future timing with host-sized durations)."""
-    results = workers.run_emu_ranks(workers.commpatch_today, 2, timeout=90)
-    lines = []
-    for rank, r in enumerate(results):
-        assert r["errors"] == []
+# ------------------------------------------------------------------ commpatch on the device
+def _collective_rows(rows):
+    return [r for r in rows if r["op"] == "all_reduce"]
+
+
+def test_commpatch_times_collectives_on_the_device_without_host_waits(collectives):
+    world_size, results = collectives
+    for rank, r in enumerate(r["commpatch"] for r in results):
+        assert r["errors"] == [], rank
+        assert r["sync_host_ms"] < HOST_MAX_MS and r["async_host_ms"] < HOST_MAX_MS, (rank, r)
         assert r["waits_in_calls"] == {"stream_synchronize": 0, "event_synchronize": 0, "device_synchronize": 0,
-                                       "op_wait": 0}, "commpatch made the host wait inside the calls"
-        assert len(r["rows"]) == 2
-        lines.append(f"rank {rank}: device-side all_reduce {r['device_ms']:.1f} ms (events), host call "
-                     f"{r['host_ms']:.2f} ms; commpatch rows: {r['rows']}")
-    report = "\n".join(lines)
-    record_property("commpatch_on_emu", report)
-    print("\nwhat commpatch records today on the emulated device:\n" + report)
+                                       "op_wait": 0}, "the host waited before the log was read"
+        rows = _collective_rows(r["rows"])
+        assert [(x["async_op"], x["device"], x["backend"], x["timing"]) for x in rows] == \
+            [(False, "emu", "emustream", "device_event")] + [(True, "emu", "emustream", "device_event")] * 3
+        sync = rows[0]["duration_us"] / 1e3
+        if rank == 0:
+            assert sync < MIN_MS / 2, r                  # the busy rank arrives last: no waiting
+        else:
+            assert sync >= MIN_MS, (rank, rows[0])       # waited for rank 0 on the device
+        barrier = [x for x in r["rows"] if x["op"] == "barrier"]
+        assert barrier[0]["device"] == "none" and barrier[0]["backend"] == "gloo"
+
+
+def test_own_time_excludes_the_wait_behind_an_earlier_collective(collectives):
+    """On a group with a stream of its own (as NCCL's), a small all_reduce issued right after a
+    long one starts at once on the caller's stream but completes after the long one: duration_us
+    counts the queue, own_us does not."""
+    world_size, results = collectives
+    for rank, r in enumerate(r["commpatch"] for r in results):
+        long, small = _collective_rows(r["rows"])[2:]
+        assert small["own_us"] <= small["duration_us"]
+        if rank > 0:
+            assert long["duration_us"] / 1e3 >= MIN_MS and long["own_us"] == long["duration_us"], (rank, long)
+            assert small["duration_us"] / 1e3 >= MIN_MS, (rank, small)       # queued behind the long one
+            assert small["own_us"] / 1e3 < MIN_MS / 2, (rank, small)          # its own time is short
+
+
+def test_no_event_is_touched_while_the_stream_is_capturing(collectives):
+    world_size, results = collectives
+    for rank, r in enumerate(r["commpatch"] for r in results):
+        assert r["capture"] == {"created": 0, "pending": 0, "waits": 0}, rank
+        before, *captured = r["capture_rows"]
+        assert before["timing"] == "device_event" and before["duration_us"] > 0   # resolved after the capture
+        assert [(x["timing"], x["device"]) for x in captured] == [("none", "emu")] * 2
+
+
+def test_the_event_pool_does_not_grow(collectives):
+    world_size, results = collectives
+    for rank, r in enumerate(r["commpatch"] for r in results):
+        after_a_fifth, at_the_end = r["pool"]
+        assert at_the_end == after_a_fifth, (rank, r["pool"])     # no growth over the last 80% of the calls
+        assert at_the_end <= 2 * (100 + 64) + 8, (rank, r["pool"])  # in flight between two reads, plus slack
+        assert r["pool_rows"] == (10_000 if world_size == 2 else 1_000)
+
+
+def test_ddp_fsdp2_and_nccl_timing_on_the_device(built):
+    for rank, r in enumerate(workers.run_emu_ranks(workers.commpatch_frameworks, 2, timeout=120)):
+        assert r["errors"] == [], rank
+        assert r["ddp_rows"] and {(x["op"], x["device"], x["backend"], x["timing"]) for x in r["ddp_rows"]} == \
+            {("ddp_bucket_allreduce", "emu", "emustream", "device_event")}, r["ddp_rows"]
+        assert all(x["duration_us"] > 0 for x in r["ddp_rows"])
+        assert "fsdp_error" not in r, r.get("fsdp_error")
+        assert {x["op"] for x in r["fsdp_rows"]} == {"all_gather_single", "reduce_scatter_single"}
+        assert {(x["device"], x["timing"]) for x in r["fsdp_rows"]} == {("emu", "device_event")}
+        assert all(x["duration_us"] > 0 for x in r["fsdp_rows"])
+        nccl = r["nccl"]
+        assert nccl["code_is_nccl"] and nccl["pending_before"] == 1 and nccl["pending_after"] == 0
+        assert 38 <= nccl["duration_ms"] < 60, nccl   # the 40 ms "kernel", not the 20 ms queued before it

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from unittest import mock
 
@@ -23,7 +22,6 @@ import torch.distributed as dist
 import commpatch
 from commpatch import session as _session
 from commpatch.record import state as _runtime
-from commpatch.record import wrapper as _wrapper
 from tests.fakepg import fake_world
 from tests.multiproc import run_ranks
 
@@ -39,21 +37,35 @@ def fake_group():
 _COMMPATCH_CODE = (os.path.dirname(commpatch.__file__), "<commpatch")
 
 
-class FakeCuda(torch.Tensor):
-    """A CPU tensor that tells commpatch, and only commpatch, that it is on CUDA: it drives the
-    CUDA path on a CPU-only machine while torch (which checks ``is_cuda`` itself, e.g. in
-    broadcast) runs the collective as on CPU."""
+def _commpatch_asks() -> bool:
+    return sys._getframe(2).f_code.co_filename.startswith(_COMMPATCH_CODE)
+
+
+class FakeDevice(torch.Tensor):
+    """A CPU tensor that tells commpatch, and only commpatch, that it is on a CUDA device: it
+    drives the device path where torch has no accelerator (the device API then raises, as a
+    backend without events does), while torch runs the collective as on CPU. The real device
+    path is proved on the emulated accelerator (tests/test_emulated_device.py)."""
 
     @property
-    def is_cuda(self):
-        return sys._getframe(1).f_code.co_filename.startswith(_COMMPATCH_CODE)
+    def is_cpu(self):
+        return not _commpatch_asks() and torch.Tensor.is_cpu.__get__(self)
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0) if _commpatch_asks() else torch.Tensor.device.__get__(self)
 
 
 @contextlib.contextmanager
-def cuda_wrappers():
-    """Wrappers generated as on a CUDA build (decided at enable()): FakeCuda takes the CUDA path."""
-    with mock.patch.object(_wrapper, "_cuda_build", return_value=True):
+def devices_on():
+    """As in a process with an accelerator: the wrappers test each tensor's device."""
+    with mock.patch.object(_runtime.STATE, "devices", True):
         yield
+
+
+class _Stream:
+    def is_capturing(self):
+        return False
 
 
 def injected(*_args, **_kwargs):
@@ -64,7 +76,7 @@ def injected(*_args, **_kwargs):
 class Fault:
     name: str
     inject: object        # () -> context manager, entered before enable()
-    tensor: type          # torch.Tensor or FakeCuda
+    tensor: type          # torch.Tensor or FakeDevice
     kind: str             # internal_errors() key expected
     affects: tuple        # the kinds of CALLS it hits
     keeps_rows: bool
@@ -77,13 +89,13 @@ def _stack(*managers):
     return stack
 
 
-def _cuda_event_raises():
-    return _stack(cuda_wrappers(), mock.patch.object(torch.cuda, "is_current_stream_capturing", return_value=False),
-                  mock.patch.object(torch.cuda, "Event", side_effect=injected))
+def _event_raises():
+    return _stack(devices_on(), mock.patch.object(torch.accelerator, "current_stream", return_value=_Stream()),
+                  mock.patch.object(torch, "Event", side_effect=injected))
 
 
-def _cuda_start_raises():
-    return _stack(cuda_wrappers(), mock.patch.object(_session.default().timing, "cuda_start", side_effect=injected))
+def _device_start_raises():
+    return _stack(devices_on(), mock.patch.object(_session.default().timing, "device_start", side_effect=injected))
 
 
 CALLS = (("all_reduce", "sync"), ("all_reduce", "async"), ("broadcast", "sync"), ("all_gather", "sync"),
@@ -93,10 +105,10 @@ EVERY_CALL = ("sync", "async", "object")
 FAULTS = [
     Fault("timing source raises", lambda: mock.patch.object(_session.default().timing, "future", side_effect=injected),
           torch.Tensor, "timing", ("async",), True),
-    Fault("cuda start raises", _cuda_start_raises, FakeCuda, "timing", TENSOR_CALLS, True),
-    Fault("torch.cuda.Event raises", _cuda_event_raises, FakeCuda, "timing", TENSOR_CALLS, True),
-    # this machine has no CUDA: torch.cuda.is_current_stream_capturing() itself raises
-    Fault("CUDA unavailable", cuda_wrappers, FakeCuda, "timing", TENSOR_CALLS, True),
+    Fault("device start raises", _device_start_raises, FakeDevice, "timing", TENSOR_CALLS, True),
+    Fault("torch.Event raises", _event_raises, FakeDevice, "timing", TENSOR_CALLS, True),
+    # this machine has no CUDA: torch.accelerator.current_stream(cuda) itself raises
+    Fault("device API unavailable", devices_on, FakeDevice, "timing", TENSOR_CALLS, True),
     # a step beyond int64: struct.pack of the row fails
     Fault("log append raises", lambda: mock.patch.object(_runtime.STATE, "step", 2**63),
           torch.Tensor, "record", EVERY_CALL, False),
@@ -191,7 +203,7 @@ def test_fault_matrix_in_process(fault):
     assert commpatch.internal_errors() == {fault.kind: 3 * expected_count(fault)}
     df = commpatch.log()
     assert len(df) == (3 * len(CALLS) if fault.keeps_rows else 0)
-    if fault.tensor is FakeCuda:
+    if fault.tensor is FakeDevice:
         assert (df["device"] == "cuda").sum() == 3 * expected_count(fault)
     assert _session.default().log.pending == {}
 
@@ -214,7 +226,7 @@ class Subclass(torch.Tensor):
 
 def test_a_tensor_subclass_is_one_row_per_call():
     """c10d hands subclasses to __torch_function__, which calls the (patched) function again:
-    found by the fault matrix (FakeCuda gave two rows per call)."""
+    found by the fault matrix (a device-faking subclass gave two rows per call)."""
     commpatch.enable(output="none")
     x = torch.ones(2).as_subclass(Subclass)
     dist.all_reduce(x)
@@ -401,66 +413,3 @@ def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd
     torch._dynamo.reset()
 
 
-# ---- CUDA graph capture, mocked on this CPU machine ------------------------------------------
-
-@pytest.fixture
-def counting_events(monkeypatch):
-    """torch.cuda.Event replaced by a class counting what is done to events."""
-    calls = Counter()
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            calls["create"] += 1
-
-        def record(self, stream=None):
-            calls["record"] += 1
-
-        def query(self):
-            calls["query"] += 1
-            return True
-
-        def synchronize(self):
-            calls["synchronize"] += 1
-
-        def elapsed_time(self, other):
-            calls["elapsed_time"] += 1
-            return 0.25
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    return calls
-
-
-def test_timing_records_queries_and_synchronizes_no_event_while_capturing(monkeypatch, counting_events):
-    from commpatch.data.schema import T_NONE
-    from commpatch.record.log import Log
-    from commpatch.record.timing import Timing
-
-    capturing = [False]
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    timing = Timing(Log())
-    before = (timing.cuda_start(), torch.cuda.Event())   # a measurement from before the capture
-    timing.cuda_pending.append((7, *before))
-    counting_events.clear()
-    capturing[0] = True
-    assert timing.cuda_start() is None
-    assert timing.cuda_end(8, None, None, async_op=False) == T_NONE
-    assert timing.cuda_end(9, None, object(), async_op=True) == T_NONE
-    timing.resolve(block=True)
-    assert not counting_events, "an event was touched during capture"
-    assert len(timing.cuda_pending) == 1
-    capturing[0] = False                                   # capture over: resolved as usual
-    timing.resolve(block=True)
-    assert counting_events["synchronize"] == 1 and timing.log.done == {7: 250_000}
-
-
-def test_wrapped_collectives_under_capture_touch_no_event(monkeypatch, counting_events):
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with cuda_wrappers():
-        commpatch.enable(output="none")
-    x = torch.ones(4).as_subclass(FakeCuda)
-    assert dist.all_reduce(x) is None
-    dist.all_reduce(x, async_op=True).wait()
-    dist.broadcast(x, src=0)
-    df = commpatch.log()
-    assert not counting_events
-    assert df["device"].tolist() == ["cuda"] * 3 and df["timing"].tolist() == ["none"] * 3

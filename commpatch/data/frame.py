@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
 from .logfile import parse
-from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, PHASES, SCHEMA, T_HOST, TIMINGS, printable_name, row_dtype, unpack_flags,
-                     unpack_where)
+from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, T_DEVICE, T_FUTURE, T_HOST,
+                     T_NCCL, T_WAIT, TIMINGS, printable_name, row_dtype, unpack_flags, unpack_where)
 
 
 _DTYPES = {c.name: c.dtype for c in SCHEMA}
@@ -50,13 +50,7 @@ def columns(parsed) -> dict:
     off_seq = np.array([c[0] for c in clock], np.int64)
     off_val = np.array([c[1] for c in clock], np.int64)
     offset = off_val[np.maximum(np.searchsorted(off_seq, raw["seq"], side="right") - 1, 0)]
-    late = np.full(len(rows), -1, np.int64)
-    late_seq, late_dur = parsed.late_seq, parsed.late_dur
-    if len(late_seq):
-        pos = np.searchsorted(raw["seq"], late_seq)
-        ok = pos < len(rows)
-        ok[ok] &= raw["seq"][pos[ok]] == late_seq[ok]
-        late[pos[ok]] = late_dur[ok]
+    late = _by_seq(np, raw["seq"], parsed.late_seq, parsed.late_dur)
 
     n_groups = max(parsed.groups, default=-1) + 1
     groups = [parsed.groups.get(i, {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3})
@@ -74,14 +68,18 @@ def columns(parsed) -> dict:
     numel = raw["numel"] * np.where(xn, g_size, 1)
     nbytes = numel * np.array([d[1] for d in dtypes], dtype=np.int64)[raw["dtype"]]
     flags = raw["flags"].astype(np.int64)
-    is_async, is_cuda, is_error, timing = unpack_flags(flags)
+    is_async, on_device, is_error, timing = unpack_flags(flags)
     host_ns = raw["end"] - raw["start"]
     dur_ns = np.where(timing == T_HOST, host_ns, late).astype(np.float64)
     dur_ns[dur_ns < 0] = np.nan
-    device = np.where(is_cuda, 1, np.where(raw["dtype"] <= 1, 2, 0))
+    device_own = _by_seq(np, raw["seq"], parsed.own_seq, parsed.own_dur).astype(np.float64)
+    device_own[device_own < 0] = np.nan
+    start_ns = raw["start"] + offset
+    own_ns = own_times(np, gid, start_ns, dur_ns, timing, device_own)
+    device = np.where(on_device, 1, np.where(raw["dtype"] <= 1, 2, 0))
     n = len(gid)
     module, phase = unpack_where(raw["where"].astype(np.int64))
-    seconds = dur_ns / 1e9
+    seconds = own_ns / 1e9
     with np.errstate(divide="ignore", invalid="ignore"):
         algbw = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
     factor = np.full(n, np.nan)
@@ -100,16 +98,17 @@ def columns(parsed) -> dict:
         "group_ranks": _cat(np, gid, [g["ranks"] for g in groups]),
         "group_seq": _cumcount(np, gid),          # the n-th call of this rank on that group
         "backend": _cat(np, gid * 3 + device, [b for g in groups for b in g["backends"]]),
-        "device": _cat(np, device, ["cpu", "cuda", "none"]),
+        "device": _cat(np, device, ["cpu", parsed.device, "none"]),
         "dtype": _cat(np, raw["dtype"].astype(np.int64), [d[0] for d in dtypes]),
         "numel": numel,
         "bytes": nbytes,
         "peer": raw["peer"].astype(np.int64),
         "async_op": is_async.astype(bool),
-        "start_ns": raw["start"] + offset,
+        "start_ns": start_ns,
         "host_us": host_ns / 1e3,
         "duration_us": dur_ns / 1e3,
-        "timing": _cat(np, timing, list(h.get("timings", TIMINGS))),
+        "own_us": own_ns / 1e3,
+        "timing": _cat(np, timing, [OLD_TIMING_NAMES.get(t, t) for t in h.get("timings", TIMINGS)]),
         "algbw_gbps": algbw,
         "busbw_gbps": algbw * factor,
         "status": _cat(np, is_error, ["ok", "error"]),
@@ -146,6 +145,59 @@ def arrow_table(parsed):
         else:
             arrays.append(pa.array(c))
     return pa.Table.from_arrays(arrays, names=list(COLUMNS))
+
+
+def _by_seq(np, seqs, keys, values):
+    """``values`` placed at the rows whose seq is in ``keys`` (-1 elsewhere); ``seqs`` sorted."""
+    out = np.full(len(seqs), -1, np.int64)
+    if keys is not None and len(keys):
+        pos = np.searchsorted(seqs, keys)
+        ok = pos < len(seqs)
+        ok[ok] &= seqs[pos[ok]] == keys[ok]
+        out[pos[ok]] = values[ok]
+    return out
+
+
+# Timing sources measured on the host's clock from the call's issue (start_ns) to its completion
+HOST_CLOCK_TIMINGS = (T_HOST, T_FUTURE, T_WAIT)
+
+
+def own_times(np, keys, start_ns, dur_ns, timing, device_own=None):
+    """Each call's own time (ns, float; NaN when unknown): its completion minus the later of its
+    issue and the completion of the previous call with the same key (group) in issue order.
+
+    A call that completes before the earlier ones did was not queued behind them: its own time is
+    its duration. Calls on a group run in the order they were issued (gloo, NCCL and stream-ordered backends
+    alike), so an async call issued behind others waits for them; issue-to-completion would count
+    that wait as the call's own time, and a bandwidth computed from it would be wrong.
+    - host-clock sources (host, future, wait): completion = start_ns + duration, from the log;
+    - device_event: measured on the device when resolved (``device_own``, the ``Q`` records);
+    - nccl: NCCL's own events bracket the kernel on its stream: the duration is already its own.
+    Rows in ``keys`` order: ``keys`` group the calls (one file: the group id), rows within a key
+    are taken in their order here (seq order).
+    """
+    n = len(start_ns)
+    own = np.full(n, np.nan)
+    host_clock = np.isin(timing, HOST_CLOCK_TIMINGS) & ~np.isnan(dur_ns)
+    if host_clock.any():
+        idx = np.flatnonzero(host_clock)
+        k = np.asarray(keys)[idx]
+        order = idx[np.lexsort((idx, k))]      # by key, then issue (row) order
+        k = np.asarray(keys)[order]
+        start = (start_ns[order] - start_ns[idx].min()).astype(np.float64)   # small: exact in float64
+        end = start + dur_ns[order]
+        prev = np.full(len(end), -np.inf)      # the latest completion among the key's earlier calls
+        bounds = np.flatnonzero(np.r_[True, k[1:] != k[:-1], True])
+        for lo, hi in zip(bounds[:-1], bounds[1:]):      # one block per group: few
+            prev[lo + 1:hi] = np.maximum.accumulate(end[lo:hi - 1])
+        # a call that completed before an earlier one did was not queued behind it: all its own
+        own[order] = np.where(end > prev, end - np.maximum(start, prev), dur_ns[order])
+    nccl = timing == T_NCCL
+    own[nccl] = dur_ns[nccl]
+    if device_own is not None:
+        dev = timing == T_DEVICE
+        own[dev] = device_own[dev]
+    return own
 
 
 def _names(registry: dict) -> list[str]:

@@ -10,7 +10,10 @@ a Python handler could not run anyway while the main thread waits in a C++ colle
 File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``:
 - ``R``: whole packed rows (``data.schema.ROW``);
 - ``L``: (seq, duration_ns) pairs, little-endian int64, for rows timed after they were written;
-- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket.
+- ``Q``: (seq, own_ns) pairs, the same way: a device-timed row's own time (its completion minus
+  the later of its start and the previous call's completion on the group, measured on the device);
+- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket,
+  device (the accelerator type that rows flagged "on the device" ran on).
 A frame cut short by a crash (the last one) is skipped and counted, never fatal.
 
 The file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: never through a pre-planted link,
@@ -26,7 +29,7 @@ MAGIC = b"CPLOG1\n"
 SUFFIX = ".cplog"
 FORMAT_VERSION = 1     # of this file layout; the columns' version is data.schema.SCHEMA_VERSION
 _FRAME = struct.Struct("<cI")
-ROWS, LATE, META = b"R", b"L", b"M"
+ROWS, LATE, META, OWN = b"R", b"L", b"M", b"Q"
 
 
 def frame(kind: bytes, payload: bytes) -> bytes:
@@ -47,6 +50,8 @@ class Parsed:
     def __init__(self) -> None:
         self.rows = None
         self.late_seq = self.late_dur = None
+        self.own_seq = self.own_dur = None
+        self.device = "cuda"     # files written before the accelerator was named: CUDA
         self.header: dict = {}
         self.groups: dict[int, dict] = {}
         self.dtypes: dict[int, tuple[str, int]] = {}
@@ -64,7 +69,7 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
     if not data.startswith(MAGIC):
         raise ValueError(f"{name}: not a commpatch binary log (no {MAGIC[:-1].decode()} header)")
     out = Parsed()
-    rows, late = [], []
+    rows, late, own = [], [], []
     pos, end, head = len(MAGIC), len(data), _FRAME.size
     view = memoryview(data)
     while pos < end:
@@ -82,8 +87,8 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
             whole = length - length % row_size
             out.torn += length != whole
             rows.append(payload[:whole])
-        elif kind == LATE:
-            late.append(payload[:length - length % 16])
+        elif kind == LATE or kind == OWN:
+            (late if kind == LATE else own).append(payload[:length - length % 16])
         elif kind == META:
             try:
                 _meta(out, json.loads(bytes(payload)))
@@ -95,6 +100,8 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
     out.rows = np.frombuffer(b"".join(rows), dtype=row_dtype)
     pairs = np.frombuffer(b"".join(late), dtype="<i8").reshape(-1, 2)
     out.late_seq, out.late_dur = pairs[:, 0].copy(), pairs[:, 1].copy()
+    pairs = np.frombuffer(b"".join(own), dtype="<i8").reshape(-1, 2)
+    out.own_seq, out.own_dur = pairs[:, 0].copy(), pairs[:, 1].copy()
     return out
 
 
@@ -112,5 +119,7 @@ def _meta(out: Parsed, m: dict) -> None:
         out.modules[m["code"]] = m["name"]
     elif kind == "clock":
         out.clock.append((m["seq"], m["offset"]))
+    elif kind == "device":
+        out.device = str(m["name"])
     elif kind == "bucket":
         out.buckets.append((m["lo"], m["hi"], m["index"], m["params"]))

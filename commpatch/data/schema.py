@@ -6,11 +6,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-# FLAGS bits
-F_ASYNC, F_CUDA, F_ERROR = 1, 2, 4
+# FLAGS bits. F_DEVICE: the tensors are on the process's accelerator (named in the log's
+# "device" record; files written before it was named mean CUDA).
+F_ASYNC, F_DEVICE, F_ERROR = 1, 2, 4
 T_SHIFT = 4                          # timing code lives in bits 4..7
-TIMINGS = ("host", "future", "cuda_event", "nccl", "none", "wait")
-T_HOST, T_FUTURE, T_CUDA, T_NCCL, T_NONE, T_WAIT = range(6)
+# Timing sources, by code. Code 2 was called "cuda_event" before any accelerator could use it:
+# files that say so are read as device_event (OLD_TIMING_NAMES).
+TIMINGS = ("host", "future", "device_event", "nccl", "none", "wait")
+T_HOST, T_FUTURE, T_DEVICE, T_NCCL, T_NONE, T_WAIT = range(6)
+OLD_TIMING_NAMES = {"cuda_event": "device_event"}
 
 # The binary row: (field, struct code) in tuple order, little-endian, no padding.
 _FIELDS = (("seq", "q"), ("op", "h"), ("gid", "h"), ("dtype", "h"), ("numel", "q"),
@@ -41,7 +45,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("group_ranks", "category", "", "global ranks of that group, space separated"),
     Column("group_seq", "int64", "", "sequence number of the call within its group on this rank (matches the same collective across ranks)"),
     Column("backend", "category", "", "backend that ran the call: the group's backend for the tensors' device (gloo, nccl, or a registered backend's name); a group configured 'cpu:gloo,cuda:nccl' shows gloo or nccl per row"),
-    Column("device", "category", "", "device type of the tensors (cpu, cuda, none)"),
+    Column("device", "category", "", "device type of the tensors: cpu, the accelerator's type (cuda, xpu, hpu, mtia, npu, or a PrivateUse1 device's name), or none"),
     Column("dtype", "category", "", "element type ('object' for object collectives, 'none' when no tensor)"),
     Column("numel", "int64", "elements", "elements in the message S (see bytes)"),
     Column("bytes", "int64", "bytes", "message size S as nccl-tests counts it: all_reduce the tensor, all_gather the full output, reduce_scatter the full input, all_to_all the total; for object collectives the bytes of the tensors they moved"),
@@ -50,8 +54,9 @@ SCHEMA: tuple[Column, ...] = (
     Column("start_ns", "int64", "ns", "Unix time when the call was issued"),
     Column("host_us", "float64", "us", "wall time spent inside the Python call"),
     Column("duration_us", "float64", "us", "duration from the source named in 'timing' (NaN when unknown)"),
-    Column("timing", "category", "", "source of duration_us: host, future, cuda_event, nccl, wait or none"),
-    Column("algbw_gbps", "float64", "GB/s", "bytes / duration (1e9 bytes per second)"),
+    Column("own_us", "float64", "us", "the collective's own time: completion minus the later of its issue and the completion of the previous call on the same group (on the device for device_event rows), so time spent queued behind earlier calls is not counted; NaN when unknown"),
+    Column("timing", "category", "", "source of duration_us: host (the Python call), future (a CPU Work's completion callback), device_event (events on the accelerator's stream; 'cuda_event' in older files), nccl (NCCL's own kernel timing), wait, or none"),
+    Column("algbw_gbps", "float64", "GB/s", "bytes / own_us (1e9 bytes per second)"),
     Column("busbw_gbps", "float64", "GB/s", "algbw times the nccl-tests bus factor for the op and group size"),
     Column("status", "category", "", "ok, or error when torch raised"),
     Column("step", "int64", "", "value of commpatch.step() when the call was issued"),
@@ -69,9 +74,9 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # removed). ADDED_IN names the version that added a column (the others are in version 1).
 # Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
 # header is its schema: readers go by column names, and fill columns a file predates.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
-ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3}
+ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3, "own_us": 4}
 DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 
@@ -81,14 +86,14 @@ P_FORWARD, P_BACKWARD, P_OPTIMIZER = 1, 2, 3
 
 
 # ---- the packed bit fields of a row ----------------------------------------------------------
-def pack_flags(async_op, cuda, err, tcode: int) -> int:
-    """The ``flags`` byte: F_ASYNC | F_CUDA | F_ERROR bits, the timing code in bits 4..7."""
-    return (async_op and F_ASYNC) | (cuda and F_CUDA) | (err and F_ERROR) | (tcode << T_SHIFT)
+def pack_flags(async_op, device, err, tcode: int) -> int:
+    """The ``flags`` byte: F_ASYNC | F_DEVICE | F_ERROR bits, the timing code in bits 4..7."""
+    return (async_op and F_ASYNC) | (device and F_DEVICE) | (err and F_ERROR) | (tcode << T_SHIFT)
 
 
 def unpack_flags(flags):
-    """(async_op, cuda, err, timing code) of a ``flags`` value (an int or a numpy array)."""
-    return flags & F_ASYNC, flags & F_CUDA, (flags & F_ERROR) >> 2, flags >> T_SHIFT
+    """(async_op, on the accelerator, err, timing code) of a ``flags`` value (an int or a numpy array)."""
+    return flags & F_ASYNC, flags & F_DEVICE, (flags & F_ERROR) >> 2, flags >> T_SHIFT
 
 
 def pack_where(module: int, phase: int) -> int:

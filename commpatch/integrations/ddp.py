@@ -53,9 +53,9 @@ import weakref
 
 from ..data.schema import P_BACKWARD, T_FUTURE, T_HOST
 from ..record import state as _runtime
-from ..record.rows import SEQ
+from ..record.rows import SEQ, on_device
 from ..record.rows import peek_seq as _peek_seq
-from . import modules
+from . import base, modules
 from .base import Integration, record, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
@@ -93,8 +93,9 @@ def _patch_ddp_class(ctx, module) -> None:
 
 
 # ---- the bucket hook ---------------------------------------------------------------------
-def measured(log, ddp, hook):
-    """Wrap a comm hook: bucket spans for the rows inside it, a row when none is visible."""
+def measured(log, ddp, hook, timing=None):
+    """Wrap a comm hook: bucket spans for the rows inside it, a row when none is visible (timed
+    with device events on an accelerator, by the hook's future on CPU)."""
     ddp_ref = weakref.ref(ddp)
     state = _runtime.STATE
     buckets = log.buckets
@@ -108,15 +109,28 @@ def measured(log, ddp, hook):
         state.where = modules.where(ddp, P_BACKWARD) if ddp is not None else where
         try:
             lo = _peek_seq(SEQ)
+            started = None
+            if timing is not None and state.devices:
+                try:
+                    buf = bucket.buffer()
+                    started = timing.device_start(buf) if on_device(buf, log) else None
+                except Exception as exc:  # noqa: BLE001 - device events unusable: timed by the future
+                    _runtime.fail("timing", exc)
             start = _pc()
             fut = hook(hook_state, bucket)
             end = _pc()
             try:
                 if _peek_seq(SEQ) == lo:         # nothing visible from Python: the C++ all-reduce ran
-                    buf = bucket.buffer()
-                    seq = record(log, "ddp_bucket_allreduce", ddp.process_group if ddp else None, buf,
-                                 buf.numel(), start, end, True, T_FUTURE)
-                    fut.then(lambda _f, seq=seq, start=start: done.__setitem__(seq, _pc() - start))
+                    buf, group = bucket.buffer(), ddp.process_group if ddp else None
+                    seq = next(SEQ)
+                    if started is not None:
+                        tcode = timing.device_after(seq, log.group_id(group), started, fut)
+                    else:
+                        fut.then(lambda _f, seq=seq, start=start: done.__setitem__(seq, _pc() - start))
+                        tcode = T_FUTURE
+                    record(log, "ddp_bucket_allreduce", group, buf, buf.numel(), start, end, True, tcode, seq=seq)
+                elif started is not None:        # the rows inside timed themselves
+                    timing.cancel(started)
                 buckets.append((lo, _peek_seq(SEQ), bucket.index(), len(bucket.parameters())))
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("ddp.hook", exc)
@@ -293,7 +307,8 @@ def _install(log, ddp, reducer) -> None:
             return
         _persist()
         slot = _Dispatch(ddp)
-        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch))
+        ctx = base.CURRENT
+        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None))
         _SLOTS[reducer] = slot
     except Exception as exc:  # noqa: BLE001
         _runtime.fail("ddp.install", exc)

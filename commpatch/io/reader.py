@@ -9,10 +9,11 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from ..data.frame import arrow_table, dataframe, parse_log
+from ..data.frame import arrow_table, dataframe, own_times, parse_log
 from ..data.logfile import SUFFIX
 from ..data.ops import describe_op
-from ..data.schema import ADDED_IN, COLUMNS, DERIVED_FROM_OP, SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY
+from ..data.schema import (ADDED_IN, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA, SCHEMA_VERSION,
+                           SCHEMA_VERSION_KEY, TIMINGS)
 from . import writer as _writer
 
 if TYPE_CHECKING:
@@ -117,8 +118,30 @@ def read(paths, progress=None, columns=None) -> "pd.DataFrame":
     if derived and "op" in df.columns:         # an older file: from its op column, not neutral values
         _derive_from_op(df, derived)
         filled -= set(derived)
+    if "own_us" in filled and "own_us" in df.columns and {"start_ns", "duration_us", "timing"} <= set(df.columns):
+        _derive_own(df)                        # an older file: from its durations (host clock)
+        filled.discard("own_us")
+    if "timing" in df.columns and df["timing"].dtype.name == "category":
+        old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
+        if old:
+            df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
     df.attrs["filled_columns"] = sorted(filled & wanted)
     return df
+
+
+def _derive_own(df) -> None:
+    """``own_us`` for a file that predates it, as the frame builder computes it from the log."""
+    import numpy as np
+
+    by = [c for c in ("rank", "pid", "group") if c in df.columns]
+    key = df.groupby(by, observed=True, sort=False).ngroup().to_numpy(np.int64) if by else np.zeros(len(df), np.int64)
+    order = np.argsort(df["seq"].to_numpy(), kind="stable") if "seq" in df.columns else np.arange(len(df))
+    timing = np.asarray([TIMINGS.index(OLD_TIMING_NAMES.get(t, t)) if OLD_TIMING_NAMES.get(t, t) in TIMINGS else -1
+                         for t in df["timing"].astype(str)], np.int64)
+    dur_ns = df["duration_us"].to_numpy(np.float64) * 1e3
+    own = np.full(len(df), np.nan)
+    own[order] = own_times(np, key[order], df["start_ns"].to_numpy(np.int64)[order], dur_ns[order], timing[order])
+    df["own_us"] = own / 1e3
 
 
 def _derive_from_op(df, names) -> None:
@@ -396,7 +419,10 @@ def _plan(path, names, schema, version, notes) -> list[str]:
         which = f"schema {version}" if version else "commpatch"
         raise LogFileError(path, f"no {', '.join(map(repr, required))} column: every {which} log has it (the file "
                                  "was edited, or written by another tool)")
-    lacking = [c for c in missing if not (c in DERIVED_FROM_OP and "op" in present)]
+    derivable = {c for c in DERIVED_FROM_OP if "op" in present}
+    if {"start_ns", "duration_us", "timing"} <= present:
+        derivable.add("own_us")
+    lacking = [c for c in missing if c not in derivable]
     if lacking:
         since = min(ADDED_IN.get(c, 1) for c in lacking)
         notes.add(path, f"written by an older commpatch (schema {since - 1}, before the column(s) "

@@ -35,7 +35,7 @@ class GroupInfo:
     size: int
     ranks: str
     backend: str                  # as configured: 'gloo', or 'cpu:gloo,cuda:nccl' for several
-    backends: tuple = ()          # the one that runs, per device code (cpu, cuda, none)
+    backends: tuple = ()          # the one that runs, per device code (cpu, the accelerator, none)
 
 
 class _Rows:
@@ -64,6 +64,8 @@ class Log:
         self.lock = threading.RLock()
         self.buf = bytearray()
         self.done: dict[int, int] = {}        # seq -> duration_ns, written by completion callbacks
+        self.own: dict[int, int] = {}         # seq -> own time (ns) of device-timed rows, when resolved
+        self.device = ""                      # the accelerator's type, once a row ran on it
         # seq -> (op code, gid, numel, thread id, start perf ns, issue stack or None): calls in
         # flight (async ones until their timing resolves; sync ones too when the watchdog is on)
         self.pending: dict[int, tuple] = {}
@@ -121,6 +123,8 @@ class Log:
                 gid = len(self.groups)
                 self.groups.append(info)
             self.group_ids[group] = gid
+            if not state.STATE.devices:
+                state.STATE.devices = accelerator_present()
             if self.sink is None and self.output and self.on_open is not None:
                 self.on_open(self)
             return gid
@@ -165,14 +169,9 @@ class Log:
                     self._open_sink()
                 other = bytearray(self._new_meta())
                 done = self.done
-                if done:
-                    late = array("q")
-                    for key in list(done):
-                        value = done.pop(key, None)
-                        if value is not None:
-                            late.append(key)
-                            late.append(value)
-                    other += logfile.frame(logfile.LATE, late.tobytes())
+                for kind, pairs in ((logfile.LATE, done), (logfile.OWN, self.own)):
+                    if pairs:
+                        other += logfile.frame(kind, _drain_pairs(pairs))
                 n = len(self.buf) // ROW.size * ROW.size
                 chunk = bytes(self.buf[:n])     # whole rows; appends meanwhile stay in buf
                 del self.buf[:n]
@@ -250,6 +249,7 @@ class Log:
             ("tags", TAGS, lambda i, name: logfile.meta("tag", code=i, name=name)),
             ("modules", MODULES, lambda i, name: logfile.meta("module", code=i, name=name)),
             ("clock", self.offsets[0], lambda i, seq: logfile.meta("clock", seq=seq, offset=self.offsets[1][i])),
+            ("device", [self.device] if self.device else [], lambda i, name: logfile.meta("device", name=name)),
         ):
             start, stop = w.get(key, 0), len(items)
             out.extend(make(i, items[i]) for i in range(start, stop))
@@ -304,6 +304,7 @@ class Log:
         self.lock = threading.RLock()
         del self.buf[:]
         self.done.clear()
+        self.own.clear()
         self.pending.clear()
         self.buckets.clear()
         self.sink, self.closed, self.files, self.written = None, [], [], {}
@@ -347,6 +348,31 @@ class Log:
 _RECENT = 64
 
 
+def accelerator_present() -> bool:
+    """Whether this process can have tensors on an accelerator (asked once a process group exists:
+    by then asking cannot break a later fork)."""
+    try:
+        import torch
+
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "is_available"):
+            return bool(acc.is_available())
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - unknown: test every tensor
+        return True
+
+
+def _drain_pairs(pairs: dict) -> bytes:
+    """(seq, value) int64 pairs of a dict that completion callbacks add to, emptied as read."""
+    out = array("q")
+    for key in list(pairs):
+        value = pairs.pop(key, None)
+        if value is not None:
+            out.append(key)
+            out.append(value)
+    return out.tobytes()
+
+
 def _group_name(pg) -> str:
     """``pg.group_name``; a Python ProcessGroup from a registered backend has none set (it
     raises): then the name torch keeps for the group in its registry."""
@@ -359,9 +385,11 @@ def _group_name(pg) -> str:
 
 
 def _device_backends(backend: str, pg) -> tuple:
-    """(cpu, cuda, no tensor) -> name of the backend that runs the call, from a configured string.
+    """(cpu, accelerator, no tensor) -> name of the backend that runs the call, from a configured
+    string.
 
-    A group set up with one backend per device (``"cpu:gloo,cuda:nccl"``) runs a call on the
+    A group set up with one backend per device (``"cpu:gloo,cuda:nccl"``, ``"cpu:gloo,xpu:xccl"``,
+    ``"cpu:gloo,emu:emustream"``) runs a call on the
     backend of its tensors' device; calls without a tensor (barrier, object collectives) run on
     the device torch picks for them (``_get_object_coll_device``: cpu when the group has one).
     """
@@ -374,6 +402,7 @@ def _device_backends(backend: str, pg) -> tuple:
         none = by_device.get(dist.distributed_c10d._get_object_coll_device(pg), backend)
     except Exception:  # noqa: BLE001 - an unusual group: keep the configured string
         none = backend
-    return by_device.get("cpu", backend), by_device.get("cuda", backend), none
+    accelerator = next((b for device, b in by_device.items() if device != "cpu"), backend)
+    return by_device.get("cpu", backend), accelerator, none
 
 

@@ -54,7 +54,16 @@ def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_
         gid = log.group_id(group)
     if seq is None:
         seq = next(SEQ)
-    cuda = tensor is not None and tensor.is_cuda     # the device column (and its backend) come from it
+    dev = tensor is not None and on_device(tensor, log)   # the device column (and its backend) come from it
     write_row(log, seq, OP_CODE[op], gid, tensor.dtype if tensor is not None else None, numel,
-              pack_flags(async_op, cuda, err, tcode), start, end, peer)
+              pack_flags(async_op, dev, err, tcode), start, end, peer)
     return seq
+
+
+def on_device(t, log) -> bool:
+    """Whether ``t`` lives on an accelerator (not cpu, not meta); names the device in the log."""
+    if t.is_cpu or t.is_meta:
+        return False
+    if not log.device:
+        log.device = t.device.type
+    return True

@@ -22,6 +22,7 @@ class State:
         self.tag = 0              # index into TAGS; 0 is no tag
         self.nesting = 0          # nesting ops (object collectives, send, ...) running in any thread
         self.where = 0            # (index into MODULES) << 2 | index into data.schema.PHASES (data.schema.pack_where)
+        self.devices = False      # an accelerator is present: the wrappers test each tensor's device
         self.settings: dict = {}
 
 

@@ -1,10 +1,14 @@
 """Timing sources beyond host wall time, and lazy resolution of pending measurements.
 
 - ``future``: async CPU calls; the ``Work`` future's completion callback stamps the end.
-- ``cuda_event``: CUDA tensors; pooled events recorded on the current stream before the
-  call and after it (sync) or inside ``get_future().then()`` (async, the callback runs on a
-  stream that waits for the collective). Never a device synchronize on the hot path:
-  events are queried lazily, and synchronized only when the log is read or written.
+- ``device_event``: tensors on any accelerator (CUDA, XPU, HPU, MTIA, NPU, PrivateUse1 devices),
+  through torch's device-generic API (``torch.accelerator.current_stream``, ``torch.Event``):
+  pooled events (one pool per device) recorded on the current stream before the call and after
+  it (sync) or inside ``get_future().then()`` (async: the callback runs on a stream that waits
+  for the collective). Never a device synchronize on the hot path: events are queried lazily,
+  synchronized only when the log is read or written, and not touched at all while the
+  stream is capturing (CUDA graphs: those rows say ``timing=none``). A device whose backend
+  has no events makes the row ``timing=none`` (counted in ``internal_errors()``, warned once).
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
 Durations land in ``Log.done`` (seq -> ns) and are flushed to the rank log by ``Log.flush``.
@@ -16,7 +20,7 @@ import os
 import threading
 import time
 
-from ..data.schema import T_CUDA, T_FUTURE, T_NCCL, T_NONE
+from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE
 from . import state as _runtime
 
 _pc = time.perf_counter_ns
@@ -26,15 +30,19 @@ class Timing:
     def __init__(self, log) -> None:
         self.log = log
         self.lock = threading.Lock()
-        self.pool: list = []             # free CUDA events
-        self.cuda_pending: list = []     # (seq, start_event, end_event or None)
-        self.nccl_pending: list = []     # (seq, work, start_event, end_event)
+        self.apis: dict = {}             # (device type, index) -> _DeviceApi
+        self.pools: dict = {}            # (device type, index) -> free events
+        self.created = 0                 # events ever created (pools keep it flat)
+        self.dev_pending: list = []      # (seq, device key, gid, start_event, end_event)
+        self.nccl_pending: list = []     # (seq, work, device key, start_event)
+        self.last_end: dict = {}         # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
         self.nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()
-        self.pool, self.cuda_pending[:], self.nccl_pending[:] = [], [], []
+        self.apis, self.pools, self.last_end = {}, {}, {}
+        self.dev_pending[:], self.nccl_pending[:] = [], []
 
     # ---- CPU ------------------------------------------------------------------------
     def future(self, seq: int, start: int, work, op: int) -> int:
@@ -71,82 +79,147 @@ class Timing:
 
         return torch.futures.collect_all(futures)
 
-    # ---- CUDA -----------------------------------------------------------------------
-    def cuda_start(self):
-        """A recorded start event, or None where events are not allowed (graph capture)."""
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():
+    # ---- accelerators -------------------------------------------------------------
+    def device_start(self, tensor):
+        """A measurement started on ``tensor``'s device: (device key, start event) recorded on the
+        current stream; None while the stream is capturing (no event may be recorded then)."""
+        dev = tensor.device
+        key = (dev.type, dev.index)
+        api = self.apis.get(key) or self._api(key, dev)
+        stream = api.current_stream()
+        if api.capturing(stream):
             return None
-        ev = self.pool.pop() if self.pool else torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
+        ev = self._event(key, api)
+        ev.record(stream)
+        return key, ev
 
-    def cuda_end(self, seq: int, start_ev, work, async_op: bool) -> int:
-        import torch
-
-        if start_ev is None:
+    def device_end(self, seq: int, gid: int, started, work, async_op: bool) -> int:
+        """End the measurement: an end event after the call (sync), or recorded from the work's
+        future callback, whose current stream waits for the collective (async). Returns the timing
+        code of the row."""
+        if started is None:
             return T_NONE
-        end_ev = self.pool.pop() if self.pool else torch.cuda.Event(enable_timing=True)
+        key, start_ev = started
+        api = self.apis[key]
         if not async_op:
-            end_ev.record()
-            self.cuda_pending.append((seq, start_ev, end_ev))
-            return T_CUDA
+            end_ev = self._event(key, api)
+            end_ev.record(api.current_stream())
+            self.dev_pending.append((seq, key, gid, start_ev, end_ev))
+            return T_DEVICE
         if work is None:
-            self.pool.append(end_ev)
-            self.pool.append(start_ev)
+            self.cancel(started)
             return T_NONE
-        if self.nccl_timing and hasattr(work, "_get_duration"):
-            self.nccl_pending.append((seq, work, start_ev, end_ev))
+        if self.nccl_timing and hasattr(work, "_get_duration") and self._nccl_group(gid):
+            self.nccl_pending.append((seq, work, key, start_ev))
             return T_NCCL
-        fut = self._future_of(work, -1)
-        if fut is None:
-            self.pool.append(end_ev)
-            self.pool.append(start_ev)
+        return self.device_after(seq, gid, started, self._future_of(work, -1))
+
+    def device_after(self, seq: int, gid: int, started, fut) -> int:
+        """End the measurement when ``fut`` (a device-aware future: a Work's, or a DDP comm hook's)
+        completes: its ``then()`` callback runs on a stream that waits for the collective, and
+        records the end event there. Returns the timing code of the row."""
+        if started is None:
             return T_NONE
-        pending = self.cuda_pending
+        key, start_ev = started
+        if fut is None:
+            self.cancel(started)
+            return T_NONE
+        api = self.apis[key]
+        end_ev = self._event(key, api)
+        pending = self.dev_pending
 
         def record_end(_fut, seq=seq, start_ev=start_ev, end_ev=end_ev):
-            end_ev.record()   # current stream here waits for the collective
-            pending.append((seq, start_ev, end_ev))
+            end_ev.record(api.current_stream())   # this callback's current stream waits for the collective
+            pending.append((seq, key, gid, start_ev, end_ev))
 
         fut.then(record_end)
-        return T_CUDA
+        return T_DEVICE
+
+    def cancel(self, started) -> None:
+        """A started measurement that will not be ended: its event goes back to the pool."""
+        if started is not None:
+            self._free(*started)
+
+    def _nccl_group(self, gid: int) -> bool:
+        """The group runs device tensors on NCCL (other backends' works have ``_get_duration`` too,
+        and raise)."""
+        groups = self.log.groups
+        return 0 <= gid < len(groups) and len(groups[gid].backends) > 1 and groups[gid].backends[1] == "nccl"
+
+    def _event(self, key, api):
+        pool = self.pools.get(key)
+        if pool:
+            return pool.pop()
+        if len(self.dev_pending) >= _EARLY and not self.lock.locked():
+            self.resolve()                     # completed measurements give their events back
+            pool = self.pools.get(key)
+            if pool:
+                return pool.pop()
+        self.created += 1
+        return api.event()
+
+    def _free(self, key, *events) -> None:
+        self.pools.setdefault(key, []).extend(events)
+
+    def _api(self, key, dev):
+        api = self.apis[key] = _DeviceApi(dev)
+        return api
 
     # ---- resolution ---------------------------------------------------------------
     def resolve(self, block: bool = False) -> None:
-        """Fold finished measurements into the log; ``block`` waits for CUDA ones (read/exit)."""
-        if not (self.cuda_pending or self.nccl_pending):
+        """Fold finished measurements into the log; ``block`` waits for device ones (read/exit).
+        Nothing is queried or synchronized on a device whose current stream is capturing."""
+        if not (self.dev_pending or self.nccl_pending):
             return
         with self.lock:
             try:
-                self._resolve_cuda(block)
-                self._resolve_nccl(block)
+                capturing = {key for key, api in self.apis.items() if api.capturing(api.current_stream())}
+                self._resolve_device(block, capturing)
+                self._resolve_nccl(block, capturing)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("timing.resolve", exc)
 
-    def _resolve_cuda(self, block: bool) -> None:
-        import torch
-
-        if torch.cuda.is_current_stream_capturing():   # query/sync is illegal while capturing
-            return
-        keep, done = [], self.log.done
-        pending, self.cuda_pending[:] = list(self.cuda_pending), []
-        for seq, ev0, ev1 in pending:
+    def _resolve_device(self, block: bool, capturing) -> None:
+        """Durations, and own times: a call's completion minus the later of its start and the
+        completion of the previous call on its group, both on the device (the previous end event is
+        kept until the next call of the group is resolved). Calls of a group resolve in seq order."""
+        done, own, last = self.log.done, self.log.own, self.last_end
+        pending = sorted(_take(self.dev_pending), key=lambda p: p[0])
+        keep, stalled = [], set()
+        for item in pending:
+            seq, key, gid, ev0, ev1 = item
+            if key in capturing or (key, gid) in stalled:
+                keep.append(item)
+                continue
             if block:
                 ev1.synchronize()
-            if ev1.query():
-                done[seq] = int(ev0.elapsed_time(ev1) * 1e6)
-                self.log.pending.pop(seq, None)
-                self.pool.extend((ev0, ev1))
-            else:
-                keep.append((seq, ev0, ev1))
-        self.cuda_pending.extend(keep)
+            if not ev1.query():
+                keep.append(item)
+                stalled.add((key, gid))
+                continue
+            duration = ev0.elapsed_time(ev1)          # ms
+            prev = last.get((key, gid))
+            mine = duration
+            if prev is not None:
+                gap = prev.elapsed_time(ev1)          # this call's completion after the previous one's
+                if 0 < gap < duration:
+                    mine = gap
+                self._free(key, prev)
+            last[(key, gid)] = ev1
+            self._free(key, ev0)
+            done[seq] = int(duration * 1e6)
+            own[seq] = int(mine * 1e6)
+            self.log.pending.pop(seq, None)
+        self.dev_pending.extend(keep)
 
-    def _resolve_nccl(self, block: bool) -> None:
+    def _resolve_nccl(self, block: bool, capturing) -> None:
         keep, done = [], self.log.done
-        pending, self.nccl_pending[:] = list(self.nccl_pending), []
-        for seq, work, ev0, ev1 in pending:
+        pending = _take(self.nccl_pending)
+        for item in pending:
+            seq, work, key, ev0 = item
+            if key in capturing:
+                keep.append(item)
+                continue
             if block:
                 work.wait()
             if work.is_completed():
@@ -155,7 +228,47 @@ class Timing:
                 except RuntimeError:
                     pass
                 self.log.pending.pop(seq, None)
-                self.pool.extend((ev0, ev1))
+                self._free(key, ev0)
             else:
-                keep.append((seq, work, ev0, ev1))
+                keep.append(item)
         self.nccl_pending.extend(keep)
+
+
+def _take(items: list) -> list:
+    """Remove and return what ``items`` holds now; completion callbacks may append meanwhile
+    (their items stay)."""
+    n = len(items)
+    out = items[:n]
+    del items[:n]
+    return out
+
+
+_EARLY = 64      # measurements in flight before a new event is created rather than resolving first
+
+
+class _DeviceApi:
+    """torch's device-generic stream / event API for one device (torch >= 2.6:
+    ``torch.accelerator``, ``torch.Event``); CUDA's own on older torch."""
+
+    def __init__(self, dev) -> None:
+        import torch
+
+        self.device = dev
+        acc = getattr(torch, "accelerator", None)
+        if acc is not None and hasattr(acc, "current_stream") and hasattr(torch, "Event"):
+            self.current_stream = lambda: acc.current_stream(dev)
+            self.event = lambda: torch.Event(device=dev, enable_timing=True)
+        elif dev.type == "cuda":
+            self.current_stream = lambda: torch.cuda.current_stream(dev)
+            self.event = lambda: torch.cuda.Event(enable_timing=True)
+        else:
+            raise RuntimeError(f"no stream / event API for {dev.type!r} devices in torch {torch.__version__}")
+
+    @staticmethod
+    def capturing(stream) -> bool:
+        test = getattr(stream, "is_capturing", None)
+        if test is not None:
+            return bool(test())
+        import torch
+
+        return bool(torch.cuda.is_current_stream_capturing())

@@ -19,18 +19,18 @@ import threading
 import time
 
 from ..data.ops import OBJECT, OP_CODE, Target
-from ..data.schema import ROW, T_CUDA, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHIFT, pack_flags
+from ..data.schema import ROW, T_DEVICE, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHIFT, pack_flags
 from . import state as _runtime
 from .log import CHUNK_MASK
 from .readers import group_peer, make_reader, reader_lines
-from .rows import SEQ, Pending, write_row
+from .rows import SEQ, Pending, on_device, write_row
 from .state import COALESCING
 
 MARK = "__commpatch_original__"   # attribute of every wrapper commpatch installs: the original
 
 
 # The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
-# else (CUDA events, async futures, nested object collectives, coalescing) goes to `slow`.
+# else (device events, async futures, nested object collectives, coalescing) goes to `slow`.
 _FAST = """
 def {name}({params}):
     if not state.recording:
@@ -150,16 +150,16 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         timing.resolve()
         log.maintain(seq)
 
-    def record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, err, ev0, queued=False):
-        if (async_op or cuda) and not err:
+    def record(seq, t, numel, group, gid, peer, async_op, dev, start, end, result, err, ev0, queued=False):
+        if (async_op or dev) and not err:
             # in flight until its timing resolves: registered before the completion callback is
             # attached, because then() on an already completed future runs the callback inline
             pending[seq] = Pending(code, gid, numel, get_ident(), start, _issue_stack() if watch else None)
         try:
             if queued:
                 tcode = T_NONE         # only queued: the coalesced op runs when the manager exits
-            elif cuda and not err:
-                tcode = timing.cuda_end(seq, ev0, result, async_op)
+            elif dev and not err:
+                tcode = timing.device_end(seq, gid, ev0, result, async_op)
             elif async_op and not err:
                 tcode = timing.future(seq, start, result, code)
             else:
@@ -170,7 +170,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         if tcode not in PENDING_TIMINGS:
             pending.pop(seq, None)
         write_row(log, seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel,
-                  pack_flags(async_op, cuda, err, tcode), start, end, peer)
+                  pack_flags(async_op, dev, err, tcode), start, end, peer)
         if not seq & CHUNK_MASK:
             maintain(seq)
 
@@ -188,7 +188,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
 
     def slow(args, kwargs, t, numel, group, gid, async_op, peer):
         try:
-            cuda = t is not None and t.is_cuda and not host_only
+            dev = not host_only and t is not None and on_device(t, log)
             guard = not leaf or (t is not None and t.__class__ is not Tensor)   # see slow_test
             seq = next_seq()
             pg = _coalesce_group(group) if coalescing else None   # a _coalescing_manager is open
@@ -198,8 +198,8 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             fail("read", exc)
             return orig(*args, **kwargs)
         try:
-            ev0 = timing.cuda_start() if cuda else None
-        except Exception as exc:  # noqa: BLE001 - CUDA events unusable: the row stays, untimed
+            ev0 = timing.device_start(t) if dev else None
+        except Exception as exc:  # noqa: BLE001 - device events unusable: the row stays, untimed
             fail("timing", exc)
             ev0 = None
         if guard:
@@ -220,7 +220,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
                 if nested_op:
                     numel, local.nested = local.nested or 0, None
             try:
-                record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, None, True, ev0)
+                record(seq, t, numel, group, gid, peer, async_op, dev, start, end, None, True, ev0)
             except Exception as exc:  # noqa: BLE001
                 fail("record", exc)
             raise
@@ -238,7 +238,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             pending.pop(seq, None)
             return result
         try:
-            record(seq, t, numel, group, gid, peer, async_op, cuda, start, end, result, False, ev0, queued)
+            record(seq, t, numel, group, gid, peer, async_op, dev, start, end, result, False, ev0, queued)
         except Exception as exc:  # noqa: BLE001
             fail("record", exc)
         return result
@@ -248,9 +248,10 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         slow_test = "True"
     elif target.tensor is not None or target.size[0] == "p2p":
         # a tensor subclass re-enters the wrapper through torch's __torch_function__ handling:
-        # the slow path guards that; a CPU-only torch has no CUDA tensors
-        cuda_test = " or t.is_cuda" if not host_only and _cuda_build() else ""
-        slow_test += f" or (t is not None and (t.__class__ is not Tensor{cuda_test}))"
+        # the slow path guards that. Tensors on an accelerator are timed there: the device test
+        # (~30 ns) runs only once a process group exists in a process that has an accelerator.
+        device_test = "" if host_only else " or (state.devices and not t.is_cpu)"
+        slow_test += f" or (t is not None and (t.__class__ is not Tensor{device_test}))"
     dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
         else str(log.dtype_id(no_tensor_dtype))
     watch_enter = "\n    pending[seq] = Pending(code, gid, numel, get_ident(), start, None)" if watch else ""
@@ -278,7 +279,8 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     return wrapper
 
 
-PENDING_TIMINGS = (T_FUTURE, T_CUDA, T_NCCL)
+PENDING_TIMINGS = (T_FUTURE, T_DEVICE, T_NCCL)
+
 
 
 def _issue_stack(limit: int = 24) -> tuple:
@@ -321,12 +323,6 @@ def _nesting(delta: int) -> None:
     """Count nesting ops running in any thread (the fast path's cheap hint to check LOCAL.depth)."""
     with _nesting_lock:
         _runtime.STATE.nesting += delta
-
-
-def _cuda_build() -> bool:
-    import torch
-
-    return torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
 
 
 def _coalesce_group(group):

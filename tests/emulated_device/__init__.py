@@ -95,6 +95,11 @@ def _device_module(ext) -> types.ModuleType:
     mod.current_stream = lambda device=None: torch.accelerator.current_stream(device)
     mod.manual_seed = mod.manual_seed_all = lambda seed: None
     mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+    # what FSDP2 asks of a device module (torch.distributed.fsdp's device handle)
+    mod.Stream = lambda device=None, priority=0, **kw: torch.Stream(device=device or BACKEND, priority=priority)
+    mod.Event = lambda enable_timing=False, **kw: torch.Event(device=BACKEND, enable_timing=enable_timing)
+    mod.stream = lambda s: s if s is not None else contextlib.nullcontext()   # torch.Stream is a context manager
+    mod.device = lambda d: contextlib.nullcontext()
     return mod
 
 

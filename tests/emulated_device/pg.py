@@ -13,6 +13,14 @@ on a stream that waits for it, as with NCCL. Only ``barrier()``'s wait blocks th
 
 Keep all of a group's collectives on one stream per rank (or in the same order on every rank):
 like NCCL, gloo matches calls by order.
+
+Two options, read when a group is created (``COMM_STREAM_ENV`` / ``NCCL_LIKE_ENV`` set to 1):
+- comm stream: the group runs its collectives on a stream of its own that first waits for the
+  caller's current stream (as NCCL does), so a collective can queue behind the group's earlier
+  ones while the caller's stream moves on;
+- NCCL-like works: each work carries start / end events around the collective on the stream that
+  runs it and answers ``_get_duration()`` (ms) once completed, as ProcessGroupNCCL's works do with
+  ``TORCH_NCCL_ENABLE_TIMING=1``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch.distributed as dist
 from . import BACKEND, enqueue, ext
 
 NAME = "emustream"
+COMM_STREAM_ENV = "EMUSTREAM_COMM_STREAM"
+NCCL_LIKE_ENV = "EMUSTREAM_NCCL_LIKE"
 
 
 class EmuWork(dist.Work):
@@ -60,18 +70,45 @@ class EmuWork(dist.Work):
         return self.error
 
 
+class NcclLikeWork(EmuWork):
+    """A work that times itself on the device, like ProcessGroupNCCL's with timing enabled."""
+
+    def __init__(self, result, event, device, blocking=False, start=None):
+        super().__init__(result, event, device, blocking)
+        self._start = start
+
+    def _get_duration(self):
+        if not self._event.query():
+            raise RuntimeError("work not completed")
+        return self._start.elapsed_time(self._event)
+
+
 class StreamCollectives:
     """The Python side of the backend: one method per collective, each returning an EmuWork."""
 
-    def __init__(self, gloo, rank: int, size: int):
+    def __init__(self, gloo, rank: int, size: int, comm_stream: bool = False, nccl_like: bool = False):
         self.gloo = gloo
         self.rank = rank
         self.size = size
+        self.comm_streams = {} if comm_stream else None     # device -> the group's own stream
+        self.nccl_like = nccl_like
 
     def _launch(self, device, job, result, blocking=False):
         device = torch.device(BACKEND, device.index if device.index is not None else ext().current_device())
         stream = torch.accelerator.current_stream(device)
-        event = torch.Event(device=device)
+        if self.comm_streams is not None:           # the group's stream waits for the caller's
+            comm = self.comm_streams.get(device)
+            if comm is None:
+                comm = self.comm_streams[device] = torch.Stream(device=device)
+            ready = torch.Event(device=device)
+            ready.record(stream)
+            comm.wait_event(ready)
+            stream = comm
+        start = None
+        if self.nccl_like:
+            start = torch.Event(device=device, enable_timing=True)
+            start.record(stream)
+        event = torch.Event(device=device, enable_timing=self.nccl_like)
         holder = {}
 
         def run():
@@ -86,7 +123,9 @@ class StreamCollectives:
 
         enqueue(run, stream)
         event.record(stream)
-        work = EmuWork(result, event, device, blocking)
+        with stream:                                # the future's then() callbacks wait on this stream
+            work = NcclLikeWork(result, event, device, blocking, start) if self.nccl_like else \
+                EmuWork(result, event, device, blocking)
         holder["work"] = work
         return work
 
@@ -150,8 +189,11 @@ class StreamCollectives:
 
 
 def create(store, rank, size, timeout):
+    import os
+
     gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
-    return ext().PyForwardBackend(rank, size, StreamCollectives(gloo, rank, size))
+    options = {"comm_stream": os.environ.get(COMM_STREAM_ENV) == "1", "nccl_like": os.environ.get(NCCL_LIKE_ENV) == "1"}
+    return ext().PyForwardBackend(rank, size, StreamCollectives(gloo, rank, size, **options))
 
 
 def register() -> None:

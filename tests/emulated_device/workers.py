@@ -280,48 +280,174 @@ def ddp_train(rank, world_size, steps=3):
     }
 
 
-# ------------------------------------------------------------------ what commpatch records today
-def commpatch_today(rank, world_size, busy_ms=150):
+# ------------------------------------------------------------------ commpatch on the device
+def _rows(df, cols=("op", "async_op", "device", "backend", "timing", "duration_us", "own_us")):
+    return df[list(cols)].to_dict("records")
+
+
+def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
+    """What commpatch records on the emulated device: sync and async collectives timed on the
+    device while rank 0's stream is busy; host waits; queued calls on a group with its own stream
+    (own_us); capture; the event pool over many calls."""
     import torch
     import torch.distributed as dist
 
     import commpatch
+    from commpatch.session import default
     from tests import emulated_device as emu
+    from tests.emulated_device import pg
 
+    out = {}
     x = torch.ones(1024, device="emu")
     dist.all_reduce(x)
     torch.accelerator.synchronize()
+    os.environ[pg.COMM_STREAM_ENV] = "1"
+    comm_group = dist.new_group(backend=f"cpu:gloo,{emu.BACKEND}:{pg.NAME}")   # NCCL-like: a stream of its own
+    del os.environ[pg.COMM_STREAM_ENV]
+    dist.all_reduce(x, group=comm_group)
+    torch.accelerator.synchronize()
     commpatch.enable(output="none")
+    timing = default().timing
     try:
+        # 1. a busy rank 0: peers' collectives last >= busy_ms on the device; the host returns at once
+        small = torch.ones(1, device="emu")
+        dist.barrier()
         emu.reset_host_waits()
-        start, end = _timed_events(torch)
         if rank == 0:
             emu.sleep(x, busy_ms)
-        start.record()
         t0 = time.perf_counter()
         dist.all_reduce(x)
-        host_ms = (time.perf_counter() - t0) * 1e3
-        end.record()
+        out["sync_host_ms"] = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
-        work.wait()
-        async_host_ms = (time.perf_counter() - t0) * 1e3
-        waits_in_calls = emu.host_wait_counts()
-        end.synchronize()
-        device_ms = start.elapsed_time(end)
-        waits_before_log = emu.host_waits()
-        df = commpatch.log()
-        waits_after_log = emu.host_waits()
-        cols = [c for c in ("op", "async_op", "device", "backend", "timing", "duration_us") if c in df.columns]
-        rows = df[cols].to_dict("records")
+        out["async_host_ms"] = (time.perf_counter() - t0) * 1e3
+        work.wait()                                      # the stream waits, not the host
+        # 2. queued: a long collective then a small one on the group's own stream
+        if rank == 0:
+            emu.sleep(x, busy_ms)                        # the comm stream waits for it: so do the peers
+        w1 = dist.all_reduce(x, group=comm_group, async_op=True)
+        w2 = dist.all_reduce(small, group=comm_group, async_op=True)
+        w1.wait()
+        w2.wait()
+        out["waits_in_calls"] = emu.host_wait_counts()
+        df = commpatch.log()                             # resolves: the first host wait allowed
+        out["rows"] = _rows(df)
+        # 3. capture: no event recorded, queried or synchronized; rows say timing=none
+        torch.accelerator.synchronize()
+        commpatch.reset()
+        emu.sleep(x, 50)
+        dist.all_reduce(x)                               # pending across the capture
+        created, pending = timing.created, len(timing.dev_pending)
+        emu.reset_host_waits()
+        with emu.capturing():
+            dist.all_reduce(x)
+            dist.all_reduce(x, async_op=True).wait()
+            timing.resolve(block=True)                   # must not touch the pending measurement
+            out["capture"] = {"created": timing.created - created, "pending": len(timing.dev_pending) - pending,
+                              "waits": emu.host_waits()}
+        out["capture_rows"] = _rows(commpatch.log())
+        # 4. the pool over many calls (the user's code reads a value now and then, like loss.item())
+        commpatch.reset()
+        torch.accelerator.synchronize()
+        created = []
+        for i in range(calls):
+            dist.all_reduce(small)
+            if i % 100 == 99:
+                small.cpu()
+            if i in (calls // 5 - 1, calls - 1):          # right after a read
+                created.append(timing.created)
+        out["pool"] = created
+        out["pool_rows"] = len(commpatch.log())
     finally:
         commpatch.disable()
     torch.accelerator.synchronize()
-    return {"rows": rows, "host_ms": host_ms, "async_host_ms": async_host_ms, "device_ms": device_ms,
-            "waits_in_calls": waits_in_calls, "waits_before_log": waits_before_log,
-            "waits_after_log": waits_after_log, "errors": emu.take_errors()}
+    out["errors"] = emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()]
+    return out
+
+
+def commpatch_frameworks(rank, world_size):
+    """DDP (buckets through the comm hook) and FSDP2 on the device, and NCCL's _get_duration path
+    with a stand-in work: the rows commpatch records."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+    from commpatch.session import default
+    from tests import emulated_device as emu
+    from tests.emulated_device import pg
+
+    out = {}
+    commpatch.enable(output="none")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to("emu")
+        ddp = DDP(model, bucket_cap_mb=0.0001)           # several buckets
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            ddp(torch.randn(4, 8).to("emu")).sum().backward()
+            opt.step()
+        df = commpatch.log()
+        out["ddp_rows"] = _rows(df[df["bucket"] >= 0], ("op", "device", "backend", "timing", "duration_us"))
+        commpatch.reset()
+        try:
+            from torch.distributed.fsdp import fully_shard
+
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to("emu")
+            for layer in model:
+                fully_shard(layer)
+            fully_shard(model)
+            model(torch.randn(4, 8).to("emu")).sum().backward()
+            torch.accelerator.synchronize()
+            out["fsdp_rows"] = _rows(commpatch.log(), ("op", "device", "backend", "timing", "duration_us"))
+        except Exception as exc:  # noqa: BLE001 - reported, the test decides
+            out["fsdp_error"] = f"{type(exc).__name__}: {exc}"
+        commpatch.reset()
+        # NCCL's path, with a stand-in work: ProcessGroupNCCL's works answer _get_duration() (kernel
+        # time, from events around the kernel on NCCL's stream) when TORCH_NCCL_ENABLE_TIMING=1
+        from commpatch.data.schema import T_NCCL
+        from commpatch.record.log import GroupInfo
+
+        timing, log = default().timing, default().log
+        log.groups.append(GroupInfo("nccl-stand-in", 2, "0-1", "cpu:gloo,cuda:nccl", ("gloo", "nccl", "gloo")))
+        gid = len(log.groups) - 1
+        x = torch.ones(64, device="emu")
+        kernel = [torch.Event(device="emu", enable_timing=True) for _ in range(2)]
+
+        class StandInWork:
+            def is_completed(self):
+                return kernel[1].query()
+
+            def wait(self):
+                kernel[1].synchronize()
+
+            def _get_duration(self):
+                return kernel[0].elapsed_time(kernel[1])
+
+        timing.nccl_timing = True
+        started = timing.device_start(x)
+        emu.sleep(x, 20)                                   # queued work before the "kernel"
+        kernel[0].record()
+        emu.sleep(x, 40)                                   # the "kernel"
+        kernel[1].record()
+        code = timing.device_end(10**9, gid, started, StandInWork(), async_op=True)
+        pending_before = len(timing.nccl_pending)
+        timing.resolve(block=True)
+        out["nccl"] = {"code_is_nccl": code == T_NCCL, "pending_before": pending_before,
+                       "pending_after": len(timing.nccl_pending), "duration_ms": log.done.pop(10**9, None) / 1e6}
+        log.groups.pop()
+    finally:
+        default().timing.nccl_timing = False
+        commpatch.disable()
+    torch.accelerator.synchronize()
+    out["errors"] = emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()]
+    return out
 
 
 def collectives(rank, world_size):
-    """collective_timing and collective_coverage in one set of ranks (one spawn per world size)."""
-    return {"timing": collective_timing(rank, world_size), "coverage": collective_coverage(rank, world_size)}
+    """collective_timing, collective_coverage and commpatch_device in one set of ranks (one spawn
+    per world size)."""
+    return {"timing": collective_timing(rank, world_size), "coverage": collective_coverage(rank, world_size),
+            "commpatch": commpatch_device(rank, world_size, calls=10_000 if world_size == 2 else 1_000)}
