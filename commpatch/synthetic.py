@@ -109,7 +109,8 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
         "backend": "gloo", "device": "cpu", "dtype": cols["dtype"],
         "numel": cols["bytes"] // elsize, "bytes": cols["bytes"], "peer": cols["peer"],
         "async_op": False, "start_ns": T0_NS + (cols["start_us"] * 1e3).astype(np.int64),
-        "host_us": cols["duration_us"], "duration_us": cols["duration_us"], "timing": "host",
+        "host_us": cols["duration_us"], "duration_us": cols["duration_us"],
+        "own_us": cols["duration_us"], "timing": "host",
         "status": "ok", "step": cols["step"], "pid": 1000 + rank, "bucket": -1, "tensors": 1,
     }
     unique_ops, which = np.unique(cols["op"].astype(str), return_inverse=True)

@@ -47,6 +47,28 @@ def test_bus_bandwidth_by_hand(op, n, factor):
     assert s["busbw_gbps"].iloc[0] == pytest.approx(2.0 * factor) if factor else math.isnan(s["busbw_gbps"].iloc[0])
 
 
+def test_own_time_leaves_out_the_wait_behind_earlier_calls_of_the_group():
+    from commpatch.data.frame import own_times
+    from commpatch.data.schema import T_DEVICE, T_FUTURE, T_HOST, T_NCCL, T_NONE
+
+    t0 = 1_700_000_000_000_000_000        # Unix ns: differences must stay exact
+    # group 0: a 50 us call, one issued at 10 us that completed at 15 us (overtook it: not queued),
+    # one issued at 12 us completing at 53 us (queued behind the first: its own 3 us);
+    # group 1 is independent; nccl is kernel time already; device rows come from the device
+    keys = np.array([0, 0, 1, 0, 0, 0, 0])
+    start = t0 + np.array([0, 10, 11, 12, 100, 200, 300]) * 1000
+    dur = np.array([50, 5, 3, 41, 2, 7, np.nan]) * 1000.0
+    timing = np.array([T_FUTURE, T_FUTURE, T_HOST, T_FUTURE, T_HOST, T_NCCL, T_NONE])
+    own = own_times(np, keys, start, dur, timing) / 1000
+    assert own[:6].tolist() == [50, 5, 3, 3, 2, 7] and math.isnan(own[6])
+    device = own_times(np, keys[:1], start[:1], dur[:1], np.array([T_DEVICE]), np.array([4000.0]))
+    assert device.tolist() == [4000.0]
+    df = frame([dict(op="all_reduce", group_size=2, bytes=10**6, duration_us=1000.0, own_us=10.0)])
+    assert df["algbw_gbps"].iloc[0] == pytest.approx(100.0)        # from the own time, not the duration
+    s = analysis.summary(df)
+    assert s[["total_us", "own_us"]].iloc[0].tolist() == [1000.0, 10.0] and s["algbw_gbps"].iloc[0] == pytest.approx(100.0)
+
+
 def test_subgroup_uses_its_own_size_not_the_world():
     df = frame([dict(op="all_reduce", group="sub", group_size=2, world_size=8, bytes=10**9, duration_us=1e6)])
     assert df["busbw_gbps"].iloc[0] == pytest.approx(1.0)       # 2(n-1)/n with n=2, not n=8
@@ -65,7 +87,7 @@ def test_summary_by_op_and_size_bucket():
              dict(op="broadcast", group_size=2, bytes=64, duration_us=30.0)]
     s = analysis.summary(frame(rows), by=["op", "size_bucket"])
     assert list(s.columns) == ["op", "size_bucket", "count", "total_us", "mean_us", "p50_us", "p95_us", "max_us",
-                               "bytes", "unmeasured", "algbw_gbps", "busbw_gbps", "time_share"]
+                               "own_us", "bytes", "unmeasured", "algbw_gbps", "busbw_gbps", "time_share"]
     assert s["op"].astype(str).tolist() == ["broadcast", "all_reduce", "all_reduce"]   # by total time
     small = s[(s["op"] == "all_reduce") & (s["size_bucket"] == 1024)].iloc[0]
     assert small["count"] == 4 and small["total_us"] == 10.0 and small["p50_us"] == 2.5

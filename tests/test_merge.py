@@ -4,6 +4,7 @@ before its collectives is named, with no false mismatch over every wrapped op.""
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -94,6 +95,20 @@ def test_read_logs_accepts_files_without_newer_columns(tmp_path):
     old.to_csv(tmp_path / "rank0.csv", index=False)
     back = cpio.read(str(tmp_path / "rank0.csv"))
     assert list(back.columns) == list(df.columns) and len(back) == len(df)
+
+
+def test_a_schema_3_file_gets_own_time_from_its_durations_and_old_timing_names(tmp_path):
+    df = make_log(2, 1)
+    old = df.drop(columns=["own_us"]).assign(
+        timing=np.where(np.arange(len(df)) == 0, "cuda_event", df["timing"].astype(str)))
+    old.to_csv(tmp_path / "rank0.csv", index=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # derived, not filled: nothing to warn about
+        back = cpio.read(str(tmp_path / "rank0.csv"))
+    assert back["timing"].iloc[0] == "device_event" and "cuda_event" not in back["timing"].cat.categories
+    host = back["timing"] == "host"          # synchronous calls: never queued, own time = duration
+    assert np.allclose(back.loc[host, "own_us"], back.loc[host, "duration_us"], equal_nan=True)
+    assert back.attrs["filled_columns"] == []
 
 
 # ---- a real 4-rank gloo run -------------------------------------------------------------

@@ -2,7 +2,9 @@
 
 Nothing here prints or plots; renderers live in ``commpatch.render``.
 Bandwidth follows nccl-tests: algbw = S / t and
-busbw = algbw x factor(n), with n the size of the group actually used.
+busbw = algbw x factor(n), with n the size of the group actually used; t is the call's own time
+(``own_us``: not the time it waited behind earlier calls of its group), or its duration for logs
+that predate ``own_us``.
 """
 
 from __future__ import annotations
@@ -12,24 +14,35 @@ import numpy as np
 from ..data.ops import BY_NAME, NO_BW, bus_factor
 
 
-def durations(df) -> np.ndarray:
-    """``duration_us`` as float64, impossible values (infinite, negative) as NaN: unmeasured.
+def durations(df, column: str = "duration_us") -> np.ndarray:
+    """``duration_us`` (or another time column) as float64, impossible values (infinite,
+    negative) as NaN: unmeasured.
 
     Every analysis reads durations through this, so that a damaged value never reaches a time
     or a bandwidth (``export.read`` already clears them, with a warning, for files).
     """
-    d = df["duration_us"].to_numpy(np.float64)
+    d = df[column].to_numpy(np.float64)
     with np.errstate(invalid="ignore"):
         bad = np.isinf(d) | (d < 0)
     return np.where(bad, np.nan, d) if bad.any() else d
 
 
+def own_durations(df) -> np.ndarray:
+    """Each call's own time (``own_us``, never more than its duration); its duration where the own
+    time is unknown (a log or a frame without ``own_us``); NaN where the duration is unknown."""
+    duration = durations(df)
+    if "own_us" not in df.columns:
+        return duration
+    own = durations(df, "own_us")
+    return np.where(np.isnan(own), duration, np.minimum(own, duration))   # NaN where the duration is
+
+
 def add_bandwidth(df):
-    """Return ``df`` with ``algbw_gbps`` and ``busbw_gbps`` from bytes, duration_us and group_size."""
+    """Return ``df`` with ``algbw_gbps`` and ``busbw_gbps`` from bytes, own_us and group_size."""
     import pandas as pd
 
     df = df.copy(deep=False)
-    seconds = durations(df) / 1e6
+    seconds = own_durations(df) / 1e6
     nbytes = df["bytes"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         algbw = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
@@ -59,15 +72,17 @@ def summary(df, by=("collective",)):
     """Per group of ``by``: count, time, bytes, bandwidth and share of total communication time.
 
     ``by`` may include ``"size_bucket"`` (powers of two) besides any column of the log.
-    Columns: the ``by`` keys, count, total_us, mean_us, p50_us, p95_us, max_us, bytes,
-    unmeasured (calls without a duration), algbw_gbps, busbw_gbps, time_share.
-    Bandwidth per group is measured bytes over total time (time-weighted, as nccl-tests
+    Columns: the ``by`` keys, count, total_us, mean_us, p50_us, p95_us, max_us (issue to
+    completion), own_us (the calls' own time summed: without waiting behind earlier calls of the
+    group), bytes, unmeasured (calls without a duration), algbw_gbps, busbw_gbps, time_share.
+    Bandwidth per group is measured bytes over own time (time-weighted, as nccl-tests
     reports); busbw weights each call's bytes by its own bus factor, so a group mixing group
     sizes still uses each call's own n.
     """
     by = [by] if isinstance(by, str) else list(by)
     duration = durations(df)
-    measured = ~np.isnan(duration)
+    own = own_durations(df)
+    measured = ~np.isnan(own)
     nbytes = df["bytes"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = df["busbw_gbps"].to_numpy(np.float64) / df["algbw_gbps"].to_numpy(np.float64)
@@ -77,18 +92,19 @@ def summary(df, by=("collective",)):
 
     work = pd.DataFrame(work, index=df.index)
     work["duration_us"] = duration
+    work["own_us"] = own
     work["bytes"] = df["bytes"].to_numpy()
     work["_unmeasured"] = (~measured).astype(np.int64)
     work["_mbytes"] = np.where(measured, nbytes, 0.0)
     work["_busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     grouped = work.groupby(by, observed=True, sort=True)
     out = grouped.agg(count=("bytes", "size"), total_us=("duration_us", "sum"), mean_us=("duration_us", "mean"),
-                      max_us=("duration_us", "max"), bytes=("bytes", "sum"),
+                      max_us=("duration_us", "max"), own_us=("own_us", "sum"), bytes=("bytes", "sum"),
                       unmeasured=("_unmeasured", "sum"), _mbytes=("_mbytes", "sum"),
                       _busbytes=("_busbytes", "sum"))
     out.insert(3, "p50_us", grouped["duration_us"].quantile(0.5))
     out.insert(4, "p95_us", grouped["duration_us"].quantile(0.95))
-    seconds = out["total_us"].to_numpy() / 1e6
+    seconds = out["own_us"].to_numpy() / 1e6
     with np.errstate(divide="ignore", invalid="ignore"):
         out["algbw_gbps"] = np.where((seconds > 0) & (out["_mbytes"] > 0), out["_mbytes"] / seconds / 1e9, np.nan)
         out["busbw_gbps"] = np.where((seconds > 0) & (out["_busbytes"] > 0), out["_busbytes"] / seconds / 1e9, np.nan)

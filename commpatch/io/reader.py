@@ -630,6 +630,11 @@ def _conform(pa, path, table, schema, fill, where):
     return pa.table(columns, names=[c.name for c in schema])
 
 
+# time and bandwidth columns that cannot be infinite or negative, with what a bad value voids
+_IMPOSSIBLE = (("duration_us", ("own_us", "algbw_gbps", "busbw_gbps")), ("own_us", ("algbw_gbps", "busbw_gbps")),
+               ("host_us", ()), ("algbw_gbps", ()), ("busbw_gbps", ()))
+
+
 def _sanitize_arrow(pa, table, path, notes):
     """Infinite or negative durations -> null (unmeasured), with their bandwidth; a warning."""
     import pyarrow.compute as pc
@@ -646,8 +651,7 @@ def _sanitize_arrow(pa, table, path, notes):
         return table.set_column(names.index(name), name,
                                 pc.if_else(mask, pa.scalar(None, pa.float64()), table.column(name)))
 
-    for name, derived in (("duration_us", ("algbw_gbps", "busbw_gbps")), ("host_us", ()),
-                          ("algbw_gbps", ()), ("busbw_gbps", ())):
+    for name, derived in _IMPOSSIBLE:
         if name not in names:
             continue
         mask, inf, neg = impossible(name)
@@ -660,7 +664,7 @@ def _sanitize_arrow(pa, table, path, notes):
     if "duration_us" in names:
         unknown = pc.fill_null(pc.is_nan(table.column("duration_us")), True)
         if pc.any(unknown).as_py():     # no duration: no bandwidth either, whatever the file says
-            for target in ("algbw_gbps", "busbw_gbps"):
+            for target in ("own_us", "algbw_gbps", "busbw_gbps"):
                 if target in names:
                     table = clear(target, unknown)
             if "timing" in names:
@@ -791,8 +795,7 @@ def _typed_pandas(path, name, s, dtype, fields):
 def _sanitize_pandas(df, path, notes):
     import numpy as np
 
-    for name, derived in (("duration_us", ("algbw_gbps", "busbw_gbps")), ("host_us", ()),
-                          ("algbw_gbps", ()), ("busbw_gbps", ())):
+    for name, derived in _IMPOSSIBLE:
         if name not in df.columns:
             continue
         values = df[name].to_numpy(np.float64)
@@ -807,7 +810,7 @@ def _sanitize_pandas(df, path, notes):
     if "duration_us" in df.columns:
         unknown = np.isnan(df["duration_us"].to_numpy(np.float64))
         if unknown.any():               # no duration: no bandwidth either, whatever the file says
-            for target in ("algbw_gbps", "busbw_gbps"):
+            for target in ("own_us", "algbw_gbps", "busbw_gbps"):
                 if target in df.columns:
                     df[target] = np.where(unknown, np.nan, df[target].to_numpy(np.float64))
             if "timing" in df.columns:
