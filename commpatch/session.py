@@ -297,10 +297,9 @@ def write_at_exit(reason: str = "exit") -> list[str]:
 
 
 def step(value: int | None = None) -> int:
-    """Advance the step counter (or set it); rows carry the value current at their call."""
-    state = _runtime.STATE
-    state.step = state.step + 1 if value is None else int(value)
-    return state.step
+    """Advance the step counter (or set it); rows carry the value current at their call. Optional:
+    steps are counted without it (``integrations.steps``); once called, only these calls count."""
+    return integrations.steps.user_step(value)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ a Python handler could not run anyway while the main thread waits in a C++ colle
 File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``:
 - ``R``: whole packed rows (``data.schema.ROW``);
 - ``L``: (seq, duration_ns) pairs, little-endian int64, for rows timed after they were written;
-- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket.
+- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket, step_source.
 A frame cut short by a crash (the last one) is skipped and counted, never fatal.
 
 The file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: never through a pre-planted link,
@@ -54,6 +54,7 @@ class Parsed:
         self.modules: dict[int, str] = {0: ""}
         self.clock: list[tuple[int, int]] = []
         self.buckets: list[tuple[int, int, int, int]] = []
+        self.step_sources: list[tuple[int, int]] = []   # (first seq, data.schema.STEP_SOURCES code)
         self.torn = 0            # frames (or rows) cut short by a crash, skipped
 
 
@@ -112,5 +113,7 @@ def _meta(out: Parsed, m: dict) -> None:
         out.modules[m["code"]] = m["name"]
     elif kind == "clock":
         out.clock.append((m["seq"], m["offset"]))
+    elif kind == "step_source":
+        out.step_sources.append((m["seq"], m["source"]))
     elif kind == "bucket":
         out.buckets.append((m["lo"], m["hi"], m["index"], m["params"]))

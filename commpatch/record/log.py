@@ -250,6 +250,8 @@ class Log:
             ("tags", TAGS, lambda i, name: logfile.meta("tag", code=i, name=name)),
             ("modules", MODULES, lambda i, name: logfile.meta("module", code=i, name=name)),
             ("clock", self.offsets[0], lambda i, seq: logfile.meta("clock", seq=seq, offset=self.offsets[1][i])),
+            ("step_sources", state.STEP_SOURCE_MARKS, lambda i, mark: logfile.meta("step_source", seq=mark[0],
+                                                                                    source=mark[1])),
         ):
             start, stop = w.get(key, 0), len(items)
             out.extend(make(i, items[i]) for i in range(start, stop))
