@@ -14,7 +14,7 @@ from .summaries import summary
 
 # a rank is called a straggler when it arrived last in at least this share of the collectives...
 STRAGGLER_SHARE = 0.5
-# ... and its lateness adds up to at least this share of the steady-state step time per step
+# ... by at least this share of the steady-state step time on average
 STRAGGLER_LATE = 0.05
 # a collective's busbw below this fraction of the best of the same message size is named
 SLOW_RATIO = 0.5
@@ -90,14 +90,13 @@ def _cross_findings(cross, st) -> list:
     ranks = cross.ranks
     if len(ranks) > 1:
         r = ranks.iloc[0]
-        steps = max(st["steps"], 1)
-        late_per_step = r["late_us"] / steps
+        late_each = r["late_us"] / max(int(r["last_count"]), 1)
         straggler = (r["last_share"] >= STRAGGLER_SHARE and st["steps"]
-                     and late_per_step >= STRAGGLER_LATE * st["step_p50_us"])
+                     and late_each >= STRAGGLER_LATE * st["step_p50_us"])
         text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
                 f"collectives, {_ms(r['late_us'])} late in total")
         if straggler:
-            text += f" ({_ms(late_per_step)} per step): the straggler, the other ranks wait for it."
+            text += f" ({_ms(late_each)} each time on average): the straggler, the other ranks wait for it."
         else:
             text += ": no rank stands out as a straggler."
         out.append(Finding("straggler", text, "ranks"))

@@ -43,15 +43,28 @@ def bandwidth_vs_size(summary_by_op_size):
 
 
 def comm_per_step(steps):
-    """Communication time per step (from per_step(by_rank=False)): exposed and other, and share."""
+    """Communication time per step (from per_step(by_rank=False)): exposed, overlapped and of
+    unknown overlap, stacked; the communication and exposed shares of the step on the right axis.
+    The y range fits the steady state: a set-up step far above it is cut and labelled."""
     fig = _figure()
     ax = fig.add_subplot()
     x = steps["step"].to_numpy()
-    ax.bar(x, steps["exposed_us"] / 1e3, label="blocking (exposed)", color="tab:red")
-    ax.bar(x, steps["overlap_unknown_us"] / 1e3, bottom=steps["exposed_us"] / 1e3,
-           label="async / device-timed (overlap unknown)", color="tab:orange")
-    top = float(((steps["exposed_us"] + steps["overlap_unknown_us"]) / 1e3).max())
-    ax.set_ylim(0, top * 1.25 if top > 0 else 1)        # room for the legend
+    bottom = np.zeros(len(steps))
+    parts = (("exposed_us", "exposed (the thread waited)", "tab:red"),
+             ("overlapped_us", "overlapped with compute", "tab:green"),
+             ("overlap_unknown_us", "async / device-timed (overlap unknown)", "tab:orange"))
+    for col, label, color in parts:
+        if col in steps:
+            values = steps[col].to_numpy(np.float64) / 1e3
+            ax.bar(x, values, bottom=bottom, label=label, color=color)
+            bottom = bottom + values
+    steady = bottom[(steps["stage"] == "steady").to_numpy()] if "stage" in steps else bottom
+    top = float(steady.max()) if len(steady) and steady.max() > 0 else float(bottom.max()) if len(bottom) else 0.0
+    ax.set_ylim(0, top * 1.6 if top > 0 else 1)        # room for the legend
+    for xi, total in zip(x, bottom):
+        if top > 0 and total > top * 1.6:
+            ax.annotate(f"{total:.0f} ms (set-up)" if xi == x[0] else f"{total:.0f} ms", (xi, top * 1.5),
+                        fontsize="x-small", ha="left")
     ax.set_xlabel("step")
     ax.set_ylabel("communication per rank (ms, mean over ranks)")
     ax.set_title("Communication time per step")
