@@ -361,7 +361,8 @@ def cmd_env(args) -> int:
     width = max(len(r[0]) for r in rows)
     for env, value, default, help_text in rows:
         problem = _config.check(env)
-        print(f"{env.ljust(width)}  = {value!r:<12} (default {default!r})\n{' ' * width}    {help_text}")
+        shown = "(unset)" if value is None else repr(value)
+        print(f"{env.ljust(width)}  = {shown:<12} (default {default})\n{' ' * width}    {help_text}")
         if problem:
             print(f"{' ' * width}    !! {problem}")
     print(f"\nzero-code hook (.pth): {hook_path()} {'installed' if os.path.exists(hook_path()) else 'not installed'}")

@@ -186,7 +186,10 @@ class Session:
                 except Exception as exc:  # noqa: BLE001 - the rows stay in the binary log
                     _runtime.fail("export.convert", exc, rows=0)
             if settings.get("summary") and reason == "exit" and len(log):
-                sys.stderr.write(summary_text(log.to_dataframe()) + "\n")
+                df = log.to_dataframe()           # the rank from the rows: destroy_process_group() forgot it
+                ranks = sorted(set(df["rank"].tolist()) - {-1})
+                who = f"rank {','.join(map(str, ranks))} of {int(df['world_size'].max())}" if ranks else f"pid {log.pid}"
+                sys.stderr.write(render_text(summary(df), title=f"commpatch summary, {who}") + "\n")
             return written
         except Exception as exc:  # noqa: BLE001 - the user's exit must not fail because of us
             _runtime.fail(f"export.{reason}", exc, rows=0)

@@ -33,8 +33,10 @@ def test_zero_code_ddp_demo(tmp_path):
     """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job."""
     out = tmp_path / "logs"
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out), "--steps", "12",
-                          "--slow-ms", "20"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+                          "--slow-ms", "20"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+                         env=dict(os.environ, COMMPATCH_SUMMARY="1"))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "commpatch summary, rank 0 of 2" in res.stderr and "commpatch summary, rank 1 of 2" in res.stderr, res.stderr[:1500]
     text = res.stdout
     findings = text[text.index("Findings:"):text.index("\n\n", text.index("Findings:"))]
     assert "10 steady-state step(s) of 12, counted by each optimizer.step()" in findings
@@ -67,3 +69,25 @@ def test_ground_truth_benchmark_runs(tmp_path):
             assert r[key] == r[key], key                        # a number, not NaN
         assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1
     assert rows[0]["log_efficiency"] == pytest.approx(1.0) and rows[0]["truth_efficiency"] == pytest.approx(1.0)
+
+
+def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
+    """destroy_process_group() retires the rank's file; a duration that completes later opens a
+    sink of no rows, folded into the earlier one when the log is read (the summary at exit)."""
+    import torch
+    import torch.distributed as dist
+
+    from commpatch import session
+    from tests.fakepg import fake_world
+
+    with fake_world(2):
+        commpatch.enable(output=str(tmp_path / "rank{rank}.csv"))
+        dist.all_reduce(torch.ones(4), async_op=True)
+        log = session.default().log
+        log.flush()
+        seq = int(commpatch.log()["seq"].iloc[-1])
+    log.done[seq] = 7_000                       # ns, completed after the file was retired
+    log.flush()
+    assert len(log.sinks()) == 2
+    df = log.to_dataframe()
+    assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0

@@ -336,7 +336,7 @@ class Log:
                     datas.append(sink.read())
                 except OSError as exc:      # removed under us: its rows are gone
                     state.fail("export.read_back", exc, rows=0)
-        frames = [dataframe(parse_log(d)) for d in datas]
+        frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
         if not frames:
             frames = [dataframe(parse_log(logfile.MAGIC))]
         df = frames[0] if len(frames) == 1 else concat_frames(pd, frames)
@@ -347,6 +347,23 @@ class Log:
 
 
 _RECENT = 64
+
+
+def _fold_empty(parsed):
+    """Parsed sinks, those without rows folded into the one before: a sink opened after the rank's
+    file was retired (destroy_process_group) may hold only durations that completed late, of rows
+    in the earlier sink."""
+    import numpy as np
+
+    out = []
+    for p in parsed:
+        if out and len(p.rows) == 0:
+            prev = out[-1]
+            prev.late_seq = np.concatenate((prev.late_seq, p.late_seq))
+            prev.late_dur = np.concatenate((prev.late_dur, p.late_dur))
+            continue
+        out.append(p)
+    return out
 
 
 def _group_name(pg) -> str:
