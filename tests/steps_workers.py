@@ -38,3 +38,37 @@ def counted_steps(rank: int, n: int):
                     .values.tolist())
     finally:
         commpatch.disable()
+
+
+def fsdp_forward_steps(rank: int, n: int):
+    """No optimizer: each root forward of FSDP2 (fully_shard) and FSDP1 opens one step, nested units
+    do not count again. Returns, per framework, the steps its rows carry."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    import commpatch
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+    def train(m):
+        with commpatch.capture() as cap:
+            for _ in range(3):
+                m(torch.randn(4, 8)).sum().backward()
+        df = cap.df
+        return sorted({(int(s), str(src)) for s, src in zip(df["step"], df["step_source"])})
+
+    commpatch.enable(output="none")
+    try:
+        m2 = model()
+        for unit in (m2[0], m2[2], m2):
+            fully_shard(unit)
+        out = {"fsdp2": train(m2)}
+        m1 = FullyShardedDataParallel(model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
+                                      device_id=torch.device("cpu"))
+        out["fsdp1"] = train(m1)
+        return out
+    finally:
+        commpatch.disable()

@@ -91,3 +91,9 @@ def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
     assert len(log.sinks()) == 2
     df = log.to_dataframe()
     assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0
+
+
+def test_fsdp_root_forwards_count_steps_without_an_optimizer():
+    for res in run_ranks(steps_workers.fsdp_forward_steps, 2, timeout=120):
+        assert res["fsdp2"] == [(0, "none"), (1, "forward"), (2, "forward")]
+        assert res["fsdp1"] == [(3, "forward"), (4, "forward"), (5, "forward")]
