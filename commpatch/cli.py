@@ -147,6 +147,9 @@ def _report_compare(args) -> int:
     if args.global_batch is not None and not args.global_batch > 0:
         raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
     table, by_op = analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch), analysis.scaling_by_op(runs)
+    for run in table.loc[table["steps"] == 0, "run"]:
+        print(f"commpatch report: warning: --compare {run}: no steady-state step (no step boundary in its log, or "
+              "fewer than 3 steps): its per-step figures are unknown", file=sys.stderr)
     if args.format == "csv":
         sys.stdout.write((by_op if args.section == "by_op" else table).to_csv(index=False))
     elif args.format == "json":

@@ -7,6 +7,7 @@ import json
 import pandas as pd
 import pytest
 
+import commpatch
 from commpatch import cli, report, trace
 from commpatch.synthetic import make_log, write_rank_files
 
@@ -153,13 +154,20 @@ def test_compare_runs(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "--compare", *runs, "--scaling", "strong")
     assert "commpatch scaling" in out and "strong scaling" in out
     assert run_cli(capsys, "--compare", *runs, "--global-batch", "0")[0] == 2
+    flat = tmp_path / "flat"                        # a run whose log has no step boundary
+    flat.mkdir()
+    for rank, part in make_log(2, 3).assign(step=0).groupby("rank"):
+        commpatch.export_csv(str(flat / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+    flat = str(flat)
+    code, out, err = run_cli(capsys, "--compare", runs[0], flat)
+    assert code == 0 and f"--compare {flat}: no steady-state step" in err
     if pytest.importorskip("matplotlib"):
         assert run_cli(capsys, "--compare", *runs, "--plots", str(tmp_path / "p"))[0] == 0
         assert (tmp_path / "p" / "scaling.png").stat().st_size > 5000
         from commpatch import analysis
         from commpatch.render import plots
 
-        logs = {r: __import__("commpatch").read_csv(r) for r in runs}
+        logs = {r: commpatch.read_csv(r) for r in runs}
         fig = plots.scaling(analysis.scaling(logs), analysis.scaling_by_op(logs))
         assert all(list(ax.get_xticks()) == [2, 4, 8] for ax in fig.axes)    # integer world sizes only
 
