@@ -144,7 +144,12 @@ def _report_compare(args) -> int:
         if len(runs[path]) == 0:
             raise _InputError(f"--compare {path}: no collective calls recorded in this run's file(s)")
         _progress(args, "runs")(i + 1, len(args.compare))
-    table, by_op = analysis.scaling(runs), analysis.scaling_by_op(runs)
+    if args.global_batch is not None and not args.global_batch > 0:
+        raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
+    table, by_op = analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch), analysis.scaling_by_op(runs)
+    for run in table.loc[table["steps"] == 0, "run"]:
+        print(f"commpatch report: warning: --compare {run}: no steady-state step (no step boundary in its log, or "
+              "fewer than 3 steps): its per-step figures are unknown", file=sys.stderr)
     if args.format == "csv":
         sys.stdout.write((by_op if args.section == "by_op" else table).to_csv(index=False))
     elif args.format == "json":
@@ -154,8 +159,9 @@ def _report_compare(args) -> int:
         sys.stdout.write("## Scaling\n\n" + report.render_markdown(table) + "\n\n## Bus bandwidth per op\n\n"
                          + report.render_markdown(by_op) + "\n")
     else:
-        sys.stdout.write(report.render_text(table, title="commpatch scaling: runs by world size") + "\n\n"
-                         + report.render_text(by_op, title="bus bandwidth per op and world size") + "\n")
+        sys.stdout.write(report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
+                         + "\n\n" + report.render_text(by_op, title="steady-state collectives per message size "
+                                                                    "and world size") + "\n")
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -163,6 +169,12 @@ def _report_compare(args) -> int:
             path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
         print(f"commpatch: plots written: {path}", file=sys.stderr)
     return 0
+
+
+_SCALING = {"weak": "weak scaling, the same batch per rank: efficiency = T(N0) / T(N), speedup = efficiency x N / N0; "
+                    "step times are steady-state medians",
+            "strong": "strong scaling, the same global batch: speedup = T(N0) / T(N), efficiency = speedup / (N / N0); "
+                      "step times are steady-state medians"}
 
 
 def _shown(paths) -> str:
@@ -352,7 +364,8 @@ def cmd_env(args) -> int:
     width = max(len(r[0]) for r in rows)
     for env, value, default, help_text in rows:
         problem = _config.check(env)
-        print(f"{env.ljust(width)}  = {value!r:<12} (default {default!r})\n{' ' * width}    {help_text}")
+        shown = "(unset)" if value is None else repr(value)
+        print(f"{env.ljust(width)}  = {shown:<12} (default {default})\n{' ' * width}    {help_text}")
         if problem:
             print(f"{' ' * width}    !! {problem}")
     print(f"\nzero-code hook (.pth): {hook_path()} {'installed' if os.path.exists(hook_path()) else 'not installed'}")
@@ -401,6 +414,11 @@ def main(argv=None) -> int:
                    help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
                    help="compare runs of one job at several world sizes instead (one directory per run)")
+    p.add_argument("--scaling", choices=("weak", "strong"), default="weak",
+                   help="with --compare: weak (the same batch per rank, default) or strong (the same global batch)")
+    p.add_argument("--global-batch", type=float, metavar="SAMPLES",
+                   help="with --compare: samples per step of the smallest run (weak scaling: it grows with the world "
+                        "size), for a samples/s column")
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit with status 1 when ranks disagree")
     p.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress on stderr while reading (default: when stderr is a terminal)")

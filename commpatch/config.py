@@ -164,6 +164,19 @@ def check(env: str, environ: dict[str, str] | None = None) -> str:
 
 
 def describe(environ: dict[str, str] | None = None) -> list[tuple[str, str, str, str]]:
-    """(env var, current value, default, help) for `commpatch env` and the README."""
+    """(env var, current value or None when unset, default as written in the environment, help)
+    for `commpatch env` and the README."""
     environ = os.environ if environ is None else environ
-    return [(s.env, environ.get(s.env, ""), "" if s.default is None else str(s.default), s.help) for s in SETTINGS]
+    return [(s.env, environ.get(s.env), _as_env(s.default), s.help) for s in SETTINGS]
+
+
+def _as_env(value) -> str:
+    """A default as it would be written in the environment (the README's notation): False -> '0',
+    True -> '1', None (every op) -> 'all', 0.0 -> '0'."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None:
+        return "all"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)

@@ -186,7 +186,10 @@ class Session:
                 except Exception as exc:  # noqa: BLE001 - the rows stay in the binary log
                     _runtime.fail("export.convert", exc, rows=0)
             if settings.get("summary") and reason == "exit" and len(log):
-                sys.stderr.write(summary_text(log.to_dataframe()) + "\n")
+                df = log.to_dataframe()           # the rank from the rows: destroy_process_group() forgot it
+                ranks = sorted(set(df["rank"].tolist()) - {-1})
+                who = f"rank {','.join(map(str, ranks))} of {int(df['world_size'].max())}" if ranks else f"pid {log.pid}"
+                sys.stderr.write(render_text(summary(df), title=f"commpatch summary, {who}") + "\n")
             return written
         except Exception as exc:  # noqa: BLE001 - the user's exit must not fail because of us
             _runtime.fail(f"export.{reason}", exc, rows=0)
@@ -297,10 +300,9 @@ def write_at_exit(reason: str = "exit") -> list[str]:
 
 
 def step(value: int | None = None) -> int:
-    """Advance the step counter (or set it); rows carry the value current at their call."""
-    state = _runtime.STATE
-    state.step = state.step + 1 if value is None else int(value)
-    return state.step
+    """Advance the step counter (or set it); rows carry the value current at their call. Optional:
+    steps are counted without it (``integrations.steps``); once called, only these calls count."""
+    return integrations.steps.user_step(value)
 
 
 @contextlib.contextmanager

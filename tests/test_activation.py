@@ -154,3 +154,6 @@ def test_commpatch_env_lists_every_setting():
     assert res.returncode == 0
     for var in ("COMMPATCH", "COMMPATCH_OUTPUT", "COMMPATCH_OPS", "COMMPATCH_TIMING", "COMMPATCH_SUMMARY"):
         assert var in res.stdout
+    lines = res.stdout.splitlines()           # defaults as the README writes them, unset values said so
+    assert any(line.split() == ["COMMPATCH", "=", "(unset)", "(default", "0)"] for line in lines)
+    assert any(line.split() == ["COMMPATCH_OPS", "=", "(unset)", "(default", "all)"] for line in lines)

@@ -16,7 +16,7 @@ def frame(rows):
     """A log frame with the SCHEMA's columns; ``rows`` give the interesting values."""
     defaults = {"category": "", "int64": 0, "float64": np.nan, "bool": False}
     base = {c.name: defaults[c.dtype] for c in SCHEMA}
-    base.update(group="0", timing="host", status="ok", dtype="float32", peer=-1)
+    base.update(group="0", timing="host", status="ok", dtype="float32", peer=-1, bucket=-1, tensors=1)
     df = pd.DataFrame([{**base, **r} for r in rows])
     for c in SCHEMA:
         if c.dtype == "category":
@@ -120,24 +120,64 @@ def test_per_step_busy_exposed_and_share():
     r0 = ps[(ps["rank"] == 0) & (ps["step"] == 0)].iloc[0]
     assert r0["calls"] == 2 and r0["comm_us"] == 25.0 and r0["busy_us"] == pytest.approx(20.0)
     assert r0["exposed_us"] == 10.0 and r0["overlap_unknown_us"] == 15.0
-    assert r0["step_us"] == pytest.approx(100.0) and r0["step_source"] == "log"
+    assert r0["step_us"] == pytest.approx(100.0) and r0["step_time_from"] == "log"
     assert r0["comm_share"] == pytest.approx(0.2) and r0["exposed_share"] == pytest.approx(0.1)
     last = ps[(ps["rank"] == 0) & (ps["step"] == 1)].iloc[0]
-    assert math.isnan(last["step_us"]) and last["step_source"] == "none"
+    assert math.isnan(last["step_us"]) and last["step_time_from"] == "none"
     mean = analysis.per_step(frame(rows), by_rank=False)
     s0 = mean[mean["step"] == 0].iloc[0]
     assert s0["ranks"] == 2 and s0["comm_us"] == pytest.approx((25 + 30) / 2)
     assert s0["max_comm_us"] == 30.0 and s0["max_rank"] == 1 and s0["step_us"] == pytest.approx(90.0)
     user = analysis.per_step(frame(rows), steps=pd.DataFrame({"step": [0, 1], "duration_us": [200.0, 50.0]}))
-    assert set(user["step_source"]) == {"user"}
+    assert set(user["step_time_from"]) == {"user"}
     assert user.loc[(user["rank"] == 0) & (user["step"] == 1), "comm_share"].iloc[0] == pytest.approx(4 / 50)
 
 
 def test_scaling_tables():
-    runs = {"w2": make_log(2, 4), "w8": make_log(8, 4)}
+    runs = {"w2": make_log(2, 6), "w8": make_log(8, 6)}
     table = analysis.scaling(runs)
+    # steps 0 (set-up) and 5 (not timed: no next step) are left out of the steady state
     assert table["world_size"].tolist() == [2, 8] and table["steps"].tolist() == [4, 4]
     assert (table["comm_per_step_us"] > 0).all() and table["comm_share"].between(0, 1).all()
+    t = table["step_us"].to_numpy()
+    assert table["efficiency"].tolist() == pytest.approx([1.0, t[0] / t[1]])                  # weak: T(N0) / T(N)
+    assert table["speedup"].tolist() == pytest.approx([1.0, 4 * t[0] / t[1]])
+    strong = analysis.scaling(runs, mode="strong", global_batch=64)
+    assert strong["speedup"].tolist() == pytest.approx([1.0, t[0] / t[1]])
+    assert strong["efficiency"].tolist() == pytest.approx([1.0, t[0] / t[1] / 4])
+    assert strong["samples_per_s"].tolist() == pytest.approx(64e6 / t)
+    weak = analysis.scaling(runs, global_batch=64)
+    assert weak["samples_per_s"].tolist() == pytest.approx([64e6 / t[0], 4 * 64e6 / t[1]])
     by_op = analysis.scaling_by_op(runs)
-    assert set(by_op["op"]) == {"all_reduce", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor"}
-    assert (by_op.groupby("op")["world_size"].apply(list) == pd.Series([[2, 8]] * 4, index=sorted(set(by_op["op"])))).all()
+    assert set(by_op["collective"]) == {"all_reduce", "all_gather", "broadcast", "reduce_scatter"}
+    # counts per rank, not summed over ranks: the same job issues the same calls at both sizes
+    per_rank = by_op.groupby(["collective", "size_bucket", "world_size"])["calls_per_rank"].sum().unstack()
+    assert (per_rank[2] == per_rank[8]).all()
+
+
+def test_steps_stages_setup_and_ddp_exposure():
+    """Step 0 is set-up, DDP's bucket rebuild is set-up wherever it falls; the exposed time of DDP's
+    gradient buckets runs from the last bucket's issue to the end of the last one."""
+    t0 = 1_700_000_000_000_000_000
+    us = 1000
+    rows = [dict(rank=0, step=0, op="ddp_verify_params", start_ns=t0, duration_us=50.0, group_size=2)]
+    for step in range(1, 5):
+        base = t0 + step * 1000 * us
+        rows += [  # buckets issued at 100 and 300 us, ending at 350 and 500: exposed 300..500 = 200 us
+            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 100 * us, duration_us=250.0,
+                 async_op=True, timing="future", bucket=1, group_size=2, bytes=4000),
+            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 300 * us, duration_us=200.0,
+                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000)]
+        if step == 1:
+            rows.append(dict(rank=0, step=1, op="ddp_rebuild_buckets", start_ns=base, duration_us=30.0, group_size=2))
+    ps = analysis.per_step(frame(rows), by_rank=False)
+    assert ps["stage"].tolist() == ["setup", "steady", "steady", "steady", "end"]
+    two = ps[ps["step"] == 2].iloc[0]
+    assert two["exposed_us"] == pytest.approx(200.0) and two["busy_us"] == pytest.approx(400.0)
+    assert two["overlapped_us"] == pytest.approx(200.0) and two["overlap_unknown_us"] == 0.0
+    assert two["step_us"] == pytest.approx(1000.0) and two["exposed_share"] == pytest.approx(0.2)
+    st = analysis.steady_state(ps)
+    assert st["steps"] == 3 and st["step_p50_us"] == pytest.approx(1000.0) and st["exposed_share"] == pytest.approx(0.2)
+    setup = analysis.setup_cost(frame(rows), ps)
+    assert setup["setup_comm_us"] == pytest.approx(80.0) and setup["by_op"]["ddp_verify_params"] == 50.0
+    assert setup["setup_us"] == pytest.approx(1000.0)      # step 0's first call to step 1's first call

@@ -7,6 +7,7 @@ import json
 import pandas as pd
 import pytest
 
+import commpatch
 from commpatch import cli, report, trace
 from commpatch.synthetic import make_log, write_rank_files
 
@@ -27,11 +28,17 @@ def run_cli(capsys, *argv):
 def test_text_report_has_every_section_and_the_error(logs, capsys):
     code, out, _ = run_cli(capsys, logs)
     assert code == 0
-    assert out.splitlines()[2].startswith("ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
-    for title in ("Per op and message size", "Per step", "stragglers first", "largest arrival skew",
+    lines = out.splitlines()
+    assert lines[2] == "Findings:"     # the verdict first: the error, then the findings, each naming its table
+    assert lines[3].startswith("- ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
+    assert any(line.startswith("- rank 1 arrived last in 25 of 25 collectives") and "straggler" in line
+               and line.endswith("[table: ranks]") for line in lines[3:10])
+    assert any("steady-state step: median" in line and "exposed" in line for line in lines[3:10])
+    for title in ("Per collective and message size", "Per step", "stragglers first", "largest arrival skew",
                   "Point-to-point channels", "Notes:"):
         assert title in out
-    assert "4 MiB" in out                                   # size buckets in binary units
+    assert "<= 4.19 MB" in out and "MiB" not in out        # size buckets in the bytes column's units
+    assert "0.000695" in out and " 0.000 " not in out       # small bandwidths keep their digits
     assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
 
 
@@ -44,13 +51,17 @@ def test_markdown_and_json(logs, capsys, fmt):
         assert set(rep["sections"]) == {"summary", "steps", "mismatches", "ranks", "skew", "p2p"}
         assert rep["sections"]["ranks"][0]["rank"] == 1
         assert len(rep["errors"]) == 1 and rep["sections"]["mismatches"][0]["coll_seq"] == 12
+        assert list(rep)[:2] == ["title", "findings"]
+        assert {f["kind"] for f in rep["findings"]} >= {"steps", "overhead", "setup", "mismatch", "straggler"}
+        assert all(f["section"] in rep["sections"] for f in rep["findings"])
     else:
-        assert out.startswith("# commpatch report") and "## Errors" in out and "| collective | size_bucket |" in out
+        assert out.startswith("# commpatch report: 140 calls, 4 rank(s) 0-3\n\n## Findings\n\n- ERROR: bytes mismatch")
+        assert "| collective | size_bucket |" in out
 
 
 def test_csv_sections(logs, capsys):
     code, out, _ = run_cli(capsys, logs, "--format", "csv")
-    assert code == 0 and out.splitlines()[0].startswith("collective,size_bucket,count,total_us")
+    assert code == 0 and out.splitlines()[0].startswith("collective,size_bucket,count,per_rank,total_us")
     code, out, _ = run_cli(capsys, logs, "--format", "csv", "--section", "ranks", "--by", "op")
     assert out.splitlines()[1].split(",")[0] == "1"
     code, _, err = run_cli(capsys, logs, "--format", "csv", "--section", "nope")
@@ -67,7 +78,7 @@ def test_steps_file(logs, capsys, tmp_path):
     pd.DataFrame({"step": range(5), "duration_us": [50_000.0] * 5}).to_csv(steps, index=False)
     code, out, _ = run_cli(capsys, logs, "--format", "json", "--steps", str(steps))
     per_step = json.loads(out)["sections"]["steps"]
-    assert code == 0 and {s["step_source"] for s in per_step} == {"user"}
+    assert code == 0 and {s["step_time_from"] for s in per_step} == {"user"}
     assert all(s["step_us"] == 50_000.0 for s in per_step)
 
 
@@ -132,16 +143,33 @@ def test_compare_runs(capsys, tmp_path):
     runs = []
     for n in (2, 4, 8):
         runs.append(str(tmp_path / f"w{n}"))
-        write_rank_files(runs[-1], n, 3)
-    code, out, _ = run_cli(capsys, "--compare", *runs, "--format", "json")
+        write_rank_files(runs[-1], n, 5)
+    code, out, _ = run_cli(capsys, "--compare", *runs, "--format", "json", "--global-batch", "32")
     data = json.loads(out)
     assert code == 0 and [r["world_size"] for r in data["scaling"]] == [2, 4, 8]
-    assert {r["op"] for r in data["by_op"]} >= {"all_reduce", "broadcast"}
-    code, out, _ = run_cli(capsys, "--compare", *runs)
-    assert "commpatch scaling" in out
+    assert [r["steps"] for r in data["scaling"]] == [3, 3, 3]           # set-up and the untimed last step left out
+    assert {"efficiency", "speedup", "steps_per_s", "samples_per_s", "exposed_share"} <= set(data["scaling"][0])
+    assert data["scaling"][0]["efficiency"] == 1.0
+    assert {r["collective"] for r in data["by_op"]} >= {"all_reduce", "broadcast"}
+    code, out, _ = run_cli(capsys, "--compare", *runs, "--scaling", "strong")
+    assert "commpatch scaling" in out and "strong scaling" in out
+    assert run_cli(capsys, "--compare", *runs, "--global-batch", "0")[0] == 2
+    flat = tmp_path / "flat"                        # a run whose log has no step boundary
+    flat.mkdir()
+    for rank, part in make_log(2, 3).assign(step=0).groupby("rank"):
+        commpatch.export_csv(str(flat / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+    flat = str(flat)
+    code, out, err = run_cli(capsys, "--compare", runs[0], flat)
+    assert code == 0 and f"--compare {flat}: no steady-state step" in err
     if pytest.importorskip("matplotlib"):
         assert run_cli(capsys, "--compare", *runs, "--plots", str(tmp_path / "p"))[0] == 0
         assert (tmp_path / "p" / "scaling.png").stat().st_size > 5000
+        from commpatch import analysis
+        from commpatch.render import plots
+
+        logs = {r: commpatch.read_csv(r) for r in runs}
+        fig = plots.scaling(analysis.scaling(logs), analysis.scaling_by_op(logs))
+        assert all(list(ax.get_xticks()) == [2, 4, 8] for ax in fig.axes)    # integer world sizes only
 
 
 def test_render_text_truncates_long_tables():

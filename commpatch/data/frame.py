@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
 from .logfile import parse
-from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, T_DEVICE, T_FUTURE, T_HOST,
-                     T_NCCL, T_WAIT, TIMINGS, printable_name, row_dtype, unpack_flags, unpack_where)
+from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, STEP_SOURCES, T_DEVICE,
+                     T_FUTURE, T_HOST, T_NCCL, T_WAIT, TIMINGS, printable_name, row_dtype, unpack_flags, unpack_where)
 
 
 _DTYPES = {c.name: c.dtype for c in SCHEMA}
@@ -118,6 +118,7 @@ def columns(parsed) -> dict:
         "module": _cat(np, module, _names(parsed.modules)),
         "phase": _cat(np, phase, list(PHASES)),
         **_bucket_columns(np, raw["seq"], parsed.buckets),
+        "step_source": _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
     }
     return {name: out[name] for name in COLUMNS}
 
@@ -221,6 +222,16 @@ def _bucket_columns(np, seqs, spans):
         else:                                   # a _coalescing_manager span: calls coalesced
             tensors[i:j] = count
     return {"bucket": bucket, "bucket_params": params, "tensors": tensors}
+
+
+def _step_sources(np, seqs, marks):
+    """Per row, the code of what counted its step: the last change recorded at or before its seq."""
+    if not marks:
+        return np.zeros(len(seqs), np.int64)
+    marks = sorted(marks)
+    at = np.array([m[0] for m in marks], np.int64)
+    codes = np.array([0] + [m[1] for m in marks], np.int64)
+    return codes[np.searchsorted(at, seqs, side="right")]
 
 
 def _cumcount(np, keys):

@@ -59,7 +59,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("algbw_gbps", "float64", "GB/s", "bytes / own_us (1e9 bytes per second)"),
     Column("busbw_gbps", "float64", "GB/s", "algbw times the nccl-tests bus factor for the op and group size"),
     Column("status", "category", "", "ok, or error when torch raised"),
-    Column("step", "int64", "", "value of commpatch.step() when the call was issued"),
+    Column("step", "int64", "", "training step of the call: counted automatically (each optimizer.step(), else each forward of a DDP / FSDP root module) unless commpatch.step() sets it; see step_source"),
     Column("tag", "category", "", "innermost commpatch.tag() active when the call was issued"),
     Column("pid", "int64", "", "process id"),
     Column("module", "category", "", "fully qualified name of the innermost nn.Module running when the call was issued (forward), or of the root module whose backward issued it; '' outside modules"),
@@ -67,6 +67,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
     Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
     Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
+    Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet)"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 
@@ -76,13 +77,17 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # header is its schema: readers go by column names, and fill columns a file predates.
 SCHEMA_VERSION = 4
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
-ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3, "own_us": 4}
+ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3,
+            "own_us": 4, "step_source": 4}
 DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 
 
 PHASES = ("other", "forward", "backward", "optimizer")
 P_FORWARD, P_BACKWARD, P_OPTIMIZER = 1, 2, 3
+# what advanced the step counter (record.state.STATE.step_source; a "step_source" meta record per change)
+STEP_SOURCES = ("none", "user", "optimizer", "forward")
+S_NONE, S_USER, S_OPTIMIZER, S_FORWARD = range(4)
 
 
 # ---- the packed bit fields of a row ----------------------------------------------------------

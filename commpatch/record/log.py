@@ -250,6 +250,8 @@ class Log:
             ("modules", MODULES, lambda i, name: logfile.meta("module", code=i, name=name)),
             ("clock", self.offsets[0], lambda i, seq: logfile.meta("clock", seq=seq, offset=self.offsets[1][i])),
             ("device", [self.device] if self.device else [], lambda i, name: logfile.meta("device", name=name)),
+            ("step_sources", state.STEP_SOURCE_MARKS, lambda i, mark: logfile.meta("step_source", seq=mark[0],
+                                                                                    source=mark[1])),
         ):
             start, stop = w.get(key, 0), len(items)
             out.extend(make(i, items[i]) for i in range(start, stop))
@@ -335,7 +337,7 @@ class Log:
                     datas.append(sink.read())
                 except OSError as exc:      # removed under us: its rows are gone
                     state.fail("export.read_back", exc, rows=0)
-        frames = [dataframe(parse_log(d)) for d in datas]
+        frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
         if not frames:
             frames = [dataframe(parse_log(logfile.MAGIC))]
         df = frames[0] if len(frames) == 1 else concat_frames(pd, frames)
@@ -371,6 +373,25 @@ def _drain_pairs(pairs: dict) -> bytes:
             out.append(key)
             out.append(value)
     return out.tobytes()
+
+
+def _fold_empty(parsed):
+    """Parsed sinks, those without rows folded into the one before: a sink opened after the rank's
+    file was retired (destroy_process_group) may hold only durations that completed late, of rows
+    in the earlier sink."""
+    import numpy as np
+
+    out = []
+    for p in parsed:
+        if out and len(p.rows) == 0:
+            prev = out[-1]
+            prev.late_seq = np.concatenate((prev.late_seq, p.late_seq))
+            prev.late_dur = np.concatenate((prev.late_dur, p.late_dur))
+            prev.own_seq = np.concatenate((prev.own_seq, p.own_seq))
+            prev.own_dur = np.concatenate((prev.own_dur, p.own_dur))
+            continue
+        out.append(p)
+    return out
 
 
 def _group_name(pg) -> str:

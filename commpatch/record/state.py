@@ -18,7 +18,8 @@ class State:
     def __init__(self) -> None:
         self.enabled = False      # patches installed
         self.recording = False    # wrappers record (False: pure pass-through)
-        self.step = 0             # commpatch.step() counter
+        self.step = 0             # step counter: commpatch.step(), else integrations.steps
+        self.step_source = 0      # index into data.schema.STEP_SOURCES of what advances it (set_step_source)
         self.tag = 0              # index into TAGS; 0 is no tag
         self.nesting = 0          # nesting ops (object collectives, send, ...) running in any thread
         self.where = 0            # (index into MODULES) << 2 | index into data.schema.PHASES (data.schema.pack_where)
@@ -39,6 +40,9 @@ COALESCING: dict = {}
 TAGS: list[str] = [""]
 _TAG_INDEX = {"": 0}
 MODULES: list[str] = [""]          # module FQNs seen by commpatch.integrations.modules
+# (first seq, code into data.schema.STEP_SOURCES): each change of what advances the step counter,
+# written to the rank's log once each (a "step_source" meta record), turned into a column when read
+STEP_SOURCE_MARKS: list[tuple[int, int]] = []
 
 # Internal failures: counted per kind, warned once per kind. The user's call proceeds.
 ERRORS: dict[str, int] = {}
@@ -99,6 +103,12 @@ def module_id(name: str) -> int:
     with _errors_lock:
         MODULES.append(name)
         return len(MODULES) - 1
+
+
+def set_step_source(code: int, seq: int) -> None:
+    """From the call numbered ``seq`` on, steps are counted by ``code`` (data.schema.STEP_SOURCES)."""
+    STATE.step_source = code
+    STEP_SOURCE_MARKS.append((seq, code))
 
 
 def tag_id(name: str) -> int:

@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from .text import human_bytes
+
 
 def _figure(*size):
     try:
@@ -30,8 +32,9 @@ def bandwidth_vs_size(summary_by_op_size):
         part = part.sort_values("size_bucket")
         ax.plot(part["size_bucket"], part["busbw_gbps"], marker="o", label=op)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")            # small messages reach a small fraction of the large ones' bandwidth
     ax.set_xlabel("message size bucket (bytes, upper bound)")
-    ax.set_ylabel("busbw (GB/s)")
+    ax.set_ylabel("busbw (GB/s, log scale)")
     ax.set_title("Bus bandwidth vs message size")
     if len(s):
         ax.legend(fontsize="small")
@@ -40,24 +43,42 @@ def bandwidth_vs_size(summary_by_op_size):
 
 
 def comm_per_step(steps):
-    """Communication time per step (from per_step(by_rank=False)): exposed and other, and share."""
+    """Communication time per step (from per_step(by_rank=False)): exposed, overlapped and of
+    unknown overlap, stacked; the communication and exposed shares of the step on the right axis.
+    The y range fits the steady state: a set-up step far above it is cut and labelled."""
     fig = _figure()
     ax = fig.add_subplot()
     x = steps["step"].to_numpy()
-    ax.bar(x, steps["exposed_us"] / 1e3, label="blocking (exposed)", color="tab:red")
-    ax.bar(x, steps["overlap_unknown_us"] / 1e3, bottom=steps["exposed_us"] / 1e3,
-           label="async / device-timed (overlap unknown)", color="tab:orange")
-    top = float(((steps["exposed_us"] + steps["overlap_unknown_us"]) / 1e3).max())
-    ax.set_ylim(0, top * 1.25 if top > 0 else 1)        # room for the legend
+    bottom = np.zeros(len(steps))
+    parts = (("exposed_us", "exposed (the thread waited)", "tab:red"),
+             ("overlapped_us", "overlapped with compute", "tab:green"),
+             ("overlap_unknown_us", "async / device-timed (overlap unknown)", "tab:orange"))
+    for col, label, color in parts:
+        if col in steps:
+            values = steps[col].to_numpy(np.float64) / 1e3
+            ax.bar(x, values, bottom=bottom, label=label, color=color)
+            bottom = bottom + values
+    steady = bottom[(steps["stage"] == "steady").to_numpy()] if "stage" in steps else bottom
+    top = float(steady.max()) if len(steady) and steady.max() > 0 else float(bottom.max()) if len(bottom) else 0.0
+    ax.set_ylim(0, top * 1.6 if top > 0 else 1)        # room for the legend
+    for xi, total in zip(x, bottom):
+        if top > 0 and total > top * 1.6:
+            ax.annotate(f"{total:.0f} ms (set-up)" if xi == x[0] else f"{total:.0f} ms", (xi, top * 1.5),
+                        fontsize="x-small", ha="left")
     ax.set_xlabel("step")
     ax.set_ylabel("communication per rank (ms, mean over ranks)")
     ax.set_title("Communication time per step")
+    handles, labels = ax.get_legend_handles_labels()
     if steps["comm_share"].notna().any():
         ax2 = ax.twinx()
-        ax2.plot(x, 100 * steps["comm_share"], color="k", marker=".", label="share of step")
+        ax2.plot(x, 100 * steps["comm_share"], color="k", marker=".", label="communication share of step (%)")
+        ax2.plot(x, 100 * steps["exposed_share"], color="tab:red", linestyle="--", marker=".",
+                 label="exposed share of step (%)")
         ax2.set_ylabel("share of step time (%)")
         ax2.set_ylim(0, 100)
-    ax.legend(loc="upper left", fontsize="small")
+        more_handles, more_labels = ax2.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="upper left", fontsize="small")
     return fig
 
 
@@ -81,24 +102,39 @@ def skew_heatmap(arrivals):
 
 
 def scaling(table, by_op):
-    """Communication per step, its share, and busbw against world size (from analysis.scaling*)."""
-    fig = _figure(12, 4)
-    a, b, c = fig.subplots(1, 3)
-    a.plot(table["world_size"], table["comm_per_step_us"] / 1e3, marker="o")
-    a.set_xlabel("world size")
-    a.set_ylabel("ms per step (mean per rank)")
-    a.set_title("Communication per step")
-    b.plot(table["world_size"], 100 * table["comm_share"], marker="o")
-    b.set_xlabel("world size")
-    b.set_ylabel("% of step")
-    b.set_title("Communication share of step")
-    for op, part in by_op[by_op["busbw_gbps"].notna()].groupby("op", sort=True):
-        c.plot(part["world_size"], part["busbw_gbps"], marker="o", label=op)
-    c.set_xlabel("world size")
-    c.set_ylabel("busbw (GB/s)")
-    c.set_title("Bus bandwidth")
+    """Step time, efficiency, communication and exposed shares, and busbw against world size
+    (from analysis.scaling / scaling_by_op); integer world-size ticks."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig = _figure(14, 4)
+    a, b, c, d = fig.subplots(1, 4)
+    sizes = table["world_size"].to_numpy()
+    a.plot(sizes, table["step_us"] / 1e3, marker="o")
+    a.set_ylabel("ms (median steady-state step)")
+    a.set_title("Step time")
+    b.plot(sizes, table["efficiency"], marker="o", label="efficiency")
+    b.plot(sizes, table["speedup"], marker="s", label="speed-up")
+    b.set_title("Scaling efficiency and speed-up")
+    b.legend(fontsize="x-small")
+    c.plot(sizes, 100 * table["comm_share"], marker="o", label="communication in flight")
+    c.plot(sizes, 100 * table["exposed_share"], marker="s", label="exposed (overhead)")
+    c.set_ylabel("% of step")
+    c.set_title("Communication share of step")
     c.legend(fontsize="x-small")
-    for ax in (a, b, c):
+    steady = by_op[by_op["busbw_gbps"].notna()]
+    for (coll, size), part in steady.groupby(["collective", "size_bucket"], sort=True):
+        if part["world_size"].nunique() > 1 or len(steady) < 8:
+            d.plot(part["world_size"], part["busbw_gbps"], marker="o", label=f"{coll} <= {human_bytes(size)}")
+    d.set_ylabel("busbw (GB/s)")
+    d.set_title("Bus bandwidth (steady state)")
+    if d.get_legend_handles_labels()[0]:
+        d.legend(fontsize="xx-small")
+    for ax in (a, b, c, d):
+        ax.set_xlabel("world size")
+        if len(set(sizes.tolist())) <= 12:
+            ax.set_xticks(sorted(set(sizes.tolist())))       # the world sizes themselves: 1, 2, 4
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
     return fig
 

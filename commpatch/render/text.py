@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..analysis import matching, summaries
+from ..analysis import findings as _findings
+from ..analysis import matching, steps as _steps, summaries
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
 
@@ -23,27 +24,21 @@ def human_bytes(n) -> str:
     return f"{int(n)} B"
 
 
-def _binary_bytes(n) -> str:
-    """Power-of-two sizes read best in binary units (the bucket 4194304 is '4 MiB')."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):g} {unit}"
-    return f"{int(n)} B"
-
-
 def _fmt(value, col: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if col == "size_bucket":
-        return _binary_bytes(value)
+    if col == "size_bucket":        # an upper bound, in the units of the bytes column (decimal)
+        return "<= " + human_bytes(value)
     if col == "bytes" or col.endswith("_bytes"):
         return human_bytes(value)
     if col == "time_share" or col.endswith("_share"):
         return f"{100 * value:.1f}%"
     if col.endswith("_us"):
         return f"{value:,.1f}"
-    if col.endswith("_gbps"):
-        return f"{value:.3f}"
+    if col.endswith("_gbps"):       # 3 significant digits: an 8-byte call is 0.000123, not 0.000
+        return f"{value:.3g}" if abs(value) < 1 else f"{value:.3f}"
+    if col.endswith("_per_s") or col in ("efficiency", "speedup"):
+        return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
@@ -78,8 +73,8 @@ def render_markdown(df) -> str:
 # ---- the full report ----------------------------------------------------------------------
 SECTIONS = {   # key -> title, in the order they are rendered
     "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
-    "summary": "Per op and message size",
-    "steps": "Per step (mean over ranks)",
+    "summary": "Per collective and message size (count: calls summed over the ranks; per_rank: per rank)",
+    "steps": "Per step (mean over ranks; stage setup / steady / end)",
     "ranks": "Ranks by how long and how often they arrived last (stragglers first)",
     "skew": "Collectives with the largest arrival skew",
     "p2p": "Point-to-point channels (matched pairwise)",
@@ -88,7 +83,8 @@ SECTIONS = {   # key -> title, in the order they are rendered
 
 # the log columns build_report reads: enough to load for a report of a very large log
 REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
-                  "async_op", "start_ns", "duration_us", "timing", "algbw_gbps", "busbw_gbps", "step")
+                  "async_op", "start_ns", "duration_us", "timing", "algbw_gbps", "busbw_gbps", "step", "bucket",
+                  "step_source")
 
 
 @dataclass
@@ -99,6 +95,7 @@ class Report:
     sections: dict = field(default_factory=dict)   # key of SECTIONS -> DataFrame
     errors: list = field(default_factory=list)
     notes: list = field(default_factory=list)
+    findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
@@ -110,15 +107,17 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
 
     ranks = sorted(df["rank"].unique().tolist())
     rep = Report(title=f"commpatch report: {len(df)} calls, {len(ranks)} rank(s) {_span(ranks)}")
-    rep.sections["summary"] = summaries.summary(df, by=by)
+    table = summaries.summary(df, by=by)
+    table.insert(table.columns.get_loc("count") + 1, "per_rank", table["count"] / max(len(ranks), 1))
+    rep.sections["summary"] = table
     unmeasured = int(np.isnan(summaries.durations(df)).sum())
     if unmeasured:
         rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
                          "not in times or bandwidth.")
-    per_step = summaries.per_step(df, steps=steps, by_rank=False)
-    if per_step["step"].nunique() > 1 or steps is not None:
-        rep.sections["steps"] = per_step
-        rep.notes += _step_notes(per_step)
+    per_step = _steps.per_step(df, steps=steps, by_rank=False)
+    rep.sections["steps"] = per_step
+    rep.notes += _step_notes(per_step)
+    cr = None
     if len(ranks) > 1:
         cr = cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
@@ -141,6 +140,7 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
                          "issued it (bounded by its measured duration).")
     else:
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
+    rep.findings = _findings.findings(df, per_step, cr)
     return rep
 
 
@@ -153,19 +153,18 @@ def _span(ranks) -> str:
 
 def _step_notes(per_step) -> list:
     notes = []
-    source = set(per_step["step_source"])
+    source = set(per_step["step_time_from"])
     if "user" in source:
         notes.append("step time: given by the user.")
     elif "log" in source:
-        notes.append("step time: period between the first collective of a step and the first of the next "
-                     "(the last step has none).")
+        notes.append("step time: from the first call of a step to the first call of the next on the same rank "
+                     "(the last step has none); steady-state figures are medians over the steady steps.")
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
-    exposed, unknown = per_step["exposed_us"].sum(), per_step["overlap_unknown_us"].sum()
-    if exposed + unknown > 0:
-        notes.append(f"exposed vs overlapped: {100 * exposed / (exposed + unknown):.0f}% of communication time is on "
-                     "blocking calls (fully exposed); the rest is async or device-timed, whose overlap with "
-                     "compute is not measurable from this log.")
+    notes.append("comm_share: communication in flight (busy_us) / step time. exposed_share: time the training thread "
+                 "waited for communication / step time (the overhead): blocking calls for their whole duration, DDP "
+                 "gradient buckets from the issue of the last bucket to the end of the last one. overlap_unknown_us: "
+                 "other async or device-timed calls, whose wait the log does not show.")
     return notes
 
 
@@ -178,7 +177,9 @@ def _p2p_channels(pairs):
 
 def render_report_text(rep: Report, max_rows: int = 20) -> str:
     out = [rep.title, "=" * len(rep.title)]
-    out += [f"ERROR: {e}" for e in rep.errors]
+    shown = _shown_findings(rep)
+    if shown:
+        out += ["Findings:"] + [f"- {text} [table: {section}]" for text, section in shown]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
@@ -193,8 +194,10 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
 
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     out = [f"# {rep.title}"]
-    if rep.errors:
-        out += ["", "## Errors", ""] + [f"- **{e}**" for e in rep.errors]
+    shown = _shown_findings(rep)
+    if shown:
+        out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
+                                          for text, section in shown]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or key == "mismatches":
@@ -209,9 +212,16 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
 
 def render_report_json(rep: Report) -> str:
     sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
-    return json.dumps({"title": rep.title, "errors": rep.errors, "notes": rep.notes, "sections": sections}, indent=1)
+    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings], "errors": rep.errors,
+                       "notes": rep.notes, "sections": sections}, indent=1)
 
 
+
+
+def _shown_findings(rep: Report) -> list:
+    """(text, section) of the findings, errors (mismatches) first and marked as such."""
+    errors = [(f"ERROR: {e}", "mismatches") for e in rep.errors]
+    return errors + [(f.text, f.section) for f in rep.findings if f.kind != "mismatch" or not rep.errors]
 
 
 def _head(frame, max_rows):

@@ -1,0 +1,133 @@
+"""Findings: the report's verdict as short sentences, each naming the table behind it.
+
+``findings(...)`` returns a list of ``Finding`` (kind, text, section): section is the key of the
+report table that holds the numbers (``steps``, ``ranks``, ``mismatches``, ``summary``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from .steps import setup_cost, steady_rows, steady_state
+from .summaries import summary
+
+# a rank is called a straggler when it arrived last in at least this share of the collectives...
+STRAGGLER_SHARE = 0.5
+# ... by at least this share of the steady-state step time on average
+STRAGGLER_LATE = 0.05
+# a collective's busbw below this fraction of the best of the same message size is named
+SLOW_RATIO = 0.5
+
+
+class Finding(NamedTuple):
+    kind: str       # steps, overhead, setup, straggler, mismatch, bandwidth
+    text: str
+    section: str    # the report table behind it
+
+
+def _ms(us) -> str:
+    if us is None or (isinstance(us, float) and math.isnan(us)):
+        return "-"
+    return f"{us / 1e3:.3g} ms" if us >= 100 else f"{us:.3g} us"
+
+
+def _pct(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f}%"
+
+
+_SOURCES = {"optimizer": "each optimizer.step() (counted automatically)",
+            "forward": "each forward of the DDP / FSDP root module (counted automatically: no optimizer step seen)",
+            "user": "commpatch.step()"}
+
+
+def findings(df, steps_table, cross=None) -> list:
+    """The findings of one run's log. ``steps_table``: ``per_step(df, by_rank=False)``;
+    ``cross``: ``matching.cross_rank(df)`` for a log of several ranks."""
+    out: list[Finding] = []
+    st = steady_state(steps_table)
+    sources = [s for s in steps_table["step_source"].astype(str).unique() if s in _SOURCES]
+    if steps_table["step"].nunique() <= 1:
+        out.append(Finding("steps", "no step boundary in the log (no optimizer.step(), DDP / FSDP forward or "
+                                    "commpatch.step()): figures are over the whole run, not per step.", "steps"))
+    else:
+        counted = "; ".join(_SOURCES[s] for s in sources) or "the step column"
+        out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, counted "
+                                    f"by {counted}; step 0 is set-up and the last one is not timed.", "steps"))
+    if st["steps"]:
+        overlapped = st["busy_us"] - st["exposed_us"] - st["overlap_unknown_us"]
+        text = (f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
+                f"is in flight {_pct(st['comm_share'])} of it and the training thread waits for it "
+                f"{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+        if st["overlap_unknown_us"] > 0.05 * max(st["busy_us"], 1e-9):
+            text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
+        elif overlapped > 0:
+            text += "; the rest overlaps compute"
+        out.append(Finding("overhead", text + ".", "steps"))
+    setup = setup_cost(df, steps_table)
+    if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
+        top = setup["by_op"].head(2)
+        parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
+        share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
+        out.append(Finding("setup", f"set-up (step 0: process group, model wrapping, first iteration) took "
+                                    f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
+                                    f"rank, is {_pct(share)} of the run's and left out of the steady state"
+                                    + (f" (largest: {parts})." if parts else "."), "steps"))
+    if cross is not None:
+        out += _cross_findings(cross, st)
+    slow = _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
+    if slow is not None:
+        out.append(slow)
+    return out
+
+
+def _cross_findings(cross, st) -> list:
+    out = []
+    for m in cross.mismatches.head(3).itertuples():
+        out.append(Finding("mismatch", f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
+                                       f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
+                           "mismatches"))
+    ranks = cross.ranks
+    if len(ranks) > 1:
+        r = ranks.iloc[0]
+        late_each = r["late_us"] / max(int(r["last_count"]), 1)
+        straggler = (r["last_share"] >= STRAGGLER_SHARE and st["steps"]
+                     and late_each >= STRAGGLER_LATE * st["step_p50_us"])
+        text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
+                f"collectives, {_ms(r['late_us'])} late in total")
+        if straggler:
+            text += f" ({_ms(late_each)} each time on average): the straggler, the other ranks wait for it."
+        else:
+            text += ": no rank stands out as a straggler."
+        out.append(Finding("straggler", text, "ranks"))
+    return out
+
+
+def _slowest_bus(rows):
+    """The collective whose bus bandwidth is lowest relative to the best of the same message size."""
+    if not len(rows):
+        return None
+    s = summary(rows, by=["collective", "size_bucket"])
+    s = s[s["busbw_gbps"].notna() & (s["busbw_gbps"] > 0) & (s["size_bucket"] > 0)]
+    if not len(s):
+        return None
+    best = s.groupby("size_bucket")["busbw_gbps"].transform("max")
+    others = s.groupby("size_bucket")["collective"].transform("size")
+    s = s.assign(ratio=s["busbw_gbps"] / best)[others > 1]
+    if not len(s) or s["ratio"].min() >= SLOW_RATIO:
+        return None
+    r = s.loc[s["ratio"].idxmin()]
+    best_row = s[(s["size_bucket"] == r["size_bucket"])].sort_values("busbw_gbps").iloc[-1]
+    return Finding("bandwidth", f"{r['collective']} of {_size(r['size_bucket'])} messages reaches "
+                                f"{r['busbw_gbps']:.3g} GB/s bus bandwidth, {r['ratio']:.0%} of {best_row['collective']} "
+                                f"at the same size ({best_row['busbw_gbps']:.3g} GB/s).", "summary")
+
+
+def _size(nbytes) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"<= {nbytes / scale:.3g} {unit}"
+    return f"<= {int(nbytes)} B"
+
+
+__all__ = ["Finding", "findings"]

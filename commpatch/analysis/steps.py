@@ -1,0 +1,292 @@
+"""Steps, set-up and steady state, overhead and overlap, scaling across world sizes.
+
+Definitions (per rank and step; a step is what the ``step`` column counts: optimizer steps, DDP /
+FSDP root forwards or the user's ``commpatch.step()``, see ``step_source``):
+
+- ``comm_us``: sum of the calls' measured durations.
+- ``busy_us``: wall time with at least one call in flight (union of [start, start + duration]).
+- ``exposed_us``: wall time the training thread waited for communication, union of
+  - blocking calls (timing ``host``, not async): the thread was inside the call throughout;
+  - DDP's gradient buckets (async, timed by their future): the thread waits for them at the end
+    of backward, from the issue of the last bucket (the backward's compute is over then) to the
+    completion of the last one. The buckets' time before that ran under the backward: overlapped.
+- ``overlapped_us``: busy time of those calls that is not exposed (hidden behind compute).
+- ``overlap_unknown_us``: durations of the other async / device-timed calls (a user's
+  ``async_op=True`` call, functional collectives, CUDA): the log does not say when the thread
+  waited for them, so they are neither exposed nor overlapped.
+- ``step_us``: from the first call of the step to the first call of the next step on the same
+  rank (``step_time_from`` 'log'), or the user's step times ('user').
+- ``comm_share`` = busy_us / step_us; ``exposed_share`` = exposed_us / step_us: the overhead, the
+  fraction of the step that would go if communication were free.
+
+Stages: step 0 is ``setup`` (process group creation, DDP construction and its parameter check and
+broadcast, the first iteration) when the log has later steps; the steps after it with a known step
+time are ``steady``; the last step has no next one to time it (``end``: tear-down, a partial
+step). DDP's bucket rebuild (before the second forward) is a set-up call wherever it falls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .summaries import durations, size_bucket, summary
+
+# Timing sources whose duration is time the calling thread was blocked in the call.
+BLOCKING_TIMINGS = ("host",)
+# One-time calls of set-up, wherever they fall (DDP's constructor and its first-iteration rebuild).
+SETUP_OPS = ("ddp_verify_params", "ddp_broadcast_coalesced", "ddp_rebuild_buckets")
+STAGES = ("setup", "steady", "end")
+
+
+def _union(groups, start, end, n):
+    """Per group (ints 0..n-1): the length of the union of the intervals [start, end]."""
+    import pandas as pd
+
+    if len(groups) == 0:
+        return np.zeros(n)
+    order = np.lexsort((start, groups))
+    g, s, e = groups[order], start[order], end[order]
+    new = np.r_[True, g[1:] != g[:-1]]
+    furthest = pd.Series(e).groupby(g).cummax().to_numpy()
+    previous = np.r_[-np.inf, furthest[:-1]]
+    previous[new] = -np.inf
+    return np.bincount(g, weights=np.clip(e - np.maximum(s, previous), 0, None), minlength=n)
+
+
+def _bucket_mask(df):
+    """DDP gradient-bucket calls that the training thread waits for at the end of backward."""
+    if "bucket" in df.columns:
+        bucket = df["bucket"].to_numpy() >= 0
+    else:
+        bucket = (df["op"] == "ddp_bucket_allreduce").to_numpy()
+    return bucket & df["async_op"].to_numpy(bool)
+
+
+def per_step(df, steps=None, by_rank: bool = True):
+    """Communication per step, per rank (or, with ``by_rank=False``, averaged over ranks).
+
+    Columns (by_rank): rank, step, stage, step_source, calls, bytes, comm_us, busy_us, exposed_us,
+    overlapped_us, overlap_unknown_us, setup_comm_us (set-up calls in the step), step_us,
+    step_time_from, comm_share, exposed_share (definitions in the module docstring).
+
+    Step time comes from ``steps`` when given: a DataFrame with ``step`` (and optionally
+    ``rank``) and either ``duration_us`` or ``start_ns`` and ``end_ns`` ('user'); otherwise from
+    the log ('log'; NaN for the last step and where the next step has no call). With
+    ``by_rank=False``: one row per step, time columns averaged over ranks, plus ranks,
+    max_comm_us and the rank with the most communication (max_rank).
+    """
+    import pandas as pd
+
+    rank_all, step_all, start_all = df["rank"].to_numpy(), df["step"].to_numpy(), df["start_ns"].to_numpy()
+    order = np.lexsort((start_all, step_all, rank_all))
+    rank, step, start_ns = rank_all[order], step_all[order], start_all[order]
+    t0 = start_ns.min() if len(start_ns) else 0
+    start = (start_ns - t0).astype(np.float64) / 1e3
+    dur0 = np.nan_to_num(durations(df)[order])
+    end = start + dur0
+    blocking = (df["timing"].isin(BLOCKING_TIMINGS) & ~df["async_op"]).to_numpy()[order]
+    bucket = _bucket_mask(df)[order]
+    setup_op = df["op"].isin(SETUP_OPS).to_numpy()[order]
+    new_run = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])] if len(rank) else np.zeros(0, bool)
+    first = np.flatnonzero(new_run)
+    gid = np.cumsum(new_run) - 1
+    n = len(first)
+
+    # the exposed windows: blocking calls, and per step the tail of its DDP buckets
+    tail_lo = np.full(n, np.inf)
+    tail_hi = np.full(n, -np.inf)
+    np.maximum.at(tail_hi, gid[bucket], end[bucket])
+    lo = np.full(n, -np.inf)
+    np.maximum.at(lo, gid[bucket], start[bucket])
+    has_tail = np.isfinite(lo)
+    tail_lo[has_tail] = lo[has_tail]
+    tails = np.flatnonzero(has_tail)
+    wg = np.r_[gid[blocking], tails]
+    exposed = _union(wg, np.r_[start[blocking], tail_lo[tails]], np.r_[end[blocking], tail_hi[tails]], n)
+    known = blocking | bucket
+    known_busy = _union(gid[known], start[known], end[known], n)
+
+    def total(values):
+        return np.add.reduceat(values, first) if n else np.zeros(0)
+
+    source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
+    out = pd.DataFrame({
+        "rank": rank[first], "step": step[first], "step_source": _step_source(source, gid, n),
+        "calls": np.diff(np.append(first, len(rank))),
+        "bytes": total(df["bytes"].to_numpy()[order]),
+        "comm_us": total(dur0), "busy_us": _union(gid, start, end, n), "exposed_us": exposed,
+        "overlapped_us": np.clip(known_busy - exposed, 0, None),
+        "overlap_unknown_us": total(np.where(known, 0.0, dur0)),
+        "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
+        "first_ns": start_ns[first] - t0})   # small: exact as float
+    out = _step_time(out, steps)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["comm_share"] = out["busy_us"] / out["step_us"]
+        out["exposed_share"] = out["exposed_us"] / out["step_us"]
+    out = out.drop(columns="first_ns")
+    multi = out["step"].nunique() > 1
+    stage = np.where(out["step_us"].notna(), "steady", "end")
+    stage[(out["step"] == out["step"].min()).to_numpy() & multi] = "setup"
+    out.insert(2, "stage", stage)
+    if by_rank:
+        return out
+    means = out.groupby("step").agg(
+        stage=("stage", "first"), step_source=("step_source", "first"), ranks=("rank", "size"),
+        calls=("calls", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
+        busy_us=("busy_us", "mean"), exposed_us=("exposed_us", "mean"), overlapped_us=("overlapped_us", "mean"),
+        overlap_unknown_us=("overlap_unknown_us", "mean"), setup_comm_us=("setup_comm_us", "mean"),
+        step_us=("step_us", "mean"), step_time_from=("step_time_from", "first"),
+        comm_share=("comm_share", "mean"), exposed_share=("exposed_share", "mean"))
+    means["max_rank"] = out.loc[out.groupby("step")["comm_us"].idxmax(), ["step", "rank"]].set_index("step")["rank"]
+    return means.reset_index()
+
+
+def _step_source(source, gid, n):
+    """Per step: what counted it (the value of its last row: a step opens before its source is known)."""
+    out = np.full(n, "", dtype=object)
+    if len(gid):
+        last = np.r_[gid[1:] != gid[:-1], True]
+        out[gid[last]] = source[last].astype(str)
+    return out
+
+
+def _step_time(out, steps):
+    """Add step_us and step_time_from to a per (rank, step) frame that has first_ns."""
+    import pandas as pd
+
+    if steps is not None:
+        steps = pd.DataFrame(steps)
+        if "duration_us" not in steps:
+            steps = steps.assign(duration_us=(steps["end_ns"] - steps["start_ns"]) / 1e3)
+        keys = ["rank", "step"] if "rank" in steps else ["step"]
+        times = steps.groupby(keys)["duration_us"].sum().rename("step_us")
+        out = out.join(times, on=keys)
+        out["step_time_from"] = np.where(out["step_us"].notna(), "user", "none")
+        return out
+    nxt = out.groupby("rank")["first_ns"].shift(-1)
+    consecutive = out.groupby("rank")["step"].shift(-1) == out["step"] + 1
+    out["step_us"] = ((nxt - out["first_ns"]) / 1e3).where(consecutive)
+    out["step_time_from"] = np.where(out["step_us"].notna(), "log", "none")
+    return out
+
+
+def steady_state(steps_table) -> dict:
+    """Figures of the steady state from ``per_step`` (either form): steps, the median, p95 and
+    mean step time, and medians of the per-step communication figures and shares."""
+    steady = steps_table[steps_table["stage"] == "steady"]
+    if "ranks" not in steps_table.columns and len(steady):       # per rank: the mean over ranks per step
+        steady = steady.groupby("step").mean(numeric_only=True)
+    t = steady["step_us"].to_numpy(np.float64)
+
+    def median(col):
+        return float(np.nanmedian(steady[col])) if len(steady) and steady[col].notna().any() else float("nan")
+
+    return dict(steps=int(len(steady)), step_p50_us=median("step_us"),
+                step_p95_us=float(np.nanpercentile(t, 95)) if len(t) else float("nan"),
+                step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
+                calls=median("calls"), comm_us=median("comm_us"), busy_us=median("busy_us"),
+                exposed_us=median("exposed_us"), overlap_unknown_us=median("overlap_unknown_us"),
+                comm_share=median("comm_share"), exposed_share=median("exposed_share"))
+
+
+def setup_cost(df, steps_table) -> dict:
+    """Set-up (see the module docstring), from the log and its ``per_step(by_rank=False)``:
+    setup_us (step 0's time, mean over ranks), setup_comm_us (its communication plus set-up calls
+    in later steps, per rank), comm_total_us (all communication per rank), and by_op (set-up
+    communication per op, per rank)."""
+    ranks = max(int(df["rank"].nunique()), 1)
+    setup = steps_table[steps_table["stage"] == "setup"]
+    later = steps_table[steps_table["stage"] != "setup"]
+    first_step = setup["step"].iloc[0] if len(setup) else None
+    mask = df["op"].isin(SETUP_OPS).to_numpy()
+    if first_step is not None:
+        mask = mask | (df["step"] == first_step).to_numpy()
+    dur = np.nan_to_num(durations(df))
+    by_op = (df.loc[mask, ["op"]].assign(us=dur[mask] / ranks).groupby("op", observed=True)["us"].sum()
+             .sort_values(ascending=False))
+    return dict(setup_us=float(setup["step_us"].iloc[0]) if len(setup) else float("nan"),
+                setup_comm_us=float(dur[mask].sum() / ranks), comm_total_us=float(dur.sum() / ranks),
+                later_setup_comm_us=float(later["setup_comm_us"].sum()), by_op=by_op)
+
+
+def steady_rows(df, steps_table):
+    """The log's rows of steady-state steps, set-up calls left out."""
+    steady = set(steps_table.loc[steps_table["stage"] == "steady", "step"].tolist())
+    return df[df["step"].isin(steady).to_numpy() & ~df["op"].isin(SETUP_OPS).to_numpy()]
+
+
+# ---- scaling --------------------------------------------------------------------------
+SCALING_MODES = ("weak", "strong")
+
+
+def scaling(runs, mode: str = "weak", global_batch: float | None = None):
+    """Compare runs of one job at several world sizes: one row per run, sorted by world size.
+
+    ``runs`` maps a label (e.g. the run directory) to that run's log. Steady-state figures
+    (``steady_state``): step_us (median), step_p95_us, comm_share, exposed_share, comm_per_step_us,
+    calls_per_step (per rank), busbw_gbps (steady-state calls with a bus factor); steps_per_s;
+    samples_per_s when ``global_batch`` is given. ``mode`` 'weak' (the same batch per rank:
+    ``global_batch`` is the global batch of the smallest run, growing with the world size):
+    efficiency = T(N0) / T(N), speedup = efficiency x N / N0 (throughput ratio); 'strong' (the
+    same global batch at every size): speedup = T(N0) / T(N), efficiency = speedup / (N / N0).
+    N0 is the smallest world size compared.
+    """
+    import pandas as pd
+
+    if mode not in SCALING_MODES:
+        raise ValueError(f"scaling mode {mode!r}: choose weak or strong")
+    rows = []
+    for label, df in runs.items():
+        ps = per_step(df, by_rank=False)
+        st = steady_state(ps)
+        bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
+        rows.append(dict(run=str(label), world_size=int(df["world_size"].max()), ranks=int(df["rank"].nunique()),
+                         steps=st["steps"], step_us=st["step_p50_us"], step_p95_us=st["step_p95_us"],
+                         calls_per_step=st["calls"], comm_per_step_us=st["busy_us"], comm_share=st["comm_share"],
+                         exposed_share=st["exposed_share"],
+                         busbw_gbps=bw["busbw_gbps"].iloc[0] if len(bw) else np.nan))
+    out = pd.DataFrame(rows)
+    if not len(out):
+        return out
+    out = out.sort_values(["world_size", "run"], kind="stable").reset_index(drop=True)
+    n0, t0 = out["world_size"].iloc[0], out["step_us"].iloc[0]
+    ratio = out["world_size"] / n0
+    out["steps_per_s"] = 1e6 / out["step_us"]
+    if global_batch is not None:
+        batch = global_batch * (ratio if mode == "weak" else 1.0)
+        out["samples_per_s"] = batch * out["steps_per_s"]
+    if mode == "weak":
+        out["efficiency"] = t0 / out["step_us"]
+        out["speedup"] = out["efficiency"] * ratio
+    else:
+        out["speedup"] = t0 / out["step_us"]
+        out["efficiency"] = out["speedup"] / ratio
+    return out
+
+
+def scaling_by_op(runs):
+    """Per run, collective and message size, over the steady state: world_size, calls_per_rank,
+    p50_us and busbw_gbps (busbw against world size)."""
+    import pandas as pd
+
+    frames = []
+    for label, df in runs.items():
+        rows = steady_rows(df, per_step(df, by_rank=False))
+        if not len(rows):
+            continue
+        s = summary(rows, by=["collective", "size_bucket"])
+        s["calls_per_rank"] = s["count"] / max(int(df["rank"].nunique()), 1)
+        s = s[["collective", "size_bucket", "calls_per_rank", "p50_us", "busbw_gbps"]]
+        s.insert(0, "world_size", int(df["world_size"].max()))
+        s.insert(0, "run", str(label))
+        frames.append(s)
+    if not frames:
+        return pd.DataFrame(columns=["run", "world_size", "collective", "size_bucket", "calls_per_rank", "p50_us",
+                                     "busbw_gbps"])
+    out = pd.concat(frames, ignore_index=True)
+    out["collective"] = out["collective"].astype(str)
+    return out.sort_values(["collective", "size_bucket", "world_size", "run"], kind="stable").reset_index(drop=True)
+
+
+__all__ = ["BLOCKING_TIMINGS", "SCALING_MODES", "SETUP_OPS", "STAGES", "per_step", "scaling", "scaling_by_op",
+           "setup_cost", "size_bucket", "steady_rows", "steady_state"]

@@ -1,0 +1,148 @@
+"""Training steps without code change: the step counter (``STATE.step``, the ``step`` column)
+advances by itself, and each row says what counted its step (``step_source``).
+
+- ``optimizer``: after each ``step()`` of the first optimizer seen stepping (a global optimizer
+  step post-hook; other optimizers of the same loop, a GAN's second one, do not count again).
+  A step is then one optimizer step: step 0 holds everything up to the end of the first one
+  (process group creation, DDP's constructor collectives, the first iteration).
+- ``forward``: before each forward of a root DDP / FSDP module after the first, as long as no
+  optimizer step has been seen (a loop whose update is not a ``torch.optim`` optimizer). Nested
+  FSDP units and DDP inside another counted forward do not count again.
+- ``user``: ``commpatch.step()`` was called: from then on only the user's calls move the counter.
+
+Each change of source is one ``step_source`` record in the rank's log (``record.state.
+set_step_source``), not a field of every row. Cost: one Python call per optimizer step and per
+root forward.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..data.schema import S_FORWARD, S_OPTIMIZER, S_USER
+from ..record import state as _runtime
+from ..record.rows import SEQ, peek_seq
+from .base import Integration, when_imported
+
+DDP_MODULE = "torch.nn.parallel.distributed"
+FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
+FSDP2_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+_handles: list = []
+_driver: list = []            # id() of the optimizer whose steps count
+_seen_forward: list = []      # a root forward ran (the first one opens step 0, it does not advance)
+_local = threading.local()    # .depth: counted root forwards running in this thread
+
+
+def wanted(settings: dict) -> bool:
+    return True
+
+
+def advance(source: int) -> None:
+    """One step more, counted by ``source`` (switching to it first if another source counted)."""
+    state = _runtime.STATE
+    if state.step_source != source:
+        _runtime.set_step_source(source, peek_seq(SEQ))
+    state.step += 1
+
+
+def user_step(value=None) -> int:
+    """``commpatch.step()``: the user's count overrides the automatic ones from now on."""
+    state = _runtime.STATE
+    if state.step_source != S_USER:
+        _runtime.set_step_source(S_USER, peek_seq(SEQ))
+    state.step = state.step + 1 if value is None else int(value)
+    return state.step
+
+
+def apply(ctx) -> None:
+    when_imported("torch.optim.optimizer", _install_optimizer_hook)
+    when_imported(DDP_MODULE, lambda ctx, m: _wrap_forward(ctx, m.DistributedDataParallel, "forward"))
+    when_imported(FSDP1_MODULE, lambda ctx, m: _wrap_forward(ctx, m.FullyShardedDataParallel, "forward"))
+    when_imported(FSDP2_MODULE, _wrap_fsdp2)
+
+
+def _install_optimizer_hook(ctx, optim_module) -> None:
+    if _handles:
+        return
+    state = _runtime.STATE
+
+    def optim_post(optimizer, args, kwargs):
+        if not state.recording or state.step_source == S_USER:
+            return
+        if not _driver:
+            _driver.append(id(optimizer))
+        elif _driver[0] != id(optimizer):
+            return
+        advance(S_OPTIMIZER)
+
+    _handles.append(optim_module.register_optimizer_step_post_hook(optim_post))
+
+
+def _root_forward_begins() -> None:
+    state = _runtime.STATE
+    if not state.recording or state.step_source in (S_USER, S_OPTIMIZER):
+        return
+    if _seen_forward:
+        advance(S_FORWARD)
+    else:
+        _seen_forward.append(True)
+
+
+def _wrap_forward(ctx, cls, name) -> None:
+    def factory(orig):
+        def forward(self, *args, **kwargs):
+            depth = getattr(_local, "depth", 0)
+            if depth == 0:
+                try:
+                    _root_forward_begins()
+                except Exception as exc:  # noqa: BLE001 - step counting never breaks a forward
+                    _runtime.fail("steps.forward", exc)
+            _local.depth = depth + 1
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                _local.depth = depth
+
+        return forward
+
+    ctx.patches.wrap(cls, name, factory)
+
+
+def _wrap_fsdp2(ctx, module) -> None:
+    """FSDP2: ``FSDPState._root_pre_forward`` runs for every unit; the first of an iteration finds
+    no ``iter_forward_root`` yet (the root's)."""
+    cls = getattr(module, "FSDPState", None)
+    if cls is None or not hasattr(cls, "_root_pre_forward"):
+        return
+
+    def factory(orig):
+        def _root_pre_forward(self, *args, **kwargs):
+            try:
+                ctx_state = getattr(self, "_state_ctx", None)
+                if ctx_state is not None and getattr(ctx_state, "iter_forward_root", 0) is None \
+                        and getattr(_local, "depth", 0) == 0:
+                    _root_forward_begins()
+            except Exception as exc:  # noqa: BLE001 - step counting never breaks a forward
+                _runtime.fail("steps.forward", exc)
+            return orig(self, *args, **kwargs)
+
+        return _root_pre_forward
+
+    ctx.patches.wrap(cls, "_root_pre_forward", factory)
+
+
+def remove(ctx) -> None:
+    while _handles:
+        _handles.pop().remove()
+    _driver.clear()
+    _seen_forward.clear()
+
+
+INTEGRATION = Integration(
+    name="steps",
+    patches="a global optimizer step post-hook; DistributedDataParallel.forward, FullyShardedDataParallel.forward, "
+            "FSDP2 FSDPState._root_pre_forward (counting only)",
+    relies_on=("torch.optim.optimizer.register_optimizer_step_post_hook",
+               FSDP2_MODULE + ".FSDPState._root_pre_forward / _state_ctx.iter_forward_root"),
+    wanted=wanted, apply=apply, remove=remove)

@@ -1,0 +1,99 @@
+"""Steps without code change (issue 15): counted by DDP's forward, the optimizer, or
+commpatch.step(); the zero-code DDP demo (findings, CSVs, trace, plots); the ground-truth benchmark
+(DDP at 1 and 2 processes with no_sync() steps) runs and its figures exist (its bounds are checked
+by `python benchmarks/steps_ground_truth.py`, not here: timing ratios on a shared 2-core machine)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+import commpatch
+from tests import steps_workers
+from tests.multiproc import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_steps_counted_by_forward_then_optimizer_then_user():
+    for res in run_ranks(steps_workers.counted_steps, 2, timeout=120):
+        buckets = res["buckets"]
+        # the first iteration is step 0 (set-up); each later forward opens a step while no optimizer steps
+        # (the 4th too: its optimizer is not known yet); from the first optimizer.step() on, each optimizer
+        # step ends a step, and the second optimizer of the same iteration does not count again
+        assert buckets[:6] == [[0, "none"], [1, "forward"], [2, "forward"], [3, "forward"], [4, "optimizer"],
+                               [5, "optimizer"]]
+        assert res["after_auto"] == 6
+        assert buckets[6:] == [[100, "user"], [100, "user"]]      # commpatch.step() overrides from then on
+
+
+def test_zero_code_ddp_demo(tmp_path):
+    """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job."""
+    out = tmp_path / "logs"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out), "--steps", "12",
+                          "--slow-ms", "20"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
+                         env=dict(os.environ, COMMPATCH_SUMMARY="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "commpatch summary, rank 0 of 2" in res.stderr and "commpatch summary, rank 1 of 2" in res.stderr, res.stderr[:1500]
+    text = res.stdout
+    findings = text[text.index("Findings:"):text.index("\n\n", text.index("Findings:"))]
+    assert "10 steady-state step(s) of 12, counted by each optimizer.step()" in findings
+    assert "steady-state step: median" in findings and "exposed" in findings
+    assert "set-up (step 0" in findings and "ddp_verify_params" in findings
+    assert "rank 1 arrived last in" in findings and "the straggler" in findings
+    df = commpatch.read_csv(str(out))
+    assert set(df["step_source"].astype(str)) == {"none", "optimizer"}
+    buckets = df[(df["op"] == "ddp_bucket_allreduce") & (df["step"] > 0)].groupby(["rank", "step"]).size()
+    assert len(buckets) == 22 and (buckets == 3).all()      # after the rebuild: 3 gradient buckets per step
+    names = set(os.listdir(out))
+    assert {"rank0.csv", "rank1.csv", "trace.json"} <= names
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert set(os.listdir(out / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png", "skew_heatmap.png"}
+
+
+def test_ground_truth_benchmark_runs(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import steps_ground_truth as bench
+    finally:
+        sys.path.pop(0)
+    args = bench.argparse.Namespace(sizes=[1, 2], rounds=3, k=3, hidden=128, batch=16, timeout=150,
+                                    dir=str(tmp_path))
+    rows = bench.measure(args)
+    assert [r["world_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["source"] == "optimizer" and r["steps"] >= 4
+        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms"):
+            assert r[key] == r[key], key                        # a number, not NaN
+        assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1
+    assert rows[0]["log_efficiency"] == pytest.approx(1.0) and rows[0]["truth_efficiency"] == pytest.approx(1.0)
+
+
+def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
+    """destroy_process_group() retires the rank's file; a duration that completes later opens a
+    sink of no rows, folded into the earlier one when the log is read (the summary at exit)."""
+    import torch
+    import torch.distributed as dist
+
+    from commpatch import session
+    from tests.fakepg import fake_world
+
+    with fake_world(2):
+        commpatch.enable(output=str(tmp_path / "rank{rank}.csv"))
+        dist.all_reduce(torch.ones(4), async_op=True)
+        log = session.default().log
+        log.flush()
+        seq = int(commpatch.log()["seq"].iloc[-1])
+    log.done[seq] = 7_000                       # ns, completed after the file was retired
+    log.flush()
+    assert len(log.sinks()) == 2
+    df = log.to_dataframe()
+    assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0
+
+
+def test_fsdp_root_forwards_count_steps_without_an_optimizer():
+    for res in run_ranks(steps_workers.fsdp_forward_steps, 2, timeout=120):
+        assert res["fsdp2"] == [(0, "none"), (1, "forward"), (2, "forward")]
+        assert res["fsdp1"] == [(3, "forward"), (4, "forward"), (5, "forward")]
