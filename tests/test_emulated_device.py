@@ -183,8 +183,10 @@ def test_the_event_pool_does_not_grow(collectives):
     world_size, results = collectives
     for rank, r in enumerate(r["commpatch"] for r in results):
         after_a_fifth, at_the_end = r["pool"]
-        assert at_the_end == after_a_fifth, (rank, r["pool"])     # no growth over the last 80% of the calls
-        assert at_the_end <= 2 * (100 + 64) + 8, (rank, r["pool"])  # in flight between two reads, plus slack
+        # events exist for what is in flight between two reads of the user's (100 calls, 2 events
+        # each) plus the 64 measurements allowed before resolving early: not for the calls made
+        assert at_the_end <= 2 * (100 + 64) + 8, (rank, r["pool"])
+        assert at_the_end - after_a_fifth <= 4, (rank, r["pool"])   # flat over the last 80% of the calls
         assert r["pool_rows"] == (10_000 if world_size == 2 else 1_000)
 
 
