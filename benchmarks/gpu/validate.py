@@ -75,6 +75,8 @@ SELF_CHECK_US = 20.0       # 1 rank, a collective NCCL runs nothing for, issued 
 STEP_RATIO_MAX = 1.02
 SLEEP_US = 1000.0          # stream busy time before each "queued" call (> the host's issue time)
 WARMUP = 3
+IN_PLACE = ("all_reduce", "broadcast")     # on 1 rank NCCL runs nothing for these (ncclLaunchOneRank: no-op)
+LOG_WAIT_US = 50_000       # check 5: an async call behind this much queued work, then log() at once
 SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",   # runtime API
               "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize")            # driver API
 LOOP_LABEL = "commpatch_kit::hot_loop"
@@ -300,9 +302,14 @@ class Gpu:
             return lambda a: dist.reduce_scatter_tensor(out, inp, group=group, async_op=a)
         raise ValueError(kind)
 
+    def busy(self, us: float = SLEEP_US) -> None:
+        """Keep the current stream busy for ``us`` microseconds (the host returns at once)."""
+        if not self.dry:
+            self.torch.cuda._sleep(int(self.sleep_cycles * us / SLEEP_US))
+
     def call(self, issue, async_op: bool, queued: bool) -> None:
-        if queued and not self.dry:
-            self.torch.cuda._sleep(self.sleep_cycles)
+        if queued:
+            self.busy()
         work = issue(async_op)
         if async_op:
             work.wait()                 # the current stream waits for the collective; the host does not
@@ -367,7 +374,7 @@ class Gpu:
                 return row("duration_vs_kernel", name, "fail", f"{mode}: rows labelled {sorted(labels)}",
                            f"(cuda, nccl, device_event, async={async_op})")
             durations = rows["duration_us"].tolist()
-            if not acts and self.world == 1:
+            if not acts and self.world == 1 and kind in IN_PLACE:
                 # NCCL runs nothing for an in-place collective on one rank: a stream-order self-check
                 med = statistics.median(durations)
                 data[mode] = {"n": len(durations), "commpatch_med_us": med, "kernels": 0}
@@ -375,9 +382,10 @@ class Gpu:
                 if mode == "queued":
                     ok = ok and med <= SELF_CHECK_US
                 continue
-            if not acts:
-                return row("duration_vs_kernel", name, "fail", f"{mode}: no NCCL kernel in the profiler trace "
-                           "(is CUPTI available? see docs/gpu-validation.md)", "one kernel per call")
+            if len(acts) != len(durations):
+                what = "no NCCL kernel in the profiler trace (is CUPTI available? see docs/gpu-validation.md)" if not acts \
+                    else f"{len(durations)} rows against {len(acts)} kernels {sorted({n for _, _, n in acts})[:3]}"
+                return row("duration_vs_kernel", name, "fail", f"{mode}: {what}", "one kernel per call")
             c = compare(durations, [e - s for s, e, _ in acts], TOL[mode])
             c["kernel_names"] = sorted({n.split("(")[0] for _, _, n in acts})
             data[mode] = c
@@ -554,17 +562,25 @@ class Gpu:
         finally:
             os.environ.pop(NCCL_TIMING_ENV, None)
         out = []
+        name = f"{title}: labels, and log() waits for the async row"
         try:
             issue = self.issuer(kind, 1 << 20, group)
+            for _ in range(WARMUP):
+                issue(True).wait()
+            self.sync()
+            self.commpatch.reset()
             issue(False)
+            self.busy(LOG_WAIT_US)        # the async call's kernel runs >= 50 ms from now
             issue(True).wait()
-            rows = self.rows_of(kind)
-            labels = [(bool(a), t) for a, t in zip(rows["async_op"], rows["timing"].astype(str))]
-            ok = labels == [(False, "device_event"), (True, "nccl")] and bool((rows["duration_us"] > 0).all())
-            out.append(row("nccl_timing", f"{title}: labels", "pass" if ok else "fail", f"(async, timing) {labels}",
-                           "sync device_event, async nccl, durations > 0"))
+            rows = self.rows_of(kind)     # log() resolves with block=True: it must wait for that kernel
+            labels = [(bool(a), t, d) for a, t, d in zip(rows["async_op"], rows["timing"].astype(str),
+                                                      rows["duration_us"].round(1))]
+            ok = [x[:2] for x in labels] == [(False, "device_event"), (True, "nccl")] and all(d > 0 for *_, d in labels)
+            out.append(row("nccl_timing", name, "pass" if ok else "fail",
+                           f"(async, timing, duration_us) {labels}",
+                           "sync device_event, async nccl; durations > 0 when log() returns"))
         except Exception as exc:  # noqa: BLE001
-            out.append(failed_row("nccl_timing", f"{title}: labels", exc))
+            out.append(failed_row("nccl_timing", name, exc))
         for nbytes in self.args.sizes:
             name = f"{title}: {kind} {human(nbytes)} async"
             try:
