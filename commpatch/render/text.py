@@ -101,37 +101,43 @@ class Report:
     notes: list = field(default_factory=list)
 
 
-def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
+def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
+                 precomputed=None) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
     ``matching.cross_rank(df)``; computed here when the log has more than one rank.
+    ``precomputed``: the same tables from the analytic engine (``analysis.engine.Results``),
+    for logs too large for one DataFrame; ``df`` is then not used.
     """
-
-    ranks = sorted(df["rank"].unique().tolist())
-    rep = Report(title=f"commpatch report: {len(df)} calls, {len(ranks)} rank(s) {_span(ranks)}")
-    rep.sections["summary"] = summaries.summary(df, by=by)
-    unmeasured = int(np.isnan(summaries.durations(df)).sum())
+    pre = precomputed
+    ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
+    calls = pre.calls if pre is not None else len(df)
+    rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    rep.sections["summary"] = pre.summary if pre is not None else summaries.summary(df, by=by)
+    unmeasured = pre.unmeasured if pre is not None else int(np.isnan(summaries.durations(df)).sum())
     if unmeasured:
         rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
                          "not in times or bandwidth.")
-    per_step = summaries.per_step(df, steps=steps, by_rank=False)
-    if per_step["step"].nunique() > 1 or steps is not None:
+    per_step = pre.per_step if pre is not None else summaries.per_step(df, steps=steps, by_rank=False)
+    if per_step is not None and (per_step["step"].nunique() > 1 or steps is not None):
         rep.sections["steps"] = per_step
         rep.notes += _step_notes(per_step)
     if len(ranks) > 1:
-        cr = cross if cross is not None else matching.cross_rank(df)
+        cr = pre if pre is not None else cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
         rep.errors += [f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
                        f"{m.detail}; {m.affected} collective(s) affected" for m in cr.mismatches.itertuples()]
         rep.sections["ranks"] = cr.ranks
-        rep.sections["skew"] = matching.top_skew(cr.collectives, top)
-        if len(cr.p2p):
+        rep.sections["skew"] = pre.skew if pre is not None else matching.top_skew(cr.collectives, top)
+        if pre is not None and pre.p2p is not None and len(pre.p2p):
+            rep.sections["p2p"] = pre.p2p
+        elif pre is None and len(cr.p2p):
             rep.sections["p2p"] = _p2p_channels(cr.p2p)
-        excluded = df["op"].isin(matching.P2P_OPS)
-        if excluded.any():
-            batch = int((df["op"] == "batch_isend_irecv").sum())
-            rep.notes.append(f"{int(excluded.sum())} point-to-point call(s) are matched pairwise, not across all ranks"
+        excluded = pre.p2p_calls if pre is not None else int(df["op"].isin(matching.P2P_OPS).sum())
+        if excluded:
+            batch = pre.batch_calls if pre is not None else int((df["op"] == "batch_isend_irecv").sum())
+            rep.notes.append(f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
                              + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
         if cr.missing_logs:
             rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
