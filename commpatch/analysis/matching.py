@@ -222,7 +222,13 @@ def match_p2p(df):
     recvs = p[~is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("recv_")
     out = sends.join(recvs, how="outer").reset_index()
     out["matched"] = out["send_op"].notna() & out["recv_op"].notna()
-    out["skew_us"] = (out["send_start_ns"] - out["recv_start_ns"]).abs() / 1e3
+    # in int64: an unmatched side makes the joined columns float, whose 256 ns steps at today's Unix times
+    # would round the difference
+    both = out["matched"].to_numpy()
+    skew = np.full(len(out), np.nan)
+    skew[both] = np.abs(sends["send_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()
+                        - recvs["recv_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()) / 1e3
+    out["skew_us"] = skew
     out["late_rank"] = np.where(out["send_start_ns"] >= out["recv_start_ns"], out["src"], out["dst"])
     out["late_rank"] = out["late_rank"].where(out["matched"], -1).astype(np.int64)
     out["bytes_mismatch"] = out["matched"] & (out["send_bytes"] != out["recv_bytes"])
