@@ -446,16 +446,23 @@ def cmd_convert(args) -> int:
             files = [f for f in io.expand(args.paths) if f.endswith(SUFFIX)]
         if not files:
             raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
-        for path in files:
-            out = io.export_path(path, "." + args.to)
+        progress = _progress(args, "converting")
+        for i, path in enumerate(files):
+            if args.to == "parquet":     # one rank-partitioned dataset per run directory
+                out = os.path.join(os.path.dirname(path), "parquet", f"rank={io.file_rank(path)}",
+                                   os.path.basename(io.export_path(path, ".parquet")))
+            else:
+                out = io.export_path(path, "." + args.to)
             if os.path.lexists(out):
                 print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
                 continue
             try:
-                io.convert(path, out)
+                out = io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out))) if args.to == "parquet" \
+                    else io.convert(path, out)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
             print(out)
+            progress(i + 1, len(files))
         return 0
     except _InputError as exc:
         print(f"commpatch convert: {exc}", file=sys.stderr)
@@ -528,9 +535,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("convert", help="write the CSV (or Parquet) of binary rank logs, e.g. of a job that died")
+    p = sub.add_parser("convert", help="write the CSV of binary rank logs (e.g. of a job that died), or a "
+                                       "rank-partitioned Parquet dataset of them")
     p.add_argument("paths", nargs="+", help=".cplog files, or directories (a run, or a directory of runs: the latest)")
-    p.add_argument("--to", choices=("csv", "parquet"), default="csv")
+    p.add_argument("--to", choices=("csv", "parquet"), default="csv",
+                   help="csv: rank{r}.csv beside each log; parquet: one dataset per run, parquet/rank=R/rank{r}.parquet "
+                        "(hive layout: DuckDB, Spark, Trino, pyarrow and commpatch report read it as is)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("env", help="show settings and their environment variables")

@@ -125,3 +125,21 @@ def test_scale_benchmark_runs_a_small_size(tmp_path):
     assert out.returncode == 0, out.stderr
     row = [line for line in out.stdout.splitlines() if line.startswith("| 16 |")]
     assert row and row[0].split("|")[6:8] == [" found ", " found "]
+
+
+def test_convert_to_a_rank_partitioned_parquet_dataset_that_report_and_duckdb_read_as_is(tmp_path, capsys):
+    write_binary_run(str(tmp_path), 8, 300, straggler=6, mismatch=(2, 3))
+    assert main(["convert", str(tmp_path), "--to", "parquet"]) == 0
+    written = capsys.readouterr().out.split()
+    assert written == [str(tmp_path / "parquet" / f"rank={r}" / f"rank{r}.parquet") for r in range(8)]
+    assert main(["convert", str(tmp_path), "--to", "parquet"]) == 0          # never over an existing file
+    assert capsys.readouterr().err.count("exists: kept as it is") == 8
+    dataset = str(tmp_path / "parquet")
+    assert _compare(dataset).title == _compare(str(tmp_path)).title == "commpatch report: 2400 calls, 8 rank(s) 0-7"
+    assert cpio.file_rank(os.path.join(dataset, "rank=5", "rank5.parquet")) == 5
+    import duckdb   # the README's query
+
+    top = duckdb.sql(f"""SELECT rank, count(*) AS calls, sum(duration_us) / 1e6 AS comm_s
+                         FROM read_parquet('{dataset}/*/*.parquet', hive_partitioning = true)
+                         WHERE collective = 'all_reduce' GROUP BY rank ORDER BY comm_s DESC""").fetchall()
+    assert len(top) == 8 and all(calls == 120 for _, calls, _ in top)

@@ -190,6 +190,8 @@ def file_rank(path) -> "int | None":
         if head.startswith(b"CPLOG"):
             return parse_header(head).get("rank")
         if head.startswith(_PARQUET_MAGIC):
+            if partition_rank(path) is not None:
+                return partition_rank(path)
             import pyarrow.parquet as pq
 
             meta = pq.ParquetFile(path).metadata
@@ -360,10 +362,27 @@ def _resolve(paths, notes) -> list[tuple[str, bool]]:
     return out
 
 
+PARTITION = "rank="     # the subdirectories of a rank-partitioned Parquet dataset (``commpatch convert --to parquet``)
+
+
+def partition_rank(path) -> "int | None":
+    """The rank of a file of a rank-partitioned dataset (``.../rank=7/part.parquet``), else None."""
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    value = parent[len(PARTITION):] if parent.startswith(PARTITION) else ""
+    return int(value) if value.isdigit() else None
+
+
 def _log_files(directory: str) -> list[str]:
     """The log files of a directory: binary rank logs, and CSV / Parquet files except those that
-    are the export of a binary log beside them (the same rows twice)."""
-    names = [f for f in os.listdir(directory) if f.endswith((SUFFIX, ".csv", ".parquet"))
+    are the export of a binary log beside them (the same rows twice); or the Parquet files of a
+    rank-partitioned dataset (``rank=R/*.parquet``)."""
+    entries = os.listdir(directory)
+    parts = sorted((d for d in entries if partition_rank(os.path.join(directory, d, "x")) is not None
+                    and os.path.isdir(os.path.join(directory, d))), key=lambda d: int(d[len(PARTITION):]))
+    if parts:
+        return [os.path.join(directory, d, f) for d in parts for f in sorted(os.listdir(os.path.join(directory, d)))
+                if f.endswith(".parquet") and os.path.isfile(os.path.join(directory, d, f))]
+    names = [f for f in entries if f.endswith((SUFFIX, ".csv", ".parquet"))
              and os.path.isfile(os.path.join(directory, f))]
     binary = {f[: -len(SUFFIX)] for f in names if f.endswith(SUFFIX)}
     keep = [f for f in names if f.endswith(SUFFIX) or os.path.splitext(f)[0] not in binary]
@@ -718,9 +737,16 @@ def _read_parquet(pa, path, schema, notes):
         if version is not None and version > SCHEMA_VERSION:
             notes.add(path, f"written by a newer commpatch (schema {version}; this one knows up to "
                             f"{SCHEMA_VERSION}): the columns added since are ignored")
-        fill = _plan(path, arrow_schema.names, schema, version and min(version, SCHEMA_VERSION), notes)
+        names = list(arrow_schema.names)
+        part_rank = partition_rank(path) if "rank" not in names else None
+        if part_rank is not None:          # a file of a rank-partitioned dataset: the rank is in its path
+            names.append("rank")
+        fill = _plan(path, names, schema, version and min(version, SCHEMA_VERSION), notes)
         try:
-            table = pf.read(columns=[c.name for c in schema if c.name not in fill])
+            table = pf.read(columns=[c.name for c in schema if c.name not in fill
+                                     and not (c.name == "rank" and part_rank is not None)])
+            if part_rank is not None and any(c.name == "rank" for c in schema):
+                table = table.append_column("rank", pa.repeat(pa.scalar(part_rank, pa.int64()), table.num_rows))
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise LogFileError(path, f"corrupt Parquet data ({_short(exc)})") from None
         return table, fill
