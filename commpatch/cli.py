@@ -261,8 +261,10 @@ def _report_compare(args) -> int:
         sys.stdout.write("## Scaling\n\n" + report.render_markdown(table) + "\n\n## Bus bandwidth per op\n\n"
                          + report.render_markdown(by_op) + "\n")
     else:
-        sys.stdout.write(report.render_text(table, title="commpatch scaling: runs by world size") + "\n\n"
-                         + report.render_text(by_op, title="bus bandwidth per op and world size") + "\n")
+        sys.stdout.write(report.render_text(table, title="commpatch scaling: runs by world size (per-step figures: "
+                                                         "mean over ranks and steps)") + "\n\n"
+                         + report.render_text(by_op, title="bus bandwidth per op and world size (count, total_us: "
+                                                           "summed over ranks)") + "\n")
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 

@@ -78,11 +78,13 @@ def render_markdown(df) -> str:
 # ---- the full report ----------------------------------------------------------------------
 SECTIONS = {   # key -> title, in the order they are rendered
     "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
-    "summary": "Per op and message size",
-    "steps": "Per step (mean over ranks)",
-    "ranks": "Ranks by how long and how often they arrived last (stragglers first)",
-    "skew": "Collectives with the largest arrival skew",
-    "p2p": "Point-to-point channels (matched pairwise)",
+    "summary": "Per op and message size (count, total_us, bytes: summed over all ranks' calls; mean, p50, p95, "
+               "max: per call)",
+    "steps": "Per step (mean over ranks; max_comm_us and max_rank: the rank with the most communication)",
+    "ranks": "Ranks by how long and how often they arrived last (stragglers first; per rank: sums over its "
+             "collectives)",
+    "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
+    "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
 }
 
 
