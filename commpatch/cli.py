@@ -188,8 +188,12 @@ def _engine_report(args, by, steps, ranks, window):
                                     progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):
             eng.add(staged)
         _check_rows(args, eng.counts["calls"], ranks, window)
-        pre = eng.results(top=args.top, arrivals_bins=200 if args.plots else None)
-        pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots else None
+        try:
+            pre = eng.results(top=args.top, arrivals_bins=200 if args.plots else None)
+            pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots else None
+        except engine.EngineError as exc:      # out of memory or disk space: say so on one line
+            raise _InputError(f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
+                              "--engine pandas computes the same report in memory") from None
     finally:
         eng.close()
     return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre), pre

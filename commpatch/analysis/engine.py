@@ -33,6 +33,19 @@ ENGINES = ("auto", "pandas", "duckdb")
 AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
 
 
+class EngineError(RuntimeError):
+    """DuckDB could not compute the report (out of memory or disk space for its temporary files)."""
+
+
+def _engine_errors(function, *args):
+    import duckdb
+
+    try:
+        return function(*args)
+    except duckdb.Error as exc:
+        raise EngineError(str(exc)) from exc
+
+
 def available() -> bool:
     """DuckDB is installed (``pip install 'commpatch[scale]'``)."""
     return importlib.util.find_spec("duckdb") is not None
@@ -268,12 +281,15 @@ class Engine:
     # ---- results -----------------------------------------------------------------------------
     def results(self, top: int = 10, arrivals_bins: int | None = None) -> Results:
         """Every table of the report; ``arrivals_bins``: also the per-rank arrival matrix (plots)."""
+        return _engine_errors(self._results, top, arrivals_bins)
+
+    def _results(self, top, arrivals_bins) -> Results:
         if self.con is None:
             self._connect()
         if "rows" not in self.tables:
             raise ValueError("no rows were given to the engine")
         ranks = sorted(self.seen_ranks)
-        out = Results(summary=self.summary(), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
         if len(ranks) > 1:
             self._groups(ranks)
             self._match()
@@ -292,6 +308,11 @@ class Engine:
     def summary(self, by=None):
         """``summaries.summary`` of every row added, by the engine's ``by`` keys (default) or by
         columns it stores (op, group, dtype, rank, step) and size_bucket."""
+        if self.con is None:
+            self._connect()
+        return _engine_errors(self._summary, by)
+
+    def _summary(self, by):
         import pandas as pd
 
         by = self.by if by is None else ([by] if isinstance(by, str) else list(by))
