@@ -62,7 +62,7 @@ def _compare(paths, by=("collective", "size_bucket"), **read):
     return want
 
 
-def test_engine_and_pandas_paths_give_the_same_report(tmp_path):
+def test_engine_and_pandas_paths_give_the_same_report(tmp_path, monkeypatch):
     # CSV logs with p2p, a straggler and a size mismatch; then a skipped collective and a lost receive
     write_rank_files(str(tmp_path / "a"), 4, 6, p2p=True, straggler=2, mismatch=(1, 7), seed=3)
     rep = _compare(str(tmp_path / "a"))
@@ -74,6 +74,9 @@ def test_engine_and_pandas_paths_give_the_same_report(tmp_path):
         cpio.write(part, str(tmp_path / "b" / f"rank{rank}.parquet"))
     rep = _compare(str(tmp_path / "b"), by=("op", "dtype"))
     assert {"missing", "bytes", "dtype", "p2p_unmatched", "op"} <= set(rep.sections["mismatches"]["kind"])
+    monkeypatch.setattr(engine.Engine, "SMALL_DIFFERS", 3)     # many disagreeing collectives: found in SQL
+    assert _compare(str(tmp_path / "b"), by=("op", "dtype")).errors == rep.errors
+    monkeypatch.undo()
     # binary rank logs as a run writes them: groups of three sizes, p2p pairs, a straggler, a mismatch
     write_binary_run(str(tmp_path / "c"), 16, 400, straggler=9, mismatch=(5, 7))
     rep = _compare(str(tmp_path / "c"))

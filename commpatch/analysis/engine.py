@@ -284,6 +284,8 @@ class Engine:
         return _engine_errors(self._results, top, arrivals_bins)
 
     def _results(self, top, arrivals_bins) -> Results:
+        import pandas as pd
+
         if self.con is None:
             self._connect()
         if "rows" not in self.tables:
@@ -294,9 +296,41 @@ class Engine:
             self._groups(ranks)
             self._match()
             out.ranks = self._rank_table()
-            out.skew = self._top_skew(top)
-            out.p2p = self._p2p_channels()
-            out.mismatches = self._mismatches(set(ranks))
+            skew = self._top_skew(top)
+            out.p2p = self._p2p(set(ranks))
+            # one scan for the rows of every collective shown: the top skews, those whose fields
+            # disagree (when few) and the first missing one of each group
+            wanted = pd.concat([skew.rename(columns={"coll_seq": "cseq"})[["g", "cseq"]],
+                                self._df("SELECT g, cseq FROM coll WHERE differs LIMIT " + str(self.SMALL_DIFFERS + 1)),
+                                self._df("SELECT g, min(cseq) AS cseq FROM coll WHERE missing GROUP BY g")])
+            shown = self._shown(wanted)
+            names = self.names.get("group", {})
+
+            def flags_of(differs):
+                out = {c: [] for c in ("g", "cseq", "op_mismatch", "dtype_mismatch", "bytes_mismatch")}
+                for g, cseq in zip(differs["g"], differs["cseq"]):
+                    rows = shown[(names[int(g)], int(cseq))]
+                    for column, values in (("g", g), ("cseq", cseq), ("op_mismatch", rows["op"].nunique() > 1),
+                                           ("dtype_mismatch", rows["dtype"].nunique() > 1),
+                                           ("bytes_mismatch", rows["bytes"].nunique() > 1)):
+                        out[column].append(values)
+                return pd.DataFrame(out)
+
+            found = self._mismatches(flags_of)
+            missing_rows = [(f[2], f[3]) for f in found if (f[1], f[3]) not in shown]
+            if missing_rows:                    # first disagreements of a long run of them (computed in SQL)
+                shown.update(self._shown(pd.DataFrame(missing_rows, columns=["g", "cseq"])))
+            first = {key: rows.iloc[0] for key, rows in shown.items()}
+            skew = skew.assign(step=[first[(g, c)]["step"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               op=[first[(g, c)]["op"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               bytes=[first[(g, c)]["bytes"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               max_duration_us=[shown[(g, c)]["dur"].max() for g, c in zip(skew["group"], skew["coll_seq"])])
+            out.skew = skew[["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler",
+                             "max_duration_us"]]
+            collectives = [(kind, name, cseq, int(first[(name, cseq)]["step"]), str(first[(name, cseq)]["op"]), n)
+                           for kind, name, g, cseq, n in found]
+            out.mismatches = mismatch_table(collectives, lambda group, coll_seq: shown[(group, coll_seq)],
+                                            self.p2p_firsts, set(ranks))
             members = set()
             for s in self.group_ranks.values():
                 members.update(expand_ranks(s))
@@ -330,7 +364,7 @@ class Engine:
         cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
         out = self._df(f"""
             SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
-                   quantile_cont(dur, 0.5) AS p50_us, quantile_cont(dur, 0.95) AS p95_us, max(dur) AS max_us,
+                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us,
                    sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
                    coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
                    coalesce(sum(busbytes), 0) AS _busbytes
@@ -340,6 +374,10 @@ class Engine:
                 names = self.names[codes_of]
                 values = [names[int(c)] for c in out[k]]
                 out[k] = pd.Categorical(values, categories=sorted(set(values)))
+        # one quantile state for both (each holds every duration of its group: two did not fit in 2 GB at 100M rows)
+        q = [v if v is not None and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
+        out["p50_us"] = np.array([v[0] for v in q], np.float64)
+        out["p95_us"] = np.array([v[1] for v in q], np.float64)
         out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
         out["count"] = out["count"].astype(np.int64)
         out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "bytes",
@@ -385,7 +423,7 @@ class Engine:
         """One row per collective (group, cseq) with the few aggregates every row must feed (measured
         at 256 ranks x 100k rows: a struct of the first arrival's values made this 5x slower); the
         first arrival's values and which field differs are looked up afterwards for the few
-        collectives the report shows (``_firsts``, ``_flags``)."""
+        collectives the report shows (``_mismatches``, ``_shown``)."""
         self.con.execute(f"""
             CREATE OR REPLACE TABLE coll AS
             SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, g.pos
@@ -403,13 +441,6 @@ class Engine:
             return self._df(sql)
         finally:
             self.con.unregister("_want")
-
-    def _firsts(self, wanted):
-        """Per collective of ``wanted``: the first arrival's step, op and bytes, and the longest duration."""
-        return self._join_wanted(wanted, f"""
-            SELECT r."group" AS g, r.cseq, arg_min(r.step, {self._ORDER}) AS step, arg_min(r.op, {self._ORDER}) AS op,
-                   arg_min(r.bytes, {self._ORDER}) AS bytes, max(r.dur) AS max_duration_us
-            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq GROUP BY ALL""")
 
     def _rank_table(self):
         out = self._df("""
@@ -432,15 +463,11 @@ class Engine:
         return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
 
     def _top_skew(self, n):
-        out = self._df(f"""
+        return self._df(f"""
             SELECT c.g, g.name AS "group", c.cseq AS coll_seq, c.n::BIGINT AS ranks, c.skew_us,
                    c.straggler::BIGINT AS straggler
             FROM coll c JOIN groups g ON c.g = g.g
             ORDER BY c.skew_us DESC, c.pos, c.cseq LIMIT {int(n)}""")
-        firsts = self._firsts(out.rename(columns={"coll_seq": "cseq"}))
-        out = out.merge(firsts, left_on=["g", "coll_seq"], right_on=["g", "cseq"], how="left")
-        out = self._decode(out, "op", "op")
-        return out[["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler", "max_duration_us"]]
 
     def _pairs_sql(self) -> str:
         return """
@@ -453,66 +480,74 @@ class Engine:
             FULL OUTER JOIN (SELECT "group" AS g, * FROM p2p WHERE side = 1) r
               ON s.g = r.g AND s.channel = r.channel AND s.src = r.src AND s.dst = r.dst AND s.k = r.k"""
 
-    def _p2p_channels(self):
+    def _p2p(self, present):
+        """Point-to-point pairs in one pass: the channels table, and per channel its first unmatched
+        call (both ends have a log) and its first size mismatch, from which ``_mismatches`` takes
+        the first per group."""
         if "p2p" not in self.tables:
+            self.p2p_firsts = []
             return None
+        ranks = ", ".join(map(str, sorted(present))) or "NULL"
+        first = """{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k, 'send_op': p.send_op,
+                    'recv_op': p.recv_op, 'send_bytes': p.send_bytes, 'recv_bytes': p.recv_bytes}"""
+        order = "(p.channel, p.src, p.dst, p.k)"
+        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks})"
+        bytes_bad = "matched AND send_bytes <> recv_bytes"
         out = self._df(f"""
             SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
                    p.src, p.dst, count(*)::BIGINT AS pairs, (count(*) FILTER (WHERE matched))::BIGINT AS matched,
-                   (count(*) FILTER (WHERE matched AND send_bytes <> recv_bytes))::BIGINT AS bytes_mismatch,
-                   avg(skew_us) AS mean_skew_us, max(skew_us) AS max_skew_us
+                   (count(*) FILTER (WHERE {bytes_bad}))::BIGINT AS bytes_mismatch,
+                   avg(skew_us) AS mean_skew_us, max(skew_us) AS max_skew_us,
+                   arg_min({first}, {order}) FILTER (WHERE {unmatched}) AS _unmatched,
+                   (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
+                   arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
             FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g
             GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
-        return out
+        ops = self.names.get("op", {})
+        self.p2p_firsts = []
+        for kind, column, count in (("p2p_unmatched", "_unmatched", "_n_unmatched"), ("p2p_bytes", "_bytes", "bytes_mismatch")):
+            for group, part in out.groupby("group", sort=True):
+                part = part[part[count] > 0]          # channels in (channel, src, dst) order: the first is the group's first
+                if len(part):
+                    first = dict(part[column].iloc[0])
+                    for side in ("send_op", "recv_op"):
+                        first[side] = ops[first[side]] if first[side] is not None else None
+                    self.p2p_firsts.append((kind, str(group), first, int(part[count].sum())))
+        return out.drop(columns=["_unmatched", "_n_unmatched", "_bytes"])
 
-    def _mismatches(self, present):
+    SMALL_DIFFERS = 10_000      # up to this many disagreeing collectives, their rows are fetched with the shown ones
+
+    def _mismatches(self, flags_of):
+        """(kind, group name, g, first cseq, affected) per kind and group, as the pandas path orders them.
+        ``flags_of(differs)``: which fields differ for the collectives (g, cseq) whose hash disagreed."""
         import pandas as pd
 
-        flags = self._df("""
-            SELECT c.g, c.cseq, min(r.op) <> max(r.op) AS op_mismatch, min(r.dtype) <> max(r.dtype) AS dtype_mismatch,
-                   min(r.bytes) <> max(r.bytes) AS bytes_mismatch
-            FROM rows r JOIN (SELECT g, cseq FROM coll WHERE differs) c ON r."group" = c.g AND r.cseq = c.cseq
-            GROUP BY ALL""")
+        differs = self._df("SELECT g, cseq FROM coll WHERE differs")
+        if len(differs) > self.SMALL_DIFFERS:      # many (a skipped call shifts all later ones): in SQL
+            flags = self._df("""
+                SELECT c.g, c.cseq, min(r.op) <> max(r.op) AS op_mismatch, min(r.dtype) <> max(r.dtype) AS dtype_mismatch,
+                       min(r.bytes) <> max(r.bytes) AS bytes_mismatch
+                FROM rows r JOIN (SELECT g, cseq FROM coll WHERE differs) c ON r."group" = c.g AND r.cseq = c.cseq
+                GROUP BY ALL""")
+        else:
+            flags = flags_of(differs)
         flags["missing"] = False
         flags = pd.concat([flags, self._df("SELECT g, cseq, true AS missing FROM coll WHERE missing")], ignore_index=True)
         names = self.names.get("group", {})
-        found = []                        # (kind, group name, g, first cseq, affected), as the pandas path orders them
+        found = []
         for kind, flag in MISMATCH_FLAGS:
             bad = flags[flags[flag].fillna(False).astype(bool)]
             per_group = bad.groupby("g")["cseq"].agg(["min", "size"])
             found += sorted((kind, names[int(g)], int(g), int(r["min"]), int(r["size"])) for g, r in per_group.iterrows())
-        firsts = detail_rows = {}
-        if found:
-            wanted = pd.DataFrame({"g": [f[2] for f in found], "cseq": [f[3] for f in found]})
-            firsts = self._decode(self._firsts(wanted), "op", "op").set_index(["g", "cseq"])
-            detail_rows = self._detail_rows(wanted)
-        collectives = [(kind, name, cseq, int(firsts.loc[(g, cseq), "step"]), str(firsts.loc[(g, cseq), "op"]), n)
-                       for kind, name, g, cseq, n in found]
-        p2p_firsts = []
-        if "p2p" in self.tables:
-            ranks = ", ".join(map(str, sorted(present))) or "NULL"
-            for kind, cond in (("p2p_unmatched", f"NOT matched AND src IN ({ranks}) AND dst IN ({ranks})"),
-                               ("p2p_bytes", "matched AND send_bytes <> recv_bytes")):
-                rows = self._df(f"""
-                    SELECT g.name AS "group", arg_min({{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k,
-                           'send_op': p.send_op, 'recv_op': p.recv_op, 'send_bytes': p.send_bytes,
-                           'recv_bytes': p.recv_bytes}}, (p.channel, p.src, p.dst, p.k)) AS first, count(*) AS affected
-                    FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g WHERE {cond}
-                    GROUP BY g.name ORDER BY g.name""")
-                ops = self.names.get("op", {})
-                for r in rows.itertuples():
-                    first = dict(r.first)
-                    for side in ("send_op", "recv_op"):
-                        first[side] = ops[first[side]] if first[side] is not None else None
-                    p2p_firsts.append((kind, str(r.group), first, int(r.affected)))
-        return mismatch_table(collectives, lambda group, coll_seq: detail_rows[(group, coll_seq)], p2p_firsts, present)
+        return found
 
-    def _detail_rows(self, wanted):
-        """(group name, cseq) -> the rows (rank, op, dtype, bytes, group_ranks) of the collectives in
-        ``wanted`` (g, cseq)."""
+    def _shown(self, wanted):
+        """(group name, cseq) -> the rows (rank, op, dtype, bytes, step, dur, start_ns, group_ranks) of the
+        collectives in ``wanted`` (g, cseq): one scan for every collective the report shows."""
         rows = self._join_wanted(wanted, """
-            SELECT r."group" AS g, r.cseq, r.rank::BIGINT AS rank, r.op, r.dtype, r.bytes
-            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq ORDER BY r.rank""")
+            SELECT r."group" AS g, r.cseq, r.rank::BIGINT AS rank, r.op, r.dtype, r.bytes, r.step, r.dur, r.start_ns
+            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""")
+        rows = rows.sort_values(["start_ns", "rank"], kind="stable")      # first arrival first, as pandas orders
         self._decode(rows, "op", "op")
         self._decode(rows, "dtype", "dtype")
         names = self.names.get("group", {})
