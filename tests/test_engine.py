@@ -127,7 +127,7 @@ def test_scale_benchmark_runs_a_small_size(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     row = [line for line in out.stdout.splitlines() if line.startswith("| 16 |")]
-    assert row and row[0].split("|")[6:8] == [" found ", " found "]
+    assert row and row[0].split("|")[7:9] == [" found ", " found "]
 
 
 def test_convert_to_a_rank_partitioned_parquet_dataset_that_report_and_duckdb_read_as_is(tmp_path, capsys):
