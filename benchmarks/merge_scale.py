@@ -133,7 +133,7 @@ def main() -> int:
     finally:
         if not args.dir and not args.keep:
             shutil.rmtree(base, ignore_errors=True)
-    print(f"\n| ranks | rows | report (s) | s per M rows | CPU (s, all processes) | peak RSS (GiB) | straggler | mismatch "
+    print("\n| ranks | rows | report (s) | s per M rows | CPU (s, all processes) | peak RSS (GiB) | straggler | mismatch "
           "| load (1 min) |")
     print("|---:|---:|---:|---:|---:|---:|---|---|---|")
     for ranks, rows, wall, peak, found, load, cpu in results:
