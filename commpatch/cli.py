@@ -525,7 +525,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-times", metavar="CSV",
                    help="step times: columns step and duration_us (or start_ns, end_ns), optionally rank; default: "
                         "derived from the log's step column (--steps CSV is still read as this)")
-    p.add_argument("--engine", choices=("auto",) + ("pandas", "duckdb"), default="auto",
+    p.add_argument("--engine", choices=("auto", "pandas", "duckdb"), default="auto",
                    help="duckdb: the cross-rank report on DuckDB, in bounded memory (pip install 'commpatch[scale]'); "
                         "auto (default): DuckDB from 256 MB of logs on when it is installed, else pandas")
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")

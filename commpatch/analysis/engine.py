@@ -29,7 +29,6 @@ from ..data.schema import expand_ranks
 from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
 from .summaries import durations, finish_summary, per_step, size_bucket
 
-ENGINES = ("auto", "pandas", "duckdb")
 AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
 
 
