@@ -80,23 +80,24 @@ def _report(args) -> int:
     by = _check_by(args.by)
     if args.top < 0:
         raise _InputError(f"--top {args.top}: give 0 or more")
+    ranks = _parse_ranks(args.ranks) if args.ranks is not None else None
+    window, step_times = _steps_option(args)
     # outputs and inputs other than the logs are checked before anything is read or computed
     for option, path in (("--trace", args.trace), ("--module-tree", args.module_tree)):
         if path:
             _check_output(option, path, directory=False)
     if args.plots:
         _check_plots(args.plots)
-    steps = _read_steps(args.steps) if args.steps else None
-    # the report alone needs a subset of the columns (a large log reads faster); exports need all
-    columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
-    df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns)
-    if len(df) == 0:
-        raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s): nothing to report")
-    if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
-        raise _InputError(f"--module-tree: the log has no module column (written by an older commpatch): "
-                          "no module tree")
-    cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
-    rep = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross)
+    steps = _read_steps(step_times[0], step_times[1]) if step_times else None
+    if _use_engine(args):
+        df, rep, pre = None, *_engine_report(args, by, steps, ranks, window)
+    else:
+        # the report alone needs a subset of the columns (a large log reads faster); exports need all
+        columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
+        df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns, ranks=ranks, steps=window)
+        _check_rows(args, len(df), ranks, window)
+        cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
+        rep, pre = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross), None
     if args.format == "csv":
         frame = rep.sections.get(args.section)
         if frame is None:
@@ -108,6 +109,11 @@ def _report(args) -> int:
         sys.stdout.write(report.render_report_markdown(rep) + "\n")
     else:
         sys.stdout.write(report.render_report_text(rep) + "\n")
+    if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
+        df = io.read(args.paths, ranks=ranks, steps=window)
+    if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
+        raise _InputError(f"--module-tree: the log has no module column (written by an older commpatch): "
+                          "no module tree")
     if args.trace:
         from .render.trace import write_chrome_trace  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -125,11 +131,116 @@ def _report(args) -> int:
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
+        if pre is not None:
+            by_op, arrivals = pre.by_op_size, pre.arrivals
+        else:
+            by_op = analysis.summary(df, by=["op", "size_bucket"])
+            arrivals = cross.arrivals if cross is not None else None
         with _writing("--plots", args.plots):
-            written = plots.write_plots(args.plots, analysis.summary(df, by=["op", "size_bucket"]),
-                                        rep.sections.get("steps"), cross.arrivals if cross is not None else None)
+            written = plots.write_plots(args.plots, by_op, rep.sections.get("steps"), arrivals)
         print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
     return 1 if args.fail_on_mismatch and rep.errors else 0
+
+
+def _check_rows(args, n, ranks, window) -> None:
+    if n == 0:
+        sliced = ranks is not None or window is not None
+        raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
+                          + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
+                          + ": nothing to report")
+
+
+def _use_engine(args) -> bool:
+    """--engine duckdb, or auto with DuckDB installed and at least AUTO_BYTES of input."""
+    from .analysis import engine  # lazy: the CLI's other commands never load numpy / pandas
+
+    if args.engine == "pandas":
+        return False
+    if args.engine == "duckdb":
+        if not engine.available():
+            raise _InputError("--engine duckdb: DuckDB is not installed: pip install 'commpatch[scale]'")
+        return True
+    if not engine.available():
+        return False
+    from . import io  # lazy: the CLI's other commands never load numpy / pandas
+
+    total = 0
+    for path in io.expand(args.paths):
+        with contextlib.suppress(OSError):
+            total += os.path.getsize(path)
+    return total >= engine.AUTO_BYTES
+
+
+def _engine_report(args, by, steps, ranks, window):
+    """The report's tables from the engine: each rank read, reduced and staged in turn by two
+    processes (reading and reducing a rank is single-threaded Python / numpy), then queried."""
+    import functools
+
+    from . import io  # lazy: the CLI's other commands never load numpy / pandas
+    from .analysis import engine  # lazy: the CLI's other commands never load numpy / pandas
+    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
+
+    eng = engine.Engine(by=by)
+    try:
+        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps)
+        columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
+        for staged in io.read_ranks(args.paths, transform, columns=columns, ranks=ranks, steps=window,
+                                    progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):
+            eng.add(staged)
+        _check_rows(args, eng.counts["calls"], ranks, window)
+        try:
+            pre = eng.results(top=args.top, arrivals_bins=200 if args.plots else None)
+            pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots else None
+        except engine.EngineError as exc:      # out of memory or disk space: say so on one line
+            raise _InputError(f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
+                              "--engine pandas computes the same report in memory") from None
+    finally:
+        eng.close()
+    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre), pre
+
+
+def _parse_ranks(text: str) -> set:
+    """``--ranks 0-7,12`` -> {0, ..., 7, 12}; a one-line error for anything else."""
+    out: set = set()
+    for part in text.split(","):
+        part = part.strip()
+        first, dash, last = part.partition("-")
+        try:
+            lo = int(first)
+            hi = int(last) if dash else lo
+        except ValueError:
+            raise _InputError(f"--ranks {text!r}: {part!r} is not a rank or a range of ranks (e.g. 0-7,12)") from None
+        if lo < 0 or hi < lo:
+            raise _InputError(f"--ranks {text!r}: {part!r} is not a range of ranks (give first-last with "
+                              "0 <= first <= last, e.g. 0-7,12)")
+        out.update(range(lo, hi + 1))
+    return out
+
+
+def _steps_option(args):
+    """(window of steps (first, stop) or None, (step-times CSV, option name) or None) from --steps
+    A:B (a window; either end may be left out) or --step-times CSV (--steps CSV still works)."""
+    import re
+
+    window, times = None, (args.step_times, "--step-times") if args.step_times else None
+    text = args.steps
+    if text is not None:
+        m = re.fullmatch(r"\s*(-?\d*)\s*:\s*(-?\d*)\s*", text)
+        if m is not None:
+            lo, hi = (int(g) if g else None for g in m.groups())
+            if (lo is not None and lo < 0) or (hi is not None and hi < 0):
+                raise _InputError(f"--steps {text}: steps are 0 or more (A:B keeps steps A to B-1)")
+            if lo is not None and hi is not None and hi <= lo:
+                raise _InputError(f"--steps {text}: no step in this window (A:B keeps steps A to B-1: give B > A)")
+            window = (lo, hi)
+        elif os.path.exists(text) or text.lower().endswith(".csv"):
+            if times is not None:
+                raise _InputError("--steps CSV and --step-times CSV: give the step times once (--step-times)")
+            times = (text, "--steps")
+        else:
+            raise _InputError(f"--steps {text}: give a window of steps A:B (e.g. 100:200, 100:, :50) "
+                              "(step times from a CSV file: --step-times FILE)")
+    return window, times
 
 
 def _report_compare(args) -> int:
@@ -257,26 +368,26 @@ def _plain_warnings():
         yield
 
 
-def _read_steps(path):
-    """The --steps file, checked (read before the logs): one-line errors for what is wrong."""
+def _read_steps(path, option="--steps"):
+    """The step-times file, checked (read before the logs): one-line errors for what is wrong."""
     import numpy as np
     import pandas as pd
 
     if not os.path.exists(path):
-        raise _InputError(f"--steps {path}: no such file")
+        raise _InputError(f"{option} {path}: no such file")
     if os.path.isdir(path):
-        raise _InputError(f"--steps {path}: is a directory (give the CSV file)")
+        raise _InputError(f"{option} {path}: is a directory (give the CSV file)")
     try:
         steps = pd.read_csv(path)
     except pd.errors.EmptyDataError:
-        raise _InputError(f"--steps {path}: empty file (a steps file needs a header: step,duration_us)") from None
+        raise _InputError(f"{option} {path}: empty file (a steps file needs a header: step,duration_us)") from None
     except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
-        raise _InputError(f"--steps {path}: not a readable CSV ({' '.join(str(exc).split())[:120]})") from None
+        raise _InputError(f"{option} {path}: not a readable CSV ({' '.join(str(exc).split())[:120]})") from None
     except OSError as exc:
-        raise _InputError(f"--steps {path}: cannot be read ({exc.strerror or exc})") from None
+        raise _InputError(f"{option} {path}: cannot be read ({exc.strerror or exc})") from None
     steps.columns = [str(c).strip() for c in steps.columns]
     if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
-        raise _InputError(f"--steps {path}: a steps file needs columns step and duration_us "
+        raise _InputError(f"{option} {path}: a steps file needs columns step and duration_us "
                           "(or start_ns and end_ns), optionally rank")
     for col in ("step", "rank", "duration_us", "start_ns", "end_ns"):
         if col not in steps:
@@ -288,7 +399,7 @@ def _read_steps(path):
             bad |= values.isna() | (values % 1 != 0)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise _InputError(f"--steps {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
+            raise _InputError(f"{option} {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
                               f"not {'an integer' if integral else 'a number'}")
         steps[col] = values.astype(np.int64) if integral else values.astype(np.float64)
     if "duration_us" not in steps:
@@ -300,18 +411,24 @@ def _read_steps(path):
 
         from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
 
-        warnings.warn(f"--steps {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
+        warnings.warn(f"{option} {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
                       LogFileWarning, stacklevel=2)
         steps = steps[~impossible]
     if len(steps) == 0:
-        raise _InputError(f"--steps {path}: no step times in the file")
+        raise _InputError(f"{option} {path}: no step times in the file")
     return steps
+
+
+PROGRESS_AFTER_S = 2.0      # a read that ends sooner shows no progress bar
 
 
 def _progress(args, what):
     """A progress callback on stderr (tqdm when installed), or a no-op when not wanted."""
+    import time
+
     show = args.progress if args.progress is not None else sys.stderr.isatty()
-    state = {}
+    delay = 0.0 if args.progress else PROGRESS_AFTER_S      # asked for: at once; else only for long reads
+    state = {"t0": time.monotonic()}
 
     def update(done, total):
         if not show or total < 2:
@@ -321,10 +438,12 @@ def _progress(args, what):
         except ImportError:
             tqdm = None
         if tqdm is not None:
-            bar = state.setdefault("bar", tqdm(total=total, desc=what, file=sys.stderr, leave=False))
+            bar = state.setdefault("bar", tqdm(total=total, desc=what, file=sys.stderr, leave=False, delay=delay))
             bar.update(done - bar.n)
             if done == total:
                 bar.close()
+            return
+        if time.monotonic() - state["t0"] < delay:
             return
         sys.stderr.write(f"\rcommpatch: {what} {done}/{total}" + ("\n" if done == total else ""))
         sys.stderr.flush()
@@ -343,16 +462,23 @@ def cmd_convert(args) -> int:
             files = [f for f in io.expand(args.paths) if f.endswith(SUFFIX)]
         if not files:
             raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
-        for path in files:
-            out = io.export_path(path, "." + args.to)
+        progress = _progress(args, "converting")
+        for i, path in enumerate(files):
+            if args.to == "parquet":     # one rank-partitioned dataset per run directory
+                out = os.path.join(os.path.dirname(path), "parquet", f"rank={io.file_rank(path)}",
+                                   os.path.basename(io.export_path(path, ".parquet")))
+            else:
+                out = io.export_path(path, "." + args.to)
             if os.path.lexists(out):
                 print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
                 continue
             try:
-                io.convert(path, out)
+                out = io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out))) if args.to == "parquet" \
+                    else io.convert(path, out)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
             print(out)
+            progress(i + 1, len(files))
         return 0
     except _InputError as exc:
         print(f"commpatch convert: {exc}", file=sys.stderr)
@@ -405,8 +531,14 @@ def main(argv=None) -> int:
     p.add_argument("--section", default="summary",
                    help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "
                         "(with --compare: scaling or by_op)")
-    p.add_argument("--steps", metavar="CSV", help="step times: columns step and duration_us (or start_ns, end_ns), "
-                                                  "optionally rank; default: derived from the log's step column")
+    p.add_argument("--steps", metavar="A:B", help="only steps A to B-1 (100:200; 100: or :50 leave an end open)")
+    p.add_argument("--ranks", metavar="LIST", help="only these ranks, e.g. 0-7,12 (the other ranks' files are not read)")
+    p.add_argument("--step-times", metavar="CSV",
+                   help="step times: columns step and duration_us (or start_ns, end_ns), optionally rank; default: "
+                        "derived from the log's step column (--steps CSV is still read as this)")
+    p.add_argument("--engine", choices=("auto", "pandas", "duckdb"), default="auto",
+                   help="duckdb: the cross-rank report on DuckDB, in bounded memory (pip install 'commpatch[scale]'); "
+                        "auto (default): DuckDB from 256 MB of logs on when it is installed, else pandas")
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
     p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)")
     p.add_argument("--plots", metavar="DIR", help="also write PNG plots (needs matplotlib)")
@@ -425,9 +557,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("convert", help="write the CSV (or Parquet) of binary rank logs, e.g. of a job that died")
+    p = sub.add_parser("convert", help="write the CSV of binary rank logs (e.g. of a job that died), or a "
+                                       "rank-partitioned Parquet dataset of them")
     p.add_argument("paths", nargs="+", help=".cplog files, or directories (a run, or a directory of runs: the latest)")
-    p.add_argument("--to", choices=("csv", "parquet"), default="csv")
+    p.add_argument("--to", choices=("csv", "parquet"), default="csv",
+                   help="csv: rank{r}.csv beside each log; parquet: one dataset per run, parquet/rank=R/rank{r}.parquet "
+                        "(hive layout: DuckDB, Spark, Trino, pyarrow and commpatch report read it as is)")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("env", help="show settings and their environment variables")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from .analysis.summaries import add_bandwidth
+from .data import logfile
 from .data.frame import apply_schema
-from .data.ops import describe_op
-from .data.schema import DERIVED_FROM_OP, SCHEMA
+from .data.ops import OP_CODE, OP_NAMES, describe_op
+from .data.schema import DERIVED_FROM_OP, ROW, SCHEMA, SCHEMA_VERSION, TIMINGS, compact_ranks, row_dtype
 from .io.writer import write
 
 # (op, bytes, dtype) issued by every rank in each step, in this order
@@ -130,3 +131,103 @@ def write_rank_files(directory: str, world_size: int = 4, steps: int = 10, **opt
 
     return [write(frame, os.path.join(directory, f"rank{rank}.csv"))
             for rank, frame in enumerate(rank_logs(world_size, steps, **options))]
+
+
+# ---- binary rank logs, as a real run writes them ----------------------------------------------
+# Per step, in this order: (op, group kind, bytes, dtype). Group kinds: "tp" (8 consecutive
+# ranks), "dp" (every 8th rank: world / 8 of them), "world", and a send / recv with the
+# neighbour rank (r xor 1) on the world group, which advances group_seq on those two ranks only.
+BINARY_PATTERN = (
+    ("all_reduce", "tp", 1 << 20, "bfloat16"),
+    ("all_gather_into_tensor", "tp", 1 << 21, "bfloat16"),
+    ("all_reduce", "tp", 1 << 20, "bfloat16"),
+    ("reduce_scatter_tensor", "dp", 1 << 24, "float32"),
+    ("all_gather_into_tensor", "dp", 1 << 23, "bfloat16"),
+    ("send", "world", 1 << 16, "bfloat16"),
+    ("recv", "world", 1 << 16, "bfloat16"),
+    ("all_reduce", "tp", 1 << 12, "float32"),
+    ("all_reduce", "world", 8, "float32"),
+    ("broadcast", "dp", 1 << 10, "int64"),
+)
+_DTYPE_CODES = {"bfloat16": (2, 2), "float32": (3, 4), "int64": (4, 8)}   # code, element size
+
+
+def binary_groups(world_size: int, rank: int) -> dict:
+    """kind -> (name, ranks) of the groups ``rank`` is in (world, its tensor- and data-parallel groups),
+    named as torch names them (the default group '0', then one number per new_group call)."""
+    tp = min(8, world_size)
+    n_tp = world_size // tp
+    return {"world": ("0", list(range(world_size))),
+            "tp": (str(1 + rank // tp), list(range(rank // tp * tp, rank // tp * tp + tp))),
+            "dp": (str(1 + n_tp + rank % tp), list(range(rank % tp, world_size, tp)))}
+
+
+def write_binary_run(directory: str, world_size: int = 16, rows: int = 10_000, *, straggler: int | None = 3,
+                     straggler_delay_us: float = 400.0, mismatch: tuple[int, int] | None = (5, 7),
+                     seed: int = 0) -> list[str]:
+    """One binary rank log (``rank{r}.cplog``) per rank, framed exactly as ``record.log`` writes them
+    (header, groups with their ranks once, dtypes, clock offset, rows in chunks of 16,384), with
+    ``rows`` rows per rank (rounded to whole steps) of ``BINARY_PATTERN``: groups of three sizes,
+    point-to-point calls, a ``straggler`` that issues every call ``straggler_delay_us`` late, and
+    on rank ``mismatch[0]`` the ``mismatch[1]``-th call moving twice the bytes. Issue times jitter
+    per rank; a call ends when the last member of its group arrived plus the transfer time, so
+    each duration includes the wait for the slowest peer. One rank in memory at a time."""
+    import os
+
+    world_size = max(2, world_size - world_size % 2)
+    per_step = len(BINARY_PATTERN)
+    steps = max(1, rows // per_step)
+    n = steps * per_step
+    index = np.arange(n) % per_step
+    kinds = [p[1] for p in BINARY_PATTERN]
+    op_code = np.array([OP_CODE[p[0]] for p in BINARY_PATTERN], np.int16)[index]
+    dtype_code = np.array([_DTYPE_CODES[p[3]][0] for p in BINARY_PATTERN], np.int16)[index]
+    numel = (np.array([p[2] // _DTYPE_CODES[p[3]][1] for p in BINARY_PATTERN], np.int64))[index]
+    transfer_us = np.array([20.0 + p[2] / 5e3 for p in BINARY_PATTERN])[index]
+    jitter_us, compute_us = 30.0, 2000.0
+    # the slot of call k: every rank issues it at slot[k] + its jitter (+ the straggler's delay)
+    slot = np.cumsum(np.r_[compute_us, (transfer_us + jitter_us + straggler_delay_us
+                                        + np.where(index == per_step - 1, compute_us, 0.0))[:-1]])
+    perf0, unix0 = 10**12, 1_763_800_000 * 10**9
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for rank in range(world_size):
+        rng = np.random.default_rng(seed * 100_003 + rank)
+        groups = binary_groups(world_size, rank)
+        gids = {kind: i for i, kind in enumerate(("world", "tp", "dp"))}
+        gid = np.array([gids[k] for k in kinds], np.int16)[index]
+        has_straggler = np.array([straggler is not None and straggler in groups[k][1] for k in kinds])[index]
+        issue = slot + rng.uniform(0, jitter_us, n) + (straggler_delay_us if rank == straggler else 0.0)
+        # p2p: both sides are issued at the slot; the pair ends after the transfer
+        p2p = np.isin(op_code, [OP_CODE["send"], OP_CODE["recv"]])
+        issue[p2p] = slot[p2p]
+        latest = slot + jitter_us + np.where(has_straggler, straggler_delay_us, 0.0)
+        end = np.where(p2p, slot, np.maximum(latest, issue)) + transfer_us
+        data = np.zeros(n, dtype=row_dtype(np))
+        data["seq"] = np.arange(n)
+        data["op"], data["gid"], data["dtype"] = op_code, gid, dtype_code
+        data["numel"] = numel
+        if mismatch is not None and rank == mismatch[0]:
+            data["numel"][mismatch[1]] *= 2
+        data["start"] = perf0 + (issue * 1e3).astype(np.int64)
+        data["end"] = perf0 + (end * 1e3).astype(np.int64)
+        data["peer"] = np.where(p2p, rank ^ 1, -1)
+        data["step"] = np.arange(n) // per_step
+        data["where"] = 2                                                  # phase backward, no module
+        meta = [logfile.meta("header", version=logfile.FORMAT_VERSION, schema=SCHEMA_VERSION, rank=rank,
+                             world_size=world_size, pid=10_000 + rank, ops=list(OP_NAMES),
+                             timings=list(TIMINGS), created_ns=unix0)]
+        for kind in ("world", "tp", "dp"):
+            name, members = groups[kind]
+            meta.append(logfile.meta("group", gid=gids[kind], name=name, size=len(members),
+                                     ranks=compact_ranks(members), backend="nccl", backends=["gloo", "nccl", "gloo"]))
+        meta.append(logfile.meta("clock", seq=0, offset=unix0 - perf0))
+        meta += [logfile.meta("dtype", code=code, name=name, size=size) for name, (code, size) in _DTYPE_CODES.items()]
+        raw = data.tobytes()
+        chunk = ROW.size << 14
+        body = [logfile.frame(logfile.ROWS, raw[i:i + chunk]) for i in range(0, len(raw), chunk)]
+        path = os.path.join(directory, f"rank{rank}{logfile.SUFFIX}")
+        with open(path, "wb") as f:
+            f.write(logfile.MAGIC + b"".join(meta) + b"".join(body))
+        paths.append(path)
+    return paths

@@ -67,6 +67,7 @@ LAZY = {
     ("commpatch.cli", "commpatch.io.paths"),
     ("commpatch.cli", "commpatch.io.reader"),
     ("commpatch.cli", "commpatch.analysis"),
+    ("commpatch.cli", "commpatch.analysis.engine"),
     ("commpatch.cli", "commpatch.render.text"),
     ("commpatch.cli", "commpatch.render.trace"),
     ("commpatch.cli", "commpatch.render.plots"),

@@ -43,7 +43,9 @@ _SOURCES = {"optimizer": "each optimizer.step() (counted automatically)",
 
 def findings(df, steps_table, cross=None) -> list:
     """The findings of one run's log. ``steps_table``: ``per_step(df, by_rank=False)``;
-    ``cross``: ``matching.cross_rank(df)`` for a log of several ranks."""
+    ``cross``: ``matching.cross_rank(df)`` for a log of several ranks. ``df`` None (the report
+    computed at scale by the engine, without the rows in memory): the findings that need the rows
+    (set-up cost, the slowest bus bandwidth) are left out."""
     out: list[Finding] = []
     st = steady_state(steps_table)
     sources = [s for s in steps_table["step_source"].astype(str).unique() if s in _SOURCES]
@@ -64,7 +66,7 @@ def findings(df, steps_table, cross=None) -> list:
         elif overlapped > 0:
             text += "; the rest overlaps compute"
         out.append(Finding("overhead", text + ".", "steps"))
-    setup = setup_cost(df, steps_table)
+    setup = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
@@ -75,7 +77,7 @@ def findings(df, steps_table, cross=None) -> list:
                                     + (f" (largest: {parts})." if parts else "."), "steps"))
     if cross is not None:
         out += _cross_findings(cross, st)
-    slow = _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
+    slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
     if slow is not None:
         out.append(slow)
     return out

@@ -222,7 +222,13 @@ def match_p2p(df):
     recvs = p[~is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("recv_")
     out = sends.join(recvs, how="outer").reset_index()
     out["matched"] = out["send_op"].notna() & out["recv_op"].notna()
-    out["skew_us"] = (out["send_start_ns"] - out["recv_start_ns"]).abs() / 1e3
+    # in int64: an unmatched side makes the joined columns float, whose 256 ns steps at today's Unix times
+    # would round the difference
+    both = out["matched"].to_numpy()
+    skew = np.full(len(out), np.nan)
+    skew[both] = np.abs(sends["send_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()
+                        - recvs["recv_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()) / 1e3
+    out["skew_us"] = skew
     out["late_rank"] = np.where(out["send_start_ns"] >= out["recv_start_ns"], out["src"], out["dst"])
     out["late_rank"] = out["late_rank"].where(out["matched"], -1).astype(np.int64)
     out["bytes_mismatch"] = out["matched"] & (out["send_bytes"] != out["recv_bytes"])
@@ -247,32 +253,49 @@ def mismatches(df, matched=None, p2p=None):
     if p2p is None:
         p2p = match_p2p(df)
     present = set(_present_ranks(df).tolist())
-    rows = []
-    for kind, flag in (("op", "op_mismatch"), ("dtype", "dtype_mismatch"), ("bytes", "bytes_mismatch"),
-                       ("missing", "missing")):
+    firsts = []
+    for kind, flag in MISMATCH_FLAGS:
         bad = collectives[collectives[flag]]
         for group, part in bad.groupby("group", observed=True, sort=True):
             first = part.iloc[0]
-            rows.append(dict(kind=kind, group=str(group), coll_seq=int(first["coll_seq"]), step=int(first["step"]),
-                             op=str(first["op"]), detail=_detail(sub[(cseq == first["coll_seq"]) & (sub["group"] == group)],
-                                                                 kind, present),
-                             affected=len(part)))
+            firsts.append((kind, str(group), int(first["coll_seq"]), int(first["step"]), str(first["op"]), len(part)))
     unmatched = p2p[~p2p["matched"].astype(bool)] if len(p2p) else p2p
     if len(unmatched):
         unmatched = unmatched[unmatched["src"].isin(present) & unmatched["dst"].isin(present)]
+    p2p_firsts = []
     for kind, bad in (("p2p_unmatched", unmatched), ("p2p_bytes", p2p[p2p["bytes_mismatch"].astype(bool)])):
         for group, part in bad.groupby("group", sort=True):
-            first = part.iloc[0]
-            if kind == "p2p_unmatched":
-                missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
-                detail = (f"{first['send_op'] if missing_side == 'receive' else first['recv_op']} "
-                          f"#{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}")
-            else:
-                detail = (f"{first['send_op']} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
-                          f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}")
-            rows.append(dict(kind=kind, group=str(group), coll_seq=-1, step=-1,
-                             op=str(first["send_op"] if kind == "p2p_bytes" else first["send_op"] or first["recv_op"]),
-                             detail=detail, affected=len(part)))
+            p2p_firsts.append((kind, str(group), part.iloc[0], len(part)))
+    return mismatch_table(firsts, lambda group, coll_seq: sub[(cseq == coll_seq) & (sub["group"] == group)],
+                          p2p_firsts, present)
+
+
+MISMATCH_FLAGS = (("op", "op_mismatch"), ("dtype", "dtype_mismatch"), ("bytes", "bytes_mismatch"),
+                  ("missing", "missing"))
+
+
+def mismatch_table(firsts, rows_of, p2p_firsts, present):
+    """The ``mismatches`` table from the first occurrence of each kind per group, however found.
+
+    ``firsts``: (kind, group, coll_seq, step, op, affected) of collectives; ``rows_of(group,
+    coll_seq)``: that collective's rows (rank, op, dtype, bytes, group_ranks); ``p2p_firsts``:
+    (kind, group, first pair (a ``match_p2p`` row), affected); ``present``: the ranks with a log.
+    """
+    import pandas as pd
+
+    rows = [dict(kind=kind, group=group, coll_seq=coll_seq, step=step, op=op,
+                 detail=_detail(rows_of(group, coll_seq), kind, present), affected=affected)
+            for kind, group, coll_seq, step, op, affected in firsts]
+    for kind, group, first, affected in p2p_firsts:
+        if kind == "p2p_unmatched":
+            missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
+            op = first["send_op"] if missing_side == "receive" else first["recv_op"]
+            detail = f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
+        else:
+            op = first["send_op"]
+            detail = (f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
+                      f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}")
+        rows.append(dict(kind=kind, group=group, coll_seq=-1, step=-1, op=str(op), detail=detail, affected=affected))
     out = pd.DataFrame(rows, columns=["kind", "group", "coll_seq", "step", "op", "detail", "affected"])
     return out.sort_values(["group", "coll_seq"], kind="stable").reset_index(drop=True)
 

@@ -104,6 +104,12 @@ def summary(df, by=("collective",)):
                       _busbytes=("_busbytes", "sum"))
     out.insert(3, "p50_us", grouped["duration_us"].quantile(0.5))
     out.insert(4, "p95_us", grouped["duration_us"].quantile(0.95))
+    return finish_summary(out)
+
+
+def finish_summary(out):
+    """Bandwidth, time share and order of a summary from its per-group sums (``summary``'s
+    columns, with _mbytes and _busbytes, indexed by the group keys); shared with the engine."""
     seconds = out["own_us"].to_numpy() / 1e6
     with np.errstate(divide="ignore", invalid="ignore"):
         out["algbw_gbps"] = np.where((seconds > 0) & (out["_mbytes"] > 0), out["_mbytes"] / seconds / 1e9, np.nan)

@@ -34,9 +34,10 @@ class Cat:
         self.codes, self.categories = codes, categories
 
 
-def columns(parsed) -> dict:
+def columns(parsed, names=None) -> dict:
     """The SCHEMA's columns of one parsed rank log (``data.logfile.parse``): numpy arrays, and ``Cat``
-    for categorical ones. Built once, vectorised; shared by the DataFrame and the Arrow export."""
+    for categorical ones. Built once, vectorised; shared by the DataFrame and the Arrow export.
+    ``names``: only these columns (in SCHEMA order)."""
     import numpy as np
 
     h = parsed.header
@@ -75,77 +76,97 @@ def columns(parsed) -> dict:
     device_own = _by_seq(np, raw["seq"], parsed.own_seq, parsed.own_dur).astype(np.float64)
     device_own[device_own < 0] = np.nan
     start_ns = raw["start"] + offset
-    own_ns = own_times(np, gid, start_ns, dur_ns, timing, device_own)
     device = np.where(on_device, 1, np.where(raw["dtype"] <= 1, 2, 0))
     n = len(gid)
     module, phase = unpack_where(raw["where"].astype(np.int64))
-    seconds = own_ns / 1e9
-    with np.errstate(divide="ignore", invalid="ignore"):
-        algbw = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
-    factor = np.full(n, np.nan)
-    sizes = g_size.astype(np.float64)
-    for code in np.unique(op):
-        mask = op == code
-        factor[mask] = bus_factor(targets[code].bw if targets[code] is not None else NO_BW, sizes[mask])
-    out = {
-        "seq": raw["seq"],
-        "op": _cat(np, op, op_names),
-        **{name: _cat(np, op, [kinds[i] for kinds in described]) for i, name in enumerate(DERIVED_FROM_OP)},
-        "rank": np.full(n, h.get("rank", -1), np.int64),
-        "world_size": np.full(n, h.get("world_size", -1), np.int64),
-        "group": _cat(np, gid, [g["name"] for g in groups]),
-        "group_size": g_size,
-        "group_ranks": _cat(np, gid, [g["ranks"] for g in groups]),
-        "group_seq": _cumcount(np, gid),          # the n-th call of this rank on that group
-        "backend": _cat(np, gid * 3 + device, [b for g in groups for b in g["backends"]]),
-        "device": _cat(np, device, ["cpu", parsed.device, "none"]),
-        "dtype": _cat(np, raw["dtype"].astype(np.int64), [d[0] for d in dtypes]),
-        "numel": numel,
-        "bytes": nbytes,
-        "peer": raw["peer"].astype(np.int64),
-        "async_op": is_async.astype(bool),
-        "start_ns": start_ns,
-        "host_us": host_ns / 1e3,
-        "duration_us": dur_ns / 1e3,
-        "own_us": own_ns / 1e3,
-        "timing": _cat(np, timing, [OLD_TIMING_NAMES.get(t, t) for t in h.get("timings", TIMINGS)]),
+    memo: dict = {}
+
+    def own_ns():
+        if "own" not in memo:
+            memo["own"] = own_times(np, gid, start_ns, dur_ns, timing, device_own)
+        return memo["own"]
+
+    def algbw():
+        if "algbw" not in memo:
+            seconds = own_ns() / 1e9
+            with np.errstate(divide="ignore", invalid="ignore"):
+                memo["algbw"] = np.where((seconds > 0) & (nbytes > 0), nbytes / seconds / 1e9, np.nan)
+        return memo["algbw"]
+
+    def factor():
+        out = np.full(n, np.nan)
+        sizes = g_size.astype(np.float64)
+        for code in np.unique(op):
+            mask = op == code
+            out[mask] = bus_factor(targets[code].bw if targets[code] is not None else NO_BW, sizes[mask])
+        return out
+
+    def bucket_columns():
+        if "buckets" not in memo:
+            memo["buckets"] = _bucket_columns(np, raw["seq"], parsed.buckets)
+        return memo["buckets"]
+
+    out = {   # column -> how to build it: only the columns asked for are built
+        "seq": lambda: raw["seq"],
+        "op": lambda: _cat(np, op, op_names),
+        **{name: (lambda i=i: _cat(np, op, [kinds[i] for kinds in described])) for i, name in enumerate(DERIVED_FROM_OP)},
+        "rank": lambda: np.full(n, h.get("rank", -1), np.int64),
+        "world_size": lambda: np.full(n, h.get("world_size", -1), np.int64),
+        "group": lambda: _cat(np, gid, [g["name"] for g in groups]),
+        "group_size": lambda: g_size,
+        "group_ranks": lambda: _cat(np, gid, [g["ranks"] for g in groups]),
+        "group_seq": lambda: _cumcount(np, gid),          # the n-th call of this rank on that group
+        "backend": lambda: _cat(np, gid * 3 + device, [b for g in groups for b in g["backends"]]),
+        "device": lambda: _cat(np, device, ["cpu", parsed.device, "none"]),
+        "dtype": lambda: _cat(np, raw["dtype"].astype(np.int64), [d[0] for d in dtypes]),
+        "numel": lambda: numel,
+        "bytes": lambda: nbytes,
+        "peer": lambda: raw["peer"].astype(np.int64),
+        "async_op": lambda: is_async.astype(bool),
+        "start_ns": lambda: start_ns,
+        "host_us": lambda: host_ns / 1e3,
+        "duration_us": lambda: dur_ns / 1e3,
+        "own_us": lambda: own_ns() / 1e3,
+        "timing": lambda: _cat(np, timing, [OLD_TIMING_NAMES.get(t, t) for t in h.get("timings", TIMINGS)]),
         "algbw_gbps": algbw,
-        "busbw_gbps": algbw * factor,
-        "status": _cat(np, is_error, ["ok", "error"]),
-        "step": raw["step"],
-        "tag": _cat(np, raw["tag"].astype(np.int64), _names(parsed.tags)),
-        "pid": np.full(n, h.get("pid", -1), np.int64),
-        "module": _cat(np, module, _names(parsed.modules)),
-        "phase": _cat(np, phase, list(PHASES)),
-        **_bucket_columns(np, raw["seq"], parsed.buckets),
-        "step_source": _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
+        "busbw_gbps": lambda: algbw() * factor(),
+        "status": lambda: _cat(np, is_error, ["ok", "error"]),
+        "step": lambda: raw["step"],
+        "tag": lambda: _cat(np, raw["tag"].astype(np.int64), _names(parsed.tags)),
+        "pid": lambda: np.full(n, h.get("pid", -1), np.int64),
+        "module": lambda: _cat(np, module, _names(parsed.modules)),
+        "phase": lambda: _cat(np, phase, list(PHASES)),
+        **{name: (lambda name=name: bucket_columns()[name]) for name in ("bucket", "bucket_params", "tensors")},
+        "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
     }
-    return {name: out[name] for name in COLUMNS}
+    return {name: out[name]() for name in COLUMNS if names is None or name in names}
 
 
-def dataframe(parsed):
-    """The SCHEMA's DataFrame of one parsed rank log."""
+def dataframe(parsed, names=None):
+    """The SCHEMA's DataFrame of one parsed rank log (``names``: only these columns)."""
     import pandas as pd
 
-    cols = columns(parsed)
+    cols = columns(parsed, names)
     df = pd.DataFrame({name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
                        for name, c in cols.items()}, copy=False)
     df.attrs["torn_records"] = parsed.torn
     return df
 
 
-def arrow_table(parsed):
-    """The same columns as a pyarrow Table (no pandas involved: the fast path of the exports)."""
+def arrow_table(parsed, names=None):
+    """The same columns as a pyarrow Table (no pandas involved: the fast path of the exports);
+    ``names``: only these."""
     import pyarrow as pa
 
     arrays = []
-    for name, c in columns(parsed).items():
+    cols = columns(parsed, names)
+    for name, c in cols.items():
         if isinstance(c, Cat):
             arrays.append(pa.DictionaryArray.from_arrays(pa.array(c.codes.astype("int32")),
                                                          pa.array(c.categories, type=pa.string())))
         else:
             arrays.append(pa.array(c))
-    return pa.Table.from_arrays(arrays, names=list(COLUMNS))
+    return pa.Table.from_arrays(arrays, names=list(cols))
 
 
 def _by_seq(np, seqs, keys, values):

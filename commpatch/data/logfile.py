@@ -106,6 +106,22 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
     return out
 
 
+def parse_header(data: bytes) -> dict:
+    """The header record of a rank log (rank, world_size, pid, ...) from its first bytes; {} when
+    they do not start with one."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _FRAME.size:
+        return {}
+    kind, length = _FRAME.unpack_from(data, len(MAGIC))
+    start = len(MAGIC) + _FRAME.size
+    if kind != META or len(data) < start + length:
+        return {}
+    try:
+        m = json.loads(data[start:start + length])
+    except ValueError:
+        return {}
+    return m if isinstance(m, dict) and m.get("k") == "header" else {}
+
+
 def _meta(out: Parsed, m: dict) -> None:
     kind = m["k"]
     if kind == "header":

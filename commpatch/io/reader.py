@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..data.frame import arrow_table, dataframe, own_times, parse_log
-from ..data.logfile import SUFFIX
+from ..data.logfile import SUFFIX, parse_header
 from ..data.ops import describe_op
 from ..data.schema import (ADDED_IN, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA, SCHEMA_VERSION,
                            SCHEMA_VERSION_KEY, TIMINGS)
@@ -62,14 +62,16 @@ _WORDS = {"int64": "an integer", "float64": "a number", "bool": "true or false",
           "bool_": "true or false"}
 
 
-def read(paths, progress=None, columns=None) -> "pd.DataFrame":
+def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.DataFrame":
     """Read per-rank files (a file, a directory, a glob, or a list of them) into one DataFrame
     with the SCHEMA's dtypes; ``read(write(df, p)) == df``.
 
     With pyarrow each file is parsed straight into typed and dictionary-encoded columns and the
     files are joined in Arrow (64 ranks x 100k rows: ~3x faster and ~3x less memory than parsing
     strings then converting). ``progress(done, total)`` is called after each file. ``columns``:
-    read only these (in SCHEMA order).
+    read only these (in SCHEMA order). ``ranks``: a set of ranks to read (the files of other
+    ranks are not read at all when their rank can be told from their first bytes); ``steps``:
+    ``(first, stop)`` keeps the rows with ``first <= step < stop`` (None: open).
 
     Bad input raises ``LogFileError`` (a ValueError; ``LogFileNotFoundError``, also a
     FileNotFoundError, for paths that do not exist) naming the file and the problem. What can be
@@ -80,53 +82,216 @@ def read(paths, progress=None, columns=None) -> "pd.DataFrame":
     replaced; files found in a directory that are not commpatch logs are skipped. Files of two
     different jobs (different world sizes, or two processes for one rank) are refused.
     """
-    wanted = set(c.name for c in SCHEMA) if columns is None else set(columns)
-    schema = tuple(c for c in SCHEMA if c.name in wanted)
-    read_schema = tuple(c for c in SCHEMA if c.name in wanted or c.name in _IDENTITY)
-    names = [c.name for c in schema]
+    plan = _Plan(columns, ranks, steps)
     notes = _Notes()
     try:
-        files = _resolve(paths, notes)
-        pa = _writer._pyarrow()
-        parts, filled, foreign = [], set(), []
-        jobs = _Jobs()
+        files = _select(_resolve(paths, notes), ranks)
+        parts = _Parts(plan, notes)
         for i, (path, scanned) in enumerate(files):
-            try:
-                part = _read_file(pa, path, read_schema, notes)
-            except _NotALog as exc:
-                if not scanned:
-                    raise
-                notes.add(path, f"{exc.problem}: skipped")
-                foreign.append(exc)
-                part = None
-            if part is not None:
-                data, keys, fill = part
-                if jobs.admit(path, keys, notes):
-                    if len(schema) != len(read_schema):      # the identity columns were for admit()
-                        data = data.select(names) if pa is not None else data[names]
-                    parts.append(data)
-                    filled.update(fill)
+            parts.load(path, scanned)
             if progress is not None:
                 progress(i + 1, len(files))
-        if foreign and len(foreign) == len(files):
-            raise LogFileNotFoundError(_describe(paths), f"no commpatch log among {len(files)} file(s) "
-                                                         f"({foreign[0]})")
+        parts.check(paths, len(files))
     finally:
         notes.emit()
-    df = _arrow_frame(pa, parts, schema) if pa is not None else _pandas_frame(parts, schema)
-    derived = [c for c in DERIVED_FROM_OP if c in filled and c in df.columns]
-    if derived and "op" in df.columns:         # an older file: from its op column, not neutral values
-        _derive_from_op(df, derived)
-        filled -= set(derived)
-    if "own_us" in filled and "own_us" in df.columns and {"start_ns", "duration_us", "timing"} <= set(df.columns):
-        _derive_own(df)                        # an older file: from its durations (host clock)
-        filled.discard("own_us")
-    if "timing" in df.columns and df["timing"].dtype.name == "category":
-        old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
-        if old:
-            df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
-    df.attrs["filled_columns"] = sorted(filled & wanted)
-    return df
+    return parts.frame()
+
+
+class _Plan:
+    """What to read: the columns (and the identity columns the job checks need), a rank set and
+    a window of steps."""
+
+    def __init__(self, columns=None, ranks=None, steps=None) -> None:
+        wanted = set(c.name for c in SCHEMA) if columns is None else set(columns)
+        self.wanted = wanted
+        self.schema = tuple(c for c in SCHEMA if c.name in wanted)
+        self.read_schema = tuple(c for c in SCHEMA if c.name in wanted or c.name in _IDENTITY)
+        self.names = [c.name for c in self.schema]
+        self.ranks = None if ranks is None else frozenset(int(r) for r in ranks)
+        self.steps = steps if steps is not None and steps != (None, None) else None
+
+
+class _Parts:
+    """The files read so far (conformed Arrow tables, or DataFrames without pyarrow), checked as
+    one job (``_Jobs``), cut to the plan's ranks and steps; ``frame()`` joins them."""
+
+    def __init__(self, plan: _Plan, notes: "_Notes", jobs: "_Jobs | None" = None) -> None:
+        self.plan, self.notes = plan, notes
+        self.jobs = jobs if jobs is not None else _Jobs()
+        self.pa = _writer._pyarrow()
+        self.parts, self.filled, self.foreign, self.keys = [], set(), [], []
+
+    def load(self, path, scanned) -> None:
+        plan, pa = self.plan, self.pa
+        try:
+            part = _read_file(pa, path, plan.read_schema, self.notes)
+        except _NotALog as exc:
+            if not scanned:
+                raise
+            self.notes.add(path, f"{exc.problem}: skipped")
+            self.foreign.append(exc)
+            return
+        if part is None:
+            return
+        data, keys, fill = part
+        if not self.jobs.admit(path, keys, self.notes):
+            return
+        self.keys.append((path, keys))
+        data = _cut(pa, data, plan.ranks, plan.steps)
+        if len(plan.schema) != len(plan.read_schema):      # the identity columns were for admit()
+            data = data.select(plan.names) if pa is not None else data[plan.names]
+        self.parts.append(data)
+        self.filled.update(fill)
+
+    def check(self, paths, n_files) -> None:
+        if self.foreign and len(self.foreign) == n_files:
+            raise LogFileNotFoundError(_describe(paths), f"no commpatch log among {n_files} file(s) "
+                                                         f"({self.foreign[0]})")
+
+    def frame(self) -> "pd.DataFrame":
+        pa, schema, filled = self.pa, self.plan.schema, set(self.filled)
+        df = _arrow_frame(pa, self.parts, schema) if pa is not None else _pandas_frame(self.parts, schema)
+        derived = [c for c in DERIVED_FROM_OP if c in filled and c in df.columns]
+        if derived and "op" in df.columns:         # an older file: from its op column, not neutral values
+            _derive_from_op(df, derived)
+            filled -= set(derived)
+        if "own_us" in filled and "own_us" in df.columns and {"start_ns", "duration_us", "timing"} <= set(df.columns):
+            _derive_own(df)                        # an older file: from its durations (host clock)
+            filled.discard("own_us")
+        if "timing" in df.columns and df["timing"].dtype.name == "category":
+            old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
+            if old:
+                df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
+        df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
+        return df
+
+
+def _cut(pa, data, ranks, steps):
+    """The rows of ``data`` (Arrow table or DataFrame) of the given ranks and window of steps."""
+    if ranks is None and steps is None:
+        return data
+    if pa is not None:
+        import pyarrow.compute as pc
+
+        mask = None
+        if ranks is not None:
+            mask = pc.is_in(data.column("rank"), value_set=pa.array(sorted(ranks), pa.int64()))
+        for bound, test in ((steps or (None, None))[0], pc.greater_equal), ((steps or (None, None))[1], pc.less):
+            if bound is not None:
+                m = test(data.column("step"), pa.scalar(int(bound), pa.int64()))
+                mask = m if mask is None else pc.and_(mask, m)
+        return data if mask is None else data.filter(mask)
+    keep = data["rank"].isin(sorted(ranks)) if ranks is not None else data["rank"] == data["rank"]
+    if steps is not None and steps[0] is not None:
+        keep &= data["step"] >= steps[0]
+    if steps is not None and steps[1] is not None:
+        keep &= data["step"] < steps[1]
+    return data[keep.to_numpy()].reset_index(drop=True)
+
+
+def file_rank(path) -> "int | None":
+    """The rank a log file holds, from its first bytes (a binary log's header, a CSV's first row,
+    a Parquet file's statistics); None when that cannot be told cheaply (reading will say why)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF)
+        if head.startswith(b"CPLOG"):
+            return parse_header(head).get("rank")
+        if head.startswith(_PARQUET_MAGIC):
+            if partition_rank(path) is not None:
+                return partition_rank(path)
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            index = meta.schema.to_arrow_schema().get_field_index("rank")
+            stats = [meta.row_group(i).column(index).statistics for i in range(meta.num_row_groups)]
+            values = {v for s in stats if s is not None and s.has_min_max for v in (s.min, s.max)}
+            return int(values.pop()) if len(values) == 1 and len(stats) == meta.num_row_groups else None
+        lines = head.split(b"\n", 2)
+        if len(lines) < 3:
+            return None
+        import csv
+
+        header, first = (next(csv.reader([x.decode("utf-8", "replace").strip("\r\ufeff")])) for x in lines[:2])
+        return int(first[[h.strip() for h in header].index("rank")])
+    except Exception:  # noqa: BLE001 - any problem: unknown here, reported when the file is read
+        return None
+
+
+def _select(files, ranks):
+    """``files`` without those whose rank (told from their first bytes) is not in ``ranks``."""
+    if ranks is None:
+        return files
+    out = []
+    for path, scanned in files:
+        rank = file_rank(path)
+        if rank is None or rank in ranks:
+            out.append((path, scanned))
+    return out
+
+
+def read_ranks(paths, transform, columns=None, ranks=None, steps=None, progress=None, workers: int = 1):
+    """Yield ``transform(df)`` for the rows of each rank in turn (``df`` as ``read`` gives it for
+    that rank's file(s)): memory for ``workers`` ranks at a time, whatever the number of ranks.
+    With ``workers`` > 1 the files are read and transformed in that many processes (``transform``
+    must then be picklable: a module-level function or a ``functools.partial`` of one). The same
+    checks and warnings as ``read``; ``progress(done, total)`` after each rank."""
+    plan = _Plan(columns, ranks, steps)
+    notes = _Notes()
+    try:
+        files = _select(_resolve(paths, notes), ranks)
+        by_rank: dict = {}
+        for path, scanned in files:
+            rank = file_rank(path)
+            by_rank.setdefault(("rank", rank) if rank is not None else ("file", path), []).append((path, scanned))
+        tasks = list(by_rank.values())
+        jobs, foreign = _Jobs(), 0
+        for done, (result, problems, keys, n_foreign) in enumerate(
+                _run_tasks(tasks, plan, transform, workers), 1):
+            for problem, where in problems.items():
+                for path in where:
+                    notes.add(path, problem)
+            admitted = [jobs.admit(path, k, notes) for path, k in keys]   # all: every check runs
+            foreign += n_foreign
+            if progress is not None:
+                progress(done, len(tasks))
+            if result is not None and all(admitted):
+                yield result
+        if foreign and foreign == len(files):
+            raise LogFileNotFoundError(_describe(paths), f"no commpatch log among {len(files)} file(s)")
+    finally:
+        notes.emit()
+
+
+def _run_tasks(tasks, plan, transform, workers):
+    if workers <= 1 or len(tasks) < 2:
+        for task in tasks:
+            yield _rank_task(task, plan, transform)
+        return
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        pending, queue = [], list(tasks)
+        queue.reverse()
+        try:
+            while queue or pending:
+                while queue and len(pending) < 2 * workers:     # a bounded window: memory for a few ranks
+                    pending.append(pool.submit(_rank_task, queue.pop(), plan, transform))
+                yield pending.pop(0).result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _rank_task(files, plan, transform):
+    """Read one rank's file(s) and transform the rows: (result or None, problems, keys, foreign)."""
+    notes = _Notes()
+    parts = _Parts(plan, notes)
+    for path, scanned in files:
+        parts.load(path, scanned)
+    result = transform(parts.frame()) if parts.parts else None
+    return result, notes.problems, parts.keys, len(parts.foreign)
 
 
 def _derive_own(df) -> None:
@@ -220,10 +385,27 @@ def _resolve(paths, notes) -> list[tuple[str, bool]]:
     return out
 
 
+PARTITION = "rank="     # the subdirectories of a rank-partitioned Parquet dataset (``commpatch convert --to parquet``)
+
+
+def partition_rank(path) -> "int | None":
+    """The rank of a file of a rank-partitioned dataset (``.../rank=7/part.parquet``), else None."""
+    parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    value = parent[len(PARTITION):] if parent.startswith(PARTITION) else ""
+    return int(value) if value.isdigit() else None
+
+
 def _log_files(directory: str) -> list[str]:
     """The log files of a directory: binary rank logs, and CSV / Parquet files except those that
-    are the export of a binary log beside them (the same rows twice)."""
-    names = [f for f in os.listdir(directory) if f.endswith((SUFFIX, ".csv", ".parquet"))
+    are the export of a binary log beside them (the same rows twice); or the Parquet files of a
+    rank-partitioned dataset (``rank=R/*.parquet``)."""
+    entries = os.listdir(directory)
+    parts = sorted((d for d in entries if partition_rank(os.path.join(directory, d, "x")) is not None
+                    and os.path.isdir(os.path.join(directory, d))), key=lambda d: int(d[len(PARTITION):]))
+    if parts:
+        return [os.path.join(directory, d, f) for d in parts for f in sorted(os.listdir(os.path.join(directory, d)))
+                if f.endswith(".parquet") and os.path.isfile(os.path.join(directory, d, f))]
+    names = [f for f in entries if f.endswith((SUFFIX, ".csv", ".parquet"))
              and os.path.isfile(os.path.join(directory, f))]
     binary = {f[: -len(SUFFIX)] for f in names if f.endswith(SUFFIX)}
     keep = [f for f in names if f.endswith(SUFFIX) or os.path.splitext(f)[0] not in binary]
@@ -362,9 +544,9 @@ def _read_binary(pa, path, schema, notes):
         notes.add(path, f"{parsed.torn} record(s) cut short (the process died while writing them): left out")
     names = [c.name for c in schema]
     if pa is not None:
-        table = arrow_table(parsed).select(names)
+        table = arrow_table(parsed, set(names)).select(names)
         return _conform(pa, path, table, schema, set(), lambda i: f"row {i + 1}"), set()
-    return dataframe(parsed)[names], set()
+    return dataframe(parsed, set(names))[names], set()
 
 
 def _sniff(path):
@@ -581,9 +763,16 @@ def _read_parquet(pa, path, schema, notes):
         if version is not None and version > SCHEMA_VERSION:
             notes.add(path, f"written by a newer commpatch (schema {version}; this one knows up to "
                             f"{SCHEMA_VERSION}): the columns added since are ignored")
-        fill = _plan(path, arrow_schema.names, schema, version and min(version, SCHEMA_VERSION), notes)
+        names = list(arrow_schema.names)
+        part_rank = partition_rank(path) if "rank" not in names else None
+        if part_rank is not None:          # a file of a rank-partitioned dataset: the rank is in its path
+            names.append("rank")
+        fill = _plan(path, names, schema, version and min(version, SCHEMA_VERSION), notes)
         try:
-            table = pf.read(columns=[c.name for c in schema if c.name not in fill])
+            table = pf.read(columns=[c.name for c in schema if c.name not in fill
+                                     and not (c.name == "rank" and part_rank is not None)])
+            if part_rank is not None and any(c.name == "rank" for c in schema):
+                table = table.append_column("rank", pa.repeat(pa.scalar(part_rank, pa.int64()), table.num_rows))
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise LogFileError(path, f"corrupt Parquet data ({_short(exc)})") from None
         return table, fill

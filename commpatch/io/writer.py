@@ -31,6 +31,22 @@ def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
     return write(dataframe(parsed), out, exclusive=exclusive)
 
 
+def convert_to_dataset(path: str, dataset: str) -> str:
+    """Write a binary rank log into a rank-partitioned Parquet dataset: ``dataset/rank=R/<stem>.parquet``
+    (hive layout: the rank is in the path, not in the file, as Spark, Trino, DuckDB and pyarrow
+    expect), row groups of up to 1M rows; returns the file written (never over an existing one)."""
+    import pyarrow.parquet as pq
+
+    with open(path, "rb") as f:
+        parsed = parse_log(f.read(), name=path)
+    table = arrow_table(parsed)
+    rank = parsed.header.get("rank", -1)
+    out = os.path.join(dataset, f"rank={rank}", os.path.basename(export_path(path, ".parquet")))
+    table = with_schema_version(table.drop_columns(["rank"]))
+    return _publish(out, True, lambda f: pq.write_table(table, f, row_group_size=DATASET_ROW_GROUP))
+
+
+DATASET_ROW_GROUP = 1 << 20      # rows per row group of the dataset: big enough to scan, small enough to skip
 SMALL_ROWS = 20_000    # up to this many rows, a CSV is written without importing pyarrow or pandas
 
 

@@ -73,17 +73,19 @@ def render_markdown(df) -> str:
 # ---- the full report ----------------------------------------------------------------------
 SECTIONS = {   # key -> title, in the order they are rendered
     "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
-    "summary": "Per collective and message size (count: calls summed over the ranks; per_rank: per rank)",
+    "summary": "Per collective and message size (count, total_us, own_us, bytes: summed over all ranks' calls; "
+               "per_rank: count per rank; mean, p50, p95, max: per call)",
     "steps": "Per step (mean over ranks; stage setup / steady / end)",
-    "ranks": "Ranks by how long and how often they arrived last (stragglers first)",
-    "skew": "Collectives with the largest arrival skew",
-    "p2p": "Point-to-point channels (matched pairwise)",
+    "ranks": "Ranks by how long and how often they arrived last (stragglers first; per rank: sums over its "
+             "collectives)",
+    "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
+    "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
 }
 
 
 # the log columns build_report reads: enough to load for a report of a very large log
 REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
-                  "async_op", "start_ns", "duration_us", "timing", "algbw_gbps", "busbw_gbps", "step", "bucket",
+                  "async_op", "start_ns", "duration_us", "own_us", "timing", "algbw_gbps", "busbw_gbps", "step", "bucket",
                   "step_source")
 
 
@@ -98,39 +100,46 @@ class Report:
     findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
 
 
-def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None) -> Report:
+def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
+                 precomputed=None) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
     ``matching.cross_rank(df)``; computed here when the log has more than one rank.
+    ``precomputed``: the same tables from the analytic engine (``analysis.engine.Results``),
+    for logs too large for one DataFrame; ``df`` is then not used.
     """
 
-    ranks = sorted(df["rank"].unique().tolist())
-    rep = Report(title=f"commpatch report: {len(df)} calls, {len(ranks)} rank(s) {_span(ranks)}")
-    table = summaries.summary(df, by=by)
+    pre = precomputed
+    ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
+    calls = pre.calls if pre is not None else len(df)
+    rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    table = pre.summary if pre is not None else summaries.summary(df, by=by)
     table.insert(table.columns.get_loc("count") + 1, "per_rank", table["count"] / max(len(ranks), 1))
     rep.sections["summary"] = table
-    unmeasured = int(np.isnan(summaries.durations(df)).sum())
+    unmeasured = pre.unmeasured if pre is not None else int(np.isnan(summaries.durations(df)).sum())
     if unmeasured:
         rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
                          "not in times or bandwidth.")
-    per_step = _steps.per_step(df, steps=steps, by_rank=False)
+    per_step = pre.per_step if pre is not None else _steps.per_step(df, steps=steps, by_rank=False)
     rep.sections["steps"] = per_step
     rep.notes += _step_notes(per_step)
     cr = None
     if len(ranks) > 1:
-        cr = cross if cross is not None else matching.cross_rank(df)
+        cr = pre if pre is not None else cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
         rep.errors += [f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
                        f"{m.detail}; {m.affected} collective(s) affected" for m in cr.mismatches.itertuples()]
         rep.sections["ranks"] = cr.ranks
-        rep.sections["skew"] = matching.top_skew(cr.collectives, top)
-        if len(cr.p2p):
+        rep.sections["skew"] = pre.skew if pre is not None else matching.top_skew(cr.collectives, top)
+        if pre is not None and pre.p2p is not None and len(pre.p2p):
+            rep.sections["p2p"] = pre.p2p
+        elif pre is None and len(cr.p2p):
             rep.sections["p2p"] = _p2p_channels(cr.p2p)
-        excluded = df["op"].isin(matching.P2P_OPS)
-        if excluded.any():
-            batch = int((df["op"] == "batch_isend_irecv").sum())
-            rep.notes.append(f"{int(excluded.sum())} point-to-point call(s) are matched pairwise, not across all ranks"
+        excluded = pre.p2p_calls if pre is not None else int(df["op"].isin(matching.P2P_OPS).sum())
+        if excluded:
+            batch = pre.batch_calls if pre is not None else int((df["op"] == "batch_isend_irecv").sum())
+            rep.notes.append(f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
                              + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
         if cr.missing_logs:
             rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "

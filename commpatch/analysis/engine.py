@@ -1,0 +1,575 @@
+"""The cross-rank report at cluster scale, on an embedded analytic engine (DuckDB).
+
+The pandas path (``summaries``, ``matching``) holds every rank's rows in one DataFrame: memory
+grows with the rows (256 ranks x 100k rows: 6.8 GiB). Here each rank's rows are read, reduced to
+a few integer columns and written as a Parquet file in a temporary directory, one rank at a time
+(``stage``, in the reading processes), and DuckDB queries those files with multi-threaded SQL
+within a memory limit (spilling beyond it): the summary (exact quantiles),
+the match of every collective by (group, collective sequence number), stragglers, mismatches and
+point-to-point pairs. Per-rank work (the collective sequence number, the per-step view of one
+rank) reuses the pandas functions, so both paths give the same answers
+(``tests/test_engine.py`` compares them). Results come back as pandas DataFrames with the
+columns of the pandas path (``Results``).
+
+Measured against Polars' lazy engine on the same data: docs/design-notes.md, issue 14.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..data.schema import expand_ranks
+from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
+from .steps import per_step
+from .summaries import durations, finish_summary, own_durations, size_bucket
+
+AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
+
+
+class EngineError(RuntimeError):
+    """DuckDB could not compute the report (out of memory or disk space for its temporary files)."""
+
+
+def _engine_errors(function, *args):
+    import duckdb
+
+    try:
+        return function(*args)
+    except duckdb.Error as exc:
+        raise EngineError(str(exc)) from exc
+
+
+def available() -> bool:
+    """DuckDB is installed (``pip install 'commpatch[scale]'``)."""
+    return importlib.util.find_spec("duckdb") is not None
+
+
+# ---- one rank's rows, reduced and staged (runs in the reading processes) ----------------------
+@dataclass
+class Staged:
+    """What the engine keeps in memory of one rank whose rows were written to its directory:
+    names behind the integer codes, counts for the notes, each group's members."""
+
+    names: dict
+    group_ranks: dict
+    ranks: list
+    calls: int
+    unmeasured: int
+    p2p_calls: int
+    batch_calls: int
+
+
+_CAT_COLUMNS = ("group", "op", "dtype")
+
+
+def code_of(name: str) -> int:
+    """The engine's code for a name (a group, op, dtype, ...): a 64-bit hash, so that the
+    processes reading ranks in parallel agree on codes without talking to each other."""
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _codes(series, names: dict, column: str):
+    """int64 engine codes of a column, its names recorded in ``names[column]``."""
+    s = series if series.dtype.name == "category" else series.astype("category")
+    cats = [str(c) for c in s.cat.categories]
+    lut = np.array([code_of(c) for c in cats] or [0], np.int64)
+    names.setdefault(column, {}).update(zip(lut.tolist(), cats))
+    codes = s.cat.codes.to_numpy()
+    return lut[codes] if len(codes) else np.zeros(0, np.int64), lut, s.cat.codes.to_numpy()
+
+
+def stage(df, directory: str, by=("collective", "size_bucket"), steps=None) -> "Staged | None":
+    """Reduce the rows of one rank (the columns ``report`` reads, and those in ``by``) to integer
+    columns and write them, its per-step view and its point-to-point calls as Parquet files
+    under ``directory`` (``rows/``, ``steps/``, ``p2p/``), which the ``Engine`` queries."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if len(df) == 0:
+        return None
+    by = [by] if isinstance(by, str) else list(by)
+    names: dict = {}
+    dur = durations(df)
+    nbytes = df["bytes"].to_numpy(np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        factor = df["busbw_gbps"].to_numpy(np.float64) / df["algbw_gbps"].to_numpy(np.float64)
+    measured = ~np.isnan(dur)
+    rank = df["rank"].to_numpy(np.int64)
+    rows = {"rank": rank.astype(np.int32)}
+    local = {}
+    for column in _CAT_COLUMNS:
+        rows[column], _, local[column] = _codes(df[column], names, column)
+    rows["cseq"] = collective_seq(df)
+    rows["bytes"] = nbytes
+    rows["start_ns"] = df["start_ns"].to_numpy(np.int64)
+    rows["dur"] = dur
+    rows["own"] = own_durations(df)
+    rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
+    rows["step"] = df["step"].to_numpy(np.int64)
+    for i, key in enumerate(by):
+        if key == "size_bucket":
+            rows[f"k{i}"] = size_bucket(df["bytes"])
+        elif df[key].dtype.name in ("category", "object"):
+            rows[f"k{i}"] = _codes(df[key], names, f"k{i}")[0]
+        else:
+            rows[f"k{i}"] = df[key].to_numpy()
+    first = int(rank.min())
+    os.makedirs(os.path.join(directory, "rows"), exist_ok=True)
+    name = f"rank{first}-{os.getpid()}-{code_of(repr(rows['start_ns'][:4].tolist())) & 0xFFFFFF:06x}.parquet"
+    # dictionary pages only where values repeat (measured: 38 -> 14 ms for 100k rows)
+    low = [c for c in rows if c in ("rank", "group", "op", "dtype", "bytes") or c.startswith("k")]
+    pq.write_table(pa.table({k: pa.array(v, from_pandas=True) for k, v in rows.items()}),
+                   os.path.join(directory, "rows", name), row_group_size=1 << 20, use_dictionary=low)
+    table = per_step(df, steps=steps)
+    if len(table):
+        os.makedirs(os.path.join(directory, "steps"), exist_ok=True)
+        pq.write_table(pa.Table.from_pandas(table, preserve_index=False), os.path.join(directory, "steps", name),
+                       use_dictionary=["rank", "stage", "step_source", "step_time_from"])
+    ops = df["op"].cat.categories if df["op"].dtype.name == "category" else None
+    p2p = _p2p_rows(df, local["op"], [str(o) for o in ops] if ops is not None else None, rows)
+    if p2p is not None:
+        os.makedirs(os.path.join(directory, "p2p"), exist_ok=True)
+        pq.write_table(pa.table(p2p), os.path.join(directory, "p2p", name),
+                       use_dictionary=["group", "channel", "src", "dst", "side", "op", "bytes"])
+    if df["group_ranks"].dtype.name == "category":
+        groups, granks = df["group"].cat.categories, df["group_ranks"].cat.categories
+        pairs = np.unique(local["group"].astype(np.int64) * (len(granks) + 1) + df["group_ranks"].cat.codes.to_numpy())
+        group_ranks = {str(groups[a]): str(granks[b]) for a, b in zip(*np.divmod(pairs, len(granks) + 1))}
+    else:
+        sub = df[["group", "group_ranks"]].drop_duplicates()
+        group_ranks = dict(zip(sub["group"].astype(str), sub["group_ranks"].astype(str)))
+    is_p2p = df["op"].isin(P2P_OPS).to_numpy()
+    return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
+                  unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
+                  batch_calls=int((df["op"] == "batch_isend_irecv").sum()))
+
+
+def _p2p_rows(df, op_local, op_names, rows):
+    """Sends and receives with a peer, keyed as ``matching.match_p2p`` pairs them: the k-th call
+    of each (group, channel, src, dst, side) of this rank in seq order. Channel 0: object, 1:
+    tensor (the order of their names); side 0: send, 1: receive. None when there is none."""
+    if op_names is None:
+        op_names = sorted(set(df["op"].astype(str)))
+        op_local = np.searchsorted(op_names, df["op"].astype(str).to_numpy())
+    side_of = np.array([{"send": 0, "recv": 1}.get(P2P_SIDES.get(o, ("",))[0], -1) for o in op_names] or [-1], np.int8)
+    channel_of = np.array([P2P_SIDES.get(o, ("", "tensor"))[1] == "tensor" for o in op_names] or [1], np.int8)
+    peer = df["peer"].to_numpy(np.int64)
+    sel = np.flatnonzero((side_of[op_local] >= 0) & (peer >= 0)) if len(op_local) else np.zeros(0, np.int64)
+    if not len(sel):
+        return None
+    seq, rank = df["seq"].to_numpy(np.int64)[sel], rows["rank"][sel].astype(np.int64)
+    order = np.lexsort((seq, rank))
+    sel = sel[order]
+    side, channel = side_of[op_local[sel]], channel_of[op_local[sel]]
+    rank, peer = rows["rank"][sel].astype(np.int64), peer[sel]
+    src, dst = np.where(side == 0, rank, peer), np.where(side == 0, peer, rank)
+    group = rows["group"][sel]
+    # k: the running count within equal keys, in seq order (lexsort is stable)
+    keys = (side, dst, src, channel, group)
+    by_key = np.lexsort(keys)
+    change = np.zeros(len(sel), bool)
+    change[0] = True
+    for x in keys:
+        xs = x[by_key]
+        change[1:] |= xs[1:] != xs[:-1]
+    start = np.maximum.accumulate(np.where(change, np.arange(len(sel)), 0))
+    k = np.empty(len(sel), np.int64)
+    k[by_key] = np.arange(len(sel)) - start
+    return {"group": group, "channel": channel, "src": src, "dst": dst, "side": side, "k": k,
+            "op": rows["op"][sel], "bytes": rows["bytes"][sel], "start_ns": rows["start_ns"][sel]}
+
+
+# ---- the engine ----------------------------------------------------------------------------
+@dataclass
+class Results:
+    """What the report shows, as the pandas path computes it (``render.text.build_report``)."""
+
+    summary: object
+    per_step: object
+    mismatches: object = None
+    ranks: object = None
+    skew: object = None
+    p2p: object = None           # per channel (the report's p2p section)
+    arrivals: object = None      # only when asked (plots)
+    by_op_size: object = None    # summary by op and size_bucket (plots)
+    missing_logs: list = field(default_factory=list)
+    rank_list: list = field(default_factory=list)
+    calls: int = 0
+    unmeasured: int = 0
+    p2p_calls: int = 0
+    batch_calls: int = 0
+
+
+class Engine:
+    """Stage each rank's rows into ``directory`` (``stage``, e.g. in the reading processes), give
+    the engine what ``stage`` returned (``add``), then ``results()``: DuckDB queries the staged
+    Parquet files in parallel, within ``memory_limit`` (spilling to the same temporary
+    directory beyond it). ``close()`` removes the directory."""
+
+    def __init__(self, by=("collective", "size_bucket"), memory_limit: str = "2GB", threads: int | None = None,
+                 temp_dir: str | None = None) -> None:
+        self.by = [by] if isinstance(by, str) else list(by)
+        self.directory = tempfile.mkdtemp(prefix="commpatch-engine-", dir=temp_dir)
+        self.memory_limit, self.threads = memory_limit, threads
+        self.con = None
+        self.names: dict = {}          # column -> {code: name}
+        self.group_ranks: dict = {}
+        self.seen_ranks: set = set()
+        self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
+        self.tables: set = set()
+
+    def close(self) -> None:
+        try:
+            if self.con is not None:
+                self.con.close()
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def add(self, staged: "Staged | None") -> None:
+        """Take in what ``stage`` returned for one rank (its rows are already in the directory)."""
+        if staged is None:
+            return
+        overlap = self.seen_ranks.intersection(staged.ranks)
+        if overlap:
+            raise ValueError(f"rank(s) {sorted(overlap)} given twice to the engine: add each rank's rows once")
+        self.seen_ranks.update(staged.ranks)
+        for key in self.counts:
+            self.counts[key] += getattr(staged, key)
+        for name, ranks in staged.group_ranks.items():
+            self.group_ranks.setdefault(name, ranks)
+        for column, names in staged.names.items():
+            self.names.setdefault(column, {}).update(names)
+
+    def _connect(self) -> None:
+        import duckdb
+
+        self.con = duckdb.connect(":memory:")
+        for setting, value in (("memory_limit", self.memory_limit),
+                               ("temp_directory", os.path.join(self.directory, "spill")),
+                               ("preserve_insertion_order", "false")):
+            self.con.execute(f"SET {setting}='{value}'")
+        if self.threads:
+            self.con.execute(f"SET threads={int(self.threads)}")
+        for name in ("rows", "steps", "p2p"):
+            if os.path.isdir(os.path.join(self.directory, name)):
+                pattern = os.path.join(self.directory, name, "*.parquet").replace("'", "''")
+                self.con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}')")
+                self.tables.add(name)
+
+    def _decode(self, df, column, codes_of):
+        """Replace the codes of ``df[column]`` by their names."""
+        names = self.names.get(codes_of, {})
+        df[column] = [names.get(int(c), "") if c == c and c is not None else None for c in df[column]]
+        return df
+
+    def _df(self, sql, *params):
+        return self.con.execute(sql, list(params)).df()
+
+    # ---- results -----------------------------------------------------------------------------
+    def results(self, top: int = 10, arrivals_bins: int | None = None) -> Results:
+        """Every table of the report; ``arrivals_bins``: also the per-rank arrival matrix (plots)."""
+        return _engine_errors(self._results, top, arrivals_bins)
+
+    def _results(self, top, arrivals_bins) -> Results:
+        import pandas as pd
+
+        if self.con is None:
+            self._connect()
+        if "rows" not in self.tables:
+            raise ValueError("no rows were given to the engine")
+        ranks = sorted(self.seen_ranks)
+        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        if len(ranks) > 1:
+            self._groups(ranks)
+            self._match()
+            out.ranks = self._rank_table()
+            skew = self._top_skew(top)
+            out.p2p = self._p2p(set(ranks))
+            # one scan for the rows of every collective shown: the top skews, those whose fields
+            # disagree (when few) and the first missing one of each group
+            wanted = pd.concat([skew.rename(columns={"coll_seq": "cseq"})[["g", "cseq"]],
+                                self._df("SELECT g, cseq FROM coll WHERE differs LIMIT " + str(self.SMALL_DIFFERS + 1)),
+                                self._df("SELECT g, min(cseq) AS cseq FROM coll WHERE missing GROUP BY g")])
+            shown = self._shown(wanted)
+            names = self.names.get("group", {})
+
+            def flags_of(differs):
+                out = {c: [] for c in ("g", "cseq", "op_mismatch", "dtype_mismatch", "bytes_mismatch")}
+                for g, cseq in zip(differs["g"], differs["cseq"]):
+                    rows = shown[(names[int(g)], int(cseq))]
+                    for column, values in (("g", g), ("cseq", cseq), ("op_mismatch", rows["op"].nunique() > 1),
+                                           ("dtype_mismatch", rows["dtype"].nunique() > 1),
+                                           ("bytes_mismatch", rows["bytes"].nunique() > 1)):
+                        out[column].append(values)
+                return pd.DataFrame(out)
+
+            found = self._mismatches(flags_of)
+            missing_rows = [(f[2], f[3]) for f in found if (f[1], f[3]) not in shown]
+            if missing_rows:                    # first disagreements of a long run of them (computed in SQL)
+                shown.update(self._shown(pd.DataFrame(missing_rows, columns=["g", "cseq"])))
+            first = {key: rows.iloc[0] for key, rows in shown.items()}
+            skew = skew.assign(step=[first[(g, c)]["step"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               op=[first[(g, c)]["op"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               bytes=[first[(g, c)]["bytes"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                               max_duration_us=[shown[(g, c)]["dur"].max() for g, c in zip(skew["group"], skew["coll_seq"])])
+            out.skew = skew[["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler",
+                             "max_duration_us"]]
+            collectives = [(kind, name, cseq, int(first[(name, cseq)]["step"]), str(first[(name, cseq)]["op"]), n)
+                           for kind, name, g, cseq, n in found]
+            out.mismatches = mismatch_table(collectives, lambda group, coll_seq: shown[(group, coll_seq)],
+                                            self.p2p_firsts, set(ranks))
+            members = set()
+            for s in self.group_ranks.values():
+                members.update(expand_ranks(s))
+            out.missing_logs = sorted(members - set(ranks))
+            if arrivals_bins:
+                out.arrivals = self._arrivals(arrivals_bins)
+        return out
+
+    def summary(self, by=None):
+        """``summaries.summary`` of every row added, by the engine's ``by`` keys (default) or by
+        columns it stores (op, group, dtype, rank, step) and size_bucket."""
+        if self.con is None:
+            self._connect()
+        return _engine_errors(self._summary, by)
+
+    def _summary(self, by):
+        import pandas as pd
+
+        by = self.by if by is None else ([by] if isinstance(by, str) else list(by))
+        exprs = []
+        for i, key in enumerate(by):
+            if by is self.by:
+                exprs.append((f"k{i}", f"k{i}"))
+            elif key == "size_bucket":
+                exprs.append(("CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END", None))
+            elif key in ("op", "group", "dtype", "rank", "step"):
+                exprs.append((f'"{key}"', key if key in _CAT_COLUMNS else None))
+            else:
+                raise ValueError(f"the engine's summary is by {', '.join(self.by)} or by stored columns, not {key!r}")
+        keys = [f"_k{i}" for i in range(len(by))]
+        cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
+        out = self._df(f"""
+            SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
+                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
+                   sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
+                   coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
+                   coalesce(sum(busbytes), 0) AS _busbytes
+            FROM rows GROUP BY ALL""")
+        for k, (_, codes_of) in zip(keys, exprs):
+            if codes_of is not None and codes_of in self.names:   # categorical: names, in pandas' order
+                names = self.names[codes_of]
+                values = [names[int(c)] for c in out[k]]
+                out[k] = pd.Categorical(values, categories=sorted(set(values)))
+        # one quantile state for both (each holds every duration of its group: two did not fit in 2 GB at 100M rows)
+        q = [v if v is not None and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
+        out["p50_us"] = np.array([v[0] for v in q], np.float64)
+        out["p95_us"] = np.array([v[1] for v in q], np.float64)
+        out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
+        out["count"] = out["count"].astype(np.int64)
+        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "bytes",
+                                 "unmeasured", "_mbytes", "_busbytes"]]
+        return finish_summary(out)
+
+    def _per_step(self):
+        """``summaries.per_step(by_rank=False)`` from the per-rank tables ``stage`` wrote."""
+        if "steps" not in self.tables:
+            return None
+        out = self._df("""
+            SELECT step, arg_min(stage, rank) AS stage, arg_min(step_source, rank) AS step_source,
+                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
+                   max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
+                   avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
+                   avg(setup_comm_us) AS setup_comm_us, avg(step_us) AS step_us,
+                   arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
+                   avg(exposed_share) AS exposed_share,
+                   (-max({'c': comm_us, 'r': -rank}).r)::BIGINT AS max_rank
+            FROM steps GROUP BY step ORDER BY step""")
+        return out
+
+    def _groups(self, ranks) -> None:
+        """Per group code: its name's position in sorted order (how pandas orders categories) and
+        the members of the group that have a log here."""
+        import pandas as pd
+
+        codes = list(self.names.get("group", {}))
+        names = [self.names["group"][c] for c in codes]
+        present = set(ranks)
+        order = {n: i for i, n in enumerate(sorted(names))}
+        g = pd.DataFrame({"g": np.array(codes, np.int64), "name": names,
+                          "pos": [order[n] for n in names],
+                          "expected": [sum(r in present for r in expand_ranks(self.group_ranks.get(n, "")))
+                                       for n in names]})
+        self.con.register("_g", g)
+        self.con.execute("CREATE OR REPLACE TABLE groups AS SELECT * FROM _g")
+        self.con.unregister("_g")
+
+    # the first / last arrival of a collective: the earliest / latest issue time, ties broken by rank
+    # as the pandas path sorts them (a 128-bit key: 20 bits of rank below the time)
+    _ORDER = "(start_ns::HUGEINT * 1048576 + rank)"
+
+    def _match(self) -> None:
+        """One row per collective (group, cseq) with the few aggregates every row must feed (measured
+        at 256 ranks x 100k rows: a struct of the first arrival's values made this 5x slower); the
+        first arrival's values and which field differs are looked up afterwards for the few
+        collectives the report shows (``_mismatches``, ``_shown``)."""
+        self.con.execute(f"""
+            CREATE OR REPLACE TABLE coll AS
+            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, g.pos
+            FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
+                         arg_max(rank, {self._ORDER}) AS straggler,
+                         min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
+                  FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
+            JOIN groups g ON c.g = g.g""")
+
+    def _join_wanted(self, wanted, sql):
+        """Run ``sql`` (which joins ``rows r`` with ``_want w`` on group and cseq) for the collectives
+        ``wanted`` (a DataFrame with g, cseq)."""
+        self.con.register("_want", wanted[["g", "cseq"]].drop_duplicates())
+        try:
+            return self._df(sql)
+        finally:
+            self.con.unregister("_want")
+
+    def _rank_table(self):
+        out = self._df("""
+            SELECT r.rank::BIGINT AS rank, count(*)::BIGINT AS collectives,
+                   coalesce(sum(CASE WHEN r.dur IS NULL THEN NULL ELSE least((c.ls - r.start_ns) / 1e3, r.dur) END), 0)
+                       AS wait_us,
+                   coalesce(sum(r.dur), 0) AS measured_us
+            FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+            GROUP BY r.rank ORDER BY r.rank""")
+        last = self._df("""SELECT straggler::BIGINT AS rank, count(*)::BIGINT AS last_count, sum(skew_us) AS late_us
+                           FROM coll WHERE n > 1 GROUP BY straggler""")
+        out = out.merge(last, on="rank", how="left")
+        out["last_count"] = out["last_count"].fillna(0).astype(np.int64)
+        out["late_us"] = out["late_us"].fillna(0.0)
+        out["last_share"] = out["last_count"] / out["collectives"].where(out["collectives"] > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out["wait_share"] = out["wait_us"] / out["measured_us"].where(out["measured_us"] > 0)
+        out = out[["rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us",
+                   "wait_share"]]
+        return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
+
+    def _top_skew(self, n):
+        return self._df(f"""
+            SELECT c.g, g.name AS "group", c.cseq AS coll_seq, c.n::BIGINT AS ranks, c.skew_us,
+                   c.straggler::BIGINT AS straggler
+            FROM coll c JOIN groups g ON c.g = g.g
+            ORDER BY c.skew_us DESC, c.pos, c.cseq LIMIT {int(n)}""")
+
+    def _pairs_sql(self) -> str:
+        return """
+            SELECT coalesce(s.g, r.g) AS g, coalesce(s.channel, r.channel) AS channel, coalesce(s.src, r.src) AS src,
+                   coalesce(s.dst, r.dst) AS dst, coalesce(s.k, r.k) AS k, s.op AS send_op, r.op AS recv_op,
+                   s.bytes AS send_bytes, r.bytes AS recv_bytes,
+                   abs(s.start_ns - r.start_ns) / 1e3 AS skew_us,
+                   s.k IS NOT NULL AND r.k IS NOT NULL AS matched
+            FROM (SELECT "group" AS g, * FROM p2p WHERE side = 0) s
+            FULL OUTER JOIN (SELECT "group" AS g, * FROM p2p WHERE side = 1) r
+              ON s.g = r.g AND s.channel = r.channel AND s.src = r.src AND s.dst = r.dst AND s.k = r.k"""
+
+    def _p2p(self, present):
+        """Point-to-point pairs in one pass: the channels table, and per channel its first unmatched
+        call (both ends have a log) and its first size mismatch, from which ``_mismatches`` takes
+        the first per group."""
+        if "p2p" not in self.tables:
+            self.p2p_firsts = []
+            return None
+        ranks = ", ".join(map(str, sorted(present))) or "NULL"
+        first = """{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k, 'send_op': p.send_op,
+                    'recv_op': p.recv_op, 'send_bytes': p.send_bytes, 'recv_bytes': p.recv_bytes}"""
+        order = "(p.channel, p.src, p.dst, p.k)"
+        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks})"
+        bytes_bad = "matched AND send_bytes <> recv_bytes"
+        out = self._df(f"""
+            SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
+                   p.src, p.dst, count(*)::BIGINT AS pairs, (count(*) FILTER (WHERE matched))::BIGINT AS matched,
+                   (count(*) FILTER (WHERE {bytes_bad}))::BIGINT AS bytes_mismatch,
+                   avg(skew_us) AS mean_skew_us, max(skew_us) AS max_skew_us,
+                   arg_min({first}, {order}) FILTER (WHERE {unmatched}) AS _unmatched,
+                   (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
+                   arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
+            FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g
+            GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
+        ops = self.names.get("op", {})
+        self.p2p_firsts = []
+        for kind, column, count in (("p2p_unmatched", "_unmatched", "_n_unmatched"), ("p2p_bytes", "_bytes", "bytes_mismatch")):
+            for group, part in out.groupby("group", sort=True):
+                part = part[part[count] > 0]          # channels in (channel, src, dst) order: the first is the group's first
+                if len(part):
+                    first = dict(part[column].iloc[0])
+                    for side in ("send_op", "recv_op"):
+                        first[side] = ops[first[side]] if first[side] is not None else None
+                    self.p2p_firsts.append((kind, str(group), first, int(part[count].sum())))
+        return out.drop(columns=["_unmatched", "_n_unmatched", "_bytes"])
+
+    SMALL_DIFFERS = 10_000      # up to this many disagreeing collectives, their rows are fetched with the shown ones
+
+    def _mismatches(self, flags_of):
+        """(kind, group name, g, first cseq, affected) per kind and group, as the pandas path orders them.
+        ``flags_of(differs)``: which fields differ for the collectives (g, cseq) whose hash disagreed."""
+        import pandas as pd
+
+        differs = self._df("SELECT g, cseq FROM coll WHERE differs")
+        if len(differs) > self.SMALL_DIFFERS:      # many (a skipped call shifts all later ones): in SQL
+            flags = self._df("""
+                SELECT c.g, c.cseq, min(r.op) <> max(r.op) AS op_mismatch, min(r.dtype) <> max(r.dtype) AS dtype_mismatch,
+                       min(r.bytes) <> max(r.bytes) AS bytes_mismatch
+                FROM rows r JOIN (SELECT g, cseq FROM coll WHERE differs) c ON r."group" = c.g AND r.cseq = c.cseq
+                GROUP BY ALL""")
+        else:
+            flags = flags_of(differs)
+        flags["missing"] = False
+        flags = pd.concat([flags, self._df("SELECT g, cseq, true AS missing FROM coll WHERE missing")], ignore_index=True)
+        names = self.names.get("group", {})
+        found = []
+        for kind, flag in MISMATCH_FLAGS:
+            bad = flags[flags[flag].fillna(False).astype(bool)]
+            per_group = bad.groupby("g")["cseq"].agg(["min", "size"])
+            found += sorted((kind, names[int(g)], int(g), int(r["min"]), int(r["size"])) for g, r in per_group.iterrows())
+        return found
+
+    def _shown(self, wanted):
+        """(group name, cseq) -> the rows (rank, op, dtype, bytes, step, dur, start_ns, group_ranks) of the
+        collectives in ``wanted`` (g, cseq): one scan for every collective the report shows."""
+        rows = self._join_wanted(wanted, """
+            SELECT r."group" AS g, r.cseq, r.rank::BIGINT AS rank, r.op, r.dtype, r.bytes, r.step, r.dur, r.start_ns
+            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""")
+        rows = rows.sort_values(["start_ns", "rank"], kind="stable")      # first arrival first, as pandas orders
+        self._decode(rows, "op", "op")
+        self._decode(rows, "dtype", "dtype")
+        names = self.names.get("group", {})
+        out = {}
+        for (g, cseq), part in rows.groupby(["g", "cseq"], sort=False):
+            name = names[int(g)]
+            out[(name, int(cseq))] = part.assign(group_ranks=self.group_ranks.get(name, ""))
+        return out
+
+    def _arrivals(self, bins):
+        """``matching.arrival_matrix`` in SQL: mean arrival delay per rank and bin of collectives."""
+        ncoll = self.con.execute("SELECT count(*) FROM coll").fetchone()[0]
+        bins = max(1, min(bins, ncoll))
+        out = self._df(f"""
+            WITH idx AS (SELECT g, cseq, fs, row_number() OVER (ORDER BY pos, cseq) - 1 AS i FROM coll)
+            SELECT r.rank::BIGINT AS rank, ((i * {bins} // {max(ncoll, 1)}) * {ncoll} + {bins} - 1) // {bins} AS bin,
+                   avg((r.start_ns - idx.fs) / 1e3) AS arrival_us
+            FROM rows r JOIN idx ON r."group" = idx.g AND r.cseq = idx.cseq
+            GROUP BY ALL""")
+        out = out.pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
+        out.columns.name = "collective"
+        return out
