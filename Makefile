@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/compare.py
 	$(PYTHON) benchmarks/ddp_step.py
 	$(PYTHON) benchmarks/merge_scale.py
+	$(PYTHON) benchmarks/module_attribution.py
+	-$(PYTHON) benchmarks/steps_ground_truth.py    # exits 1 outside the issue-15 bounds (noisy on a shared machine)
 
 clean:
 	rm -rf $(STAMP) commpatch_logs build *.egg-info .pytest_cache

@@ -1,11 +1,12 @@
 """CPU cost of module / phase attribution (COMMPATCH_MODULES) per training step, on the demo's
-DDP model (examples/train_ddp.py) sized for ~5 ms steps, one gloo process.
+DDP model (examples/train_ddp.py: hidden 512, 3 hidden layers, batch 64: ~4-5 ms of CPU per step), one gloo process.
 
 Alternating rounds in the same process: commpatch enabled with modules on, then with modules
 off (same settings otherwise), each round N steps; CPU time (process_time) and wall time per
 step; the median of the paired differences. Target (issue 15): <= 2% of the CPU time per step.
+First, the same for forwards alone under no_grad (module calls only: a steadier per-call figure).
 
-    python benchmarks/module_attribution.py [--rounds 12] [--steps 40] [--hidden 384] [--depth 3]
+    python benchmarks/module_attribution.py [--rounds 40] [--steps 10] [--hidden 512] [--depth 3]
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--depth", type=int, default=3, help="hidden Linear+ReLU blocks")
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args(argv)
@@ -57,6 +58,24 @@ def main(argv=None) -> int:
             opt.step()
         return (time.process_time() - cpu) / n, (time.perf_counter() - wall) / n
 
+    def forwards(n):                                  # module calls only: no autograd, no collective
+        cpu = time.process_time()
+        with torch.no_grad():
+            for _ in range(n):
+                model.module(x)
+        return (time.process_time() - cpu) / n
+
+    per_forward = {True: [], False: []}
+    for r in range(args.rounds + 1):
+        for modules in ((True, False) if r % 2 else (False, True)):
+            commpatch.enable(output="none", modules=modules)
+            measured = forwards(50)
+            commpatch.disable()
+            if r:
+                per_forward[modules].append(measured)
+    calls = sum(1 for _ in model.module.modules())
+    forward_diff = statistics.median(a - b for a, b in zip(per_forward[True], per_forward[False]))
+
     results = {True: [], False: []}
     for r in range(args.rounds + 1):
         for modules in ((True, False) if r % 2 else (False, True)):
@@ -76,6 +95,8 @@ def main(argv=None) -> int:
     print(f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} paired rounds of {args.steps} steps; "
           f"{sum(1 for m in model.modules())} modules")
     print(f"step without attribution: {1e3 * base:.3f} ms CPU, {1e3 * wall:.3f} ms wall")
+    print(f"forward only ({calls} module calls, no_grad): {1e6 * forward_diff:+.2f} us CPU per forward, "
+          f"{1e6 * forward_diff / calls:+.3f} us per module call")
     print(f"added by attribution: {1e6 * statistics.median(diffs):+.1f} us CPU per step "
           f"({100 * statistics.median(diffs) / base:+.2f}%; paired differences from {1e6 * min(diffs):+.1f} "
           f"to {1e6 * max(diffs):+.1f} us)")

@@ -119,7 +119,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
             "Print a per-op summary table to stderr at exit."),
     Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,
-            "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (global module hooks: a small cost per module call)."),
+            "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call)."),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

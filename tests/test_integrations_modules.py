@@ -152,3 +152,40 @@ def test_module_with_eq_but_no_hash_runs():
         outer["odd"](torch.ones(2, 4)).sum().backward()
         df = commpatch.log()
     assert df["module"].astype(str).tolist() == ["Odd"]
+
+
+def test_forward_hooks_are_attributed_to_their_module_and_a_raise_restores_the_parent():
+    """nn.Module._call_impl is wrapped (no global module hooks, issue 15): a module's own forward
+    pre-hook runs inside its attribution, and a forward that raises restores the enclosing module."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+    from tests.fakepg import fake_world
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.boom = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), Boom()
+
+        def forward(self, x):
+            try:
+                self.boom(x)
+            except ValueError:
+                dist.all_reduce(torch.ones(1))          # back in Outer after the raise
+            return self.second(self.first(x))
+
+    model = Outer()
+    model.second.register_forward_pre_hook(lambda mod, args: dist.all_reduce(torch.ones(1)))
+    with fake_world(2):
+        commpatch.enable(output="none")
+        model(torch.ones(1, 2))
+        dist.all_reduce(torch.ones(1))                  # outside any module
+        df = commpatch.log()
+    assert list(zip(df["module"].astype(str), df["phase"].astype(str))) == [
+        ("Outer", "forward"), ("second", "forward"), ("", "other")]
+    assert not any(h for h in torch.nn.modules.module._global_forward_hooks.values())

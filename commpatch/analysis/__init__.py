@@ -2,6 +2,7 @@
 set-up and steady state, overhead and scaling (``steps``); findings as sentences (``findings``); matching the same collective across ranks, skew, mismatches
 (``matching``, ``cross_rank``). Imports ``data`` only: no I/O, no printing, no runtime state."""
 
+from . import findings  # noqa: F401 - the module: findings.findings(df, steps_table, cross)
 from .matching import (P2P_OPS, CrossRank, arrival_matrix, collective_seq, cross_rank, match_collectives, match_p2p,
                        mismatches, rank_table, top_skew)
 from .steps import (BLOCKING_TIMINGS, SETUP_OPS, per_step, scaling, scaling_by_op, setup_cost, steady_rows,

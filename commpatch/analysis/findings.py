@@ -33,7 +33,9 @@ def _ms(us) -> str:
 
 
 def _pct(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.0f}%"
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return "<1%" if 0 < x < 0.005 else f"{100 * x:.0f}%"
 
 
 _SOURCES = {"optimizer": "each optimizer.step() (counted automatically)",
@@ -71,7 +73,7 @@ def findings(df, steps_table, cross=None) -> list:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
-        out.append(Finding("setup", f"set-up (step 0: process group, model wrapping, first iteration) took "
+        out.append(Finding("setup", f"set-up (step 0, up to the first step boundary: process group, model wrapping, first iteration) took "
                                     f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
                                     f"rank, is {_pct(share)} of the run's and left out of the steady state"
                                     + (f" (largest: {parts})." if parts else "."), "steps"))

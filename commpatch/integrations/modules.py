@@ -1,27 +1,29 @@
 """Module attribution: which nn.Module, in which phase, issued each call.
 
-Global module hooks keep ``STATE.where`` (module code << 2 | phase) up to date; the wrapper
-copies that one int into each row, and names are resolved only when the DataFrame is built.
+``nn.Module._call_impl`` is wrapped to keep ``STATE.where`` (module code << 2 | phase) up to
+date; the wrapper copies that one int into each row, and names are resolved only when the
+DataFrame is built.
 
-- forward:   global forward pre/post hooks keep a stack; the innermost module wins. Names are
-             fully qualified relative to the outermost module (named by its class), assigned once
-             per root by walking ``named_modules()``.
+- forward:   the wrapped ``_call_impl`` saves ``STATE.where``, sets it for the module and restores
+             it when the call returns or raises; the innermost module wins, its own forward
+             hooks included. Names are fully qualified relative to the outermost module (named
+             by its class), assigned once per root by walking ``named_modules()``.
 - backward:  a pre-hook on the grad_fn of the root's output marks the backward of that root
              (module = the root; per-submodule backward attribution would need hooks on every
              module's tensors, as CommDebugMode's ModTracker does, at a cost on every op);
              an engine callback resets it when the backward ends.
 - optimizer: global optimizer step pre/post hooks.
-Cost is per module call (two Python hooks), not per collective; ``COMMPATCH_MODULES=0`` turns
-it off.
+Cost is one Python frame per module call, not per collective. Global module hooks, used before
+(issue 15), cost more: their mere presence sends every module call down torch's slow hook path
+(~1.5 us per call for a no-op pair). ``COMMPATCH_MODULES=0`` turns it off.
 
-torch.compile: every hook returns at once while a frame is being compiled
+torch.compile: the wrapper calls the original at once while a frame is being compiled
 (``torch.compiler.is_compiling()``, which dynamo folds to a constant), so dynamo traces nothing
-of commpatch into a graph and ``fullgraph=True`` still holds (a hook that touched the module
-made dynamo fail with "already tracked for mutation"). A compiled module's collectives are
-attributed to the compiled module as a whole: the ``OptimizedModule``'s own hooks run eagerly
-(it is named after the module it compiles). torch warns at every call of a compiled module
-when global hooks exist ("hooks fire an extra time"): ``_has_any_global_hook`` is wrapped so
-that commpatch's own hooks, which expect that, do not count.
+of commpatch into a graph and ``fullgraph=True`` still holds. Dynamo no longer short-circuits
+``_call_impl`` to ``forward`` (it compares it with the unpatched function) and traces torch's own
+``_call_impl`` instead, as it does for a module with hooks. A compiled module's collectives are
+attributed to the compiled module as a whole: the ``OptimizedModule``'s own call runs eagerly
+(it is named after the module it compiles).
 
 Modules are keyed by identity, never by ``hash()``: a module may define ``__eq__`` without
 ``__hash__``.
@@ -66,9 +68,9 @@ class _Codes:
 
 
 _codes = _Codes()
-_stack: list[tuple[int, int]] = []        # (id of the module, STATE.where before it)
+_stack: list[int] = []                     # STATE.where before each module call in progress
+_in_optimizer: list[int] = []              # STATE.where before each optimizer step in progress
 _handles: list = []
-_hidden: list = []                         # (module, original _has_any_global_hook)
 
 
 def wanted(settings: dict) -> bool:
@@ -125,34 +127,37 @@ def _install(ctx, compiler) -> None:
 
     state = _runtime.STATE
     stack = _stack
+    in_optimizer = _in_optimizer
     codes = _codes
     engine = torch.autograd.Variable._execution_engine
     compiling = compiler.is_compiling
 
-    def forward_pre(module, args):
-        if compiling():
-            return
-        code = codes.get(module)
-        if code is None:
-            code = code_of(module) if not stack else _child_code(module)
-        stack.append((id(module), state.where))
-        if code >= 0:
-            state.where = (code << 2) | P_FORWARD     # pack_where inlined: this runs per module call
+    by_id = codes.by_id
+    grad_enabled = torch.is_grad_enabled
 
-    def forward_post(module, args, output):
-        if compiling() or not stack:
-            return
-        key = id(module)
-        if stack[-1][0] != key:
-            # a pre-hook that ran without its post-hook (an exception, or a graph break between
-            # them): unwind to this module's entry, or leave the stack alone if it has none
-            if not any(entry[0] == key for entry in stack):
-                return
-            while stack[-1][0] != key:
+    def wrap_call_impl(orig):
+        def _call_impl(module, *args, **kwargs):
+            # one Python frame per module call instead of global forward hooks, whose mere presence
+            # sends every module call down torch's slow hook path (~1.5 us each)
+            if compiling():
+                return orig(module, *args, **kwargs)
+            code = by_id.get(id(module))
+            if code is None:
+                code = code_of(module) if not stack else _child_code(module)
+            previous = state.where
+            stack.append(previous)
+            if code >= 0:
+                state.where = (code << 2) | P_FORWARD     # pack_where inlined: this runs per module call
+            try:
+                output = orig(module, *args, **kwargs)
+            finally:
                 stack.pop()
-        state.where = stack.pop()[1]
-        if not stack and torch.is_grad_enabled():
-            _mark_backward(module, output)
+                state.where = previous
+            if not stack and grad_enabled():
+                _mark_backward(module, output)
+            return output
+
+        return _call_impl
 
     def _mark_backward(module, output):
         node = _grad_fn(output)
@@ -175,49 +180,24 @@ def _install(ctx, compiler) -> None:
     def optim_pre(optimizer, args, kwargs):
         if compiling():
             return
-        stack.append((id(optimizer), state.where))
+        in_optimizer.append(state.where)
         state.where = pack_where(_optimizer_code(optimizer), P_OPTIMIZER)
 
     def optim_post(optimizer, args, kwargs):
         if compiling():
             return
-        state.where = stack.pop()[1] if stack else 0
+        state.where = in_optimizer.pop() if in_optimizer else 0
 
-    module_handles = (nn_module.register_module_forward_pre_hook(forward_pre),
-                      nn_module.register_module_forward_hook(forward_post, always_call=True))
-    _handles.extend(module_handles + (
-        optim_module.register_optimizer_step_pre_hook(optim_pre),
-        optim_module.register_optimizer_step_post_hook(optim_post),
-    ))
-    _hide_own_hooks(nn_module, module_handles)
-
-
-def _hide_own_hooks(nn_module, handles) -> None:
-    """torch.compile(module) warns at every call when any global module hook exists; commpatch's
-    hooks expect to run for the OptimizedModule too, so they do not count as "any"."""
-    orig = getattr(nn_module, "_has_any_global_hook", None)
-    if orig is None or _hidden:
-        return
-    ours = {h.id for h in handles}
-    names = ("_global_backward_pre_hooks", "_global_backward_hooks", "_global_forward_pre_hooks",
-             "_global_forward_hooks", "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
-
-    def _has_any_global_hook():
-        # every registry is keyed by the hook's handle id
-        return any(key not in ours for name in names for key in getattr(nn_module, name, {}))
-
-    _has_any_global_hook.__wrapped__ = orig
-    nn_module._has_any_global_hook = _has_any_global_hook
-    _hidden.append((nn_module, orig))
+    ctx.patches.wrap(nn_module.Module, "_call_impl", wrap_call_impl)
+    _handles.extend((optim_module.register_optimizer_step_pre_hook(optim_pre),
+                     optim_module.register_optimizer_step_post_hook(optim_post)))
 
 
 def remove(ctx) -> None:
     while _handles:
         _handles.pop().remove()
-    while _hidden:
-        nn_module, orig = _hidden.pop()
-        nn_module._has_any_global_hook = orig
     _stack.clear()
+    _in_optimizer.clear()
     _runtime.STATE.where = 0
 
 
@@ -267,10 +247,9 @@ def _grad_fn(output):
 
 INTEGRATION = Integration(
     name="modules",
-    patches="global nn.Module forward pre/post hooks, optimizer step pre/post hooks, a grad_fn pre-hook per root "
-            "output, torch.nn.modules.module._has_any_global_hook",
-    relies_on=("torch.nn.modules.module.register_module_forward_pre_hook / _hook",
+    patches="torch.nn.Module._call_impl (a wrapper), global optimizer step pre/post hooks, a grad_fn pre-hook per "
+            "root output",
+    relies_on=("torch.nn.Module._call_impl (called by _wrapped_call_impl for every module call)",
                "torch.optim.optimizer.register_optimizer_step_pre_hook / post_hook",
-               "torch.nn.modules.module._has_any_global_hook", "Variable._execution_engine.queue_callback",
-               "torch.compiler.is_compiling"),
+               "Variable._execution_engine.queue_callback", "torch.compiler.is_compiling"),
     wanted=wanted, apply=apply, remove=remove)
