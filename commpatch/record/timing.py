@@ -135,6 +135,18 @@ class Timing:
         fut.then(record_end)
         return T_DEVICE
 
+    def _host_wait(self, work, key) -> None:
+        """Wait on the host for a work (read / exit only): NCCL's ``wait()`` makes the current
+        stream wait, not the host (without TORCH_NCCL_BLOCKING_WAIT), so an event recorded after it
+        is synchronized."""
+        work.wait()
+        api = self.apis.get(key)
+        if api is not None and not work.is_completed():
+            ev = self._event(key, api)
+            ev.record(api.current_stream())
+            ev.synchronize()
+            self._free(key, ev)
+
     def cancel(self, started) -> None:
         """A started measurement that will not be ended: its event goes back to the pool."""
         if started is not None:
@@ -221,7 +233,7 @@ class Timing:
                 keep.append(item)
                 continue
             if block:
-                work.wait()
+                self._host_wait(work, key)
             if work.is_completed():
                 try:
                     done[seq] = int(work._get_duration() * 1e6)

@@ -420,8 +420,8 @@ def commpatch_frameworks(rank, world_size):
             def is_completed(self):
                 return kernel[1].query()
 
-            def wait(self):
-                kernel[1].synchronize()
+            def wait(self):                                # as NCCL's: the stream waits, not the host
+                torch.accelerator.current_stream(x.device).wait_event(kernel[1])
 
             def _get_duration(self):
                 return kernel[0].elapsed_time(kernel[1])
