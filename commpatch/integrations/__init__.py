@@ -7,6 +7,8 @@
 - ``fsdp``:       FSDP's all-gathers and gradient reductions attributed to the unit whose
                   parameters moved, in the phase they ran.
 - ``coalescing``: ``_coalescing_manager``: one row for the coalesced collective that ran.
+- ``compiled``:   collectives inside compiled graphs and functional collectives' autograd
+                  formulas (``_c10d_functional`` ops, seen at the dispatcher).
 
 The contract (``Integration``): each module defines one ``INTEGRATION`` naming what it patches
 and which torch internals it relies on, with ``wanted(settings)``, ``apply(ctx)`` and
@@ -17,13 +19,13 @@ same writer as the wrapper's slow path). A new integration is a module here plus
 
 from __future__ import annotations
 
-from . import base, coalescing, ddp, fsdp, functional, modules
+from . import base, coalescing, compiled, ddp, fsdp, functional, modules
 from ..record import state as _runtime
 from .base import Context, Integration  # noqa: F401 - the contract, for integrations and their readers
 
 # in the order they are applied
 ALL: tuple[Integration, ...] = (ddp.INTEGRATION, functional.INTEGRATION, modules.INTEGRATION, fsdp.INTEGRATION,
-                                coalescing.INTEGRATION)
+                                coalescing.INTEGRATION, compiled.INTEGRATION)
 
 
 def apply(log, timing, settings: dict) -> Context:
