@@ -12,11 +12,13 @@ rounds of ``--calls`` graph calls, median per way:
 2. commpatch: ``enable()``: the dispatcher kernels of ``integrations/compiled.py`` (ADInplaceOrView
    key, redispatch below; one row per collective, timed to its wait);
 3. namespace wrap (the option measured, not shipped): the generated code's
-   ``torch.ops._c10d_functional.all_reduce_`` / ``wait_tensor`` replaced, after compilation, by
-   Python objects whose ``.default`` records and calls the real op;
+   ``torch.ops._c10d_functional.all_reduce_`` / ``wait_tensor`` replaced by Python objects whose
+   ``.default`` records and calls the real op. dynamo guards on those objects, so the swap makes a
+   compiled graph recompile, and tracing the object fails under fullgraph=True: its cost is
+   measured on the op calls themselves (wrapped minus direct) and added to the plain graph;
 4. post-grad pass estimate (not shipped): the graph as compiled, plus two calls of a Python custom
-   op per collective from the same generated code, which is what a pass bracketing each
-   collective with recording calls would add (the pass itself needs a custom inductor pass, its
+   op per collective from the same generated code (each copies its 16 floats), about what a pass
+   bracketing each collective with recording calls would add (the pass itself needs a custom inductor pass, its
    cache key, and sees only graphs compiled while enabled).
 Prints µs per graph call, added µs per collective and the ratio to plain. Numbers go to
 docs/design-notes.md (issue 16).
@@ -25,8 +27,9 @@ docs/design-notes.md (issue 16).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+
+from _util import alternating, fake_world
 
 
 def main() -> None:
@@ -39,11 +42,10 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import commpatch
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    fake_world(8)
     group = dist.group.WORLD
     k = args.collectives
 
@@ -55,10 +57,10 @@ def main() -> None:
 
     marks = []
 
-    @torch.library.custom_op("commpatch_bench::mark", mutates_args=())
-    def mark(x: torch.Tensor) -> torch.Tensor:
+    @torch.library.custom_op("commpatch_bench::mark", mutates_args=(), schema="(Tensor x) -> Tensor")
+    def mark(x):
         marks.append(time.perf_counter_ns())
-        return x
+        return x.clone()         # a custom op may not return its input
 
     @mark.register_fake
     def _(x):
@@ -97,30 +99,32 @@ def main() -> None:
             commpatch.disable()
             commpatch.reset()
 
+    op, wait = torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.wait_tensor.default
+    name = dist.group.WORLD.group_name
+    buf = torch.ones(16)
+
+    def op_loop(reduce, wait_):
+        t0 = time.perf_counter_ns()
+        for _ in range(args.calls):
+            wait_(reduce(buf, "sum", name))
+        return (time.perf_counter_ns() - t0) / args.calls / 1e3 * k    # per graph's worth of collectives
+
     def namespace_wrap():
-        ns = torch.ops._c10d_functional
-        saved = {name: getattr(ns, name) for name in ("all_reduce_", "wait_tensor")}
+        """What generated code would call through a Python object put in place of
+        ``torch.ops._c10d_functional.all_reduce_`` / ``wait_tensor``: measured on the op calls
+        themselves (dynamo guards on those objects: a graph compiled before the swap recompiles
+        and, tracing the object, fails under fullgraph=True)."""
         rows = []
 
-        class Packet:
-            def __init__(self, packet):
-                real = packet.default
+        def recorded(real):
+            def default(*a, **kw):
+                start = time.perf_counter_ns()
+                out = real(*a, **kw)
+                rows.append((start, time.perf_counter_ns(), a[0].numel()))
+                return out
+            return default
 
-                def default(*a, **kw):
-                    start = time.perf_counter_ns()
-                    out = real(*a, **kw)
-                    rows.append((start, time.perf_counter_ns(), a[0].numel()))
-                    return out
-
-                self.default = default
-
-        try:
-            for name, packet in saved.items():
-                setattr(ns, name, Packet(packet))
-            return loop(compiled)
-        finally:
-            for name, packet in saved.items():
-                setattr(ns, name, packet)
+        return op_loop(recorded(op), recorded(wait)) - op_loop(op, wait) + loop(compiled)
 
     def post_grad_estimate():
         t = loop(compiled_bracketed)
@@ -129,17 +133,11 @@ def main() -> None:
 
     ways = {"plain": plain, "commpatch (dispatcher kernels)": instrumented,
             "namespace wrap (not shipped)": namespace_wrap, "post-grad pass estimate (not shipped)": post_grad_estimate}
-    for fn in ways.values():
-        fn()                      # warm up (and check the row count once)
-    results = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, fn in ways.items():
-            results[name].append(fn())
-    base = statistics.median(results["plain"])
+    medians = alternating(ways, args.rounds)
+    base = medians["plain"]
     print(f"{k} all_reduce + wait_tensor per graph, {args.calls} calls x {args.rounds} rounds, fake backend (world 8)")
     print(f"{'way':40s} {'us/graph':>9s} {'added us/collective':>20s} {'ratio':>6s}")
-    for name, values in results.items():
-        med = statistics.median(values)
+    for name, med in medians.items():
         print(f"{name:40s} {med:9.2f} {(med - base) / k:20.2f} {med / base:6.2f}")
     dist.destroy_process_group()
 

@@ -21,6 +21,10 @@ written per collective, timed from issue to the return of the ``wait_tensor`` on
   compile-start callback), at ``enable()`` when this process has compiled a graph already, or at
   the first functional collective with an autograd formula while recording; removed at
   ``disable()``. Until then these ops run torch's kernels directly.
+- A compiled graph's first call runs under AOT autograd's custom-op check (a TorchDispatchMode
+  that calls ops past the kernels' key): its collectives are observed in that mode's
+  ``__torch_dispatch__``, wrapped while the kernels are installed. Under a TorchDispatchMode of
+  your own, compiled collectives are likewise called past that key and not recorded.
 - Still unseen: CUDA graph replays (``mode="reduce-overhead"``, ``triton.cudagraphs``: a replay
   launches the captured kernels without dispatching any op) and code that never dispatches
   these ops (ahead-of-time compiled C++ calling the backend directly).
@@ -99,22 +103,53 @@ def ensure_installed() -> None:
     if _KERNELS.installed or not _CTX:
         return
     try:
-        _install(_CTX[0].log)
+        _install(_CTX[0])
     except Exception as exc:  # noqa: BLE001
         _KERNELS.remove()
         _runtime.fail("compiled.install", exc)
 
 
-def _install(log) -> None:
+def _install(ctx) -> None:
     import torch
 
+    log = ctx.log
     waits = Waits(log)
     groups: dict = {}
     node = torch._C._current_autograd_node
+    makers = {}                          # OpOverload -> make(call), also for the first invocation below
     for name, (compiled_op, formula_op, many) in OPS.items():
-        _KERNELS.wrap(name, lambda call, c=compiled_op, f=formula_op, m=many:
-                      _kernel(log, call, c, f, m, waits, groups, node))
-    _KERNELS.wrap("wait_tensor", lambda call: _wait_kernel(call, waits))
+        makers[getattr(torch.ops._c10d_functional, name).default] = \
+            lambda call, c=compiled_op, f=formula_op, m=many: _kernel(log, call, c, f, m, waits, groups, node)
+    makers[torch.ops._c10d_functional.wait_tensor.default] = lambda call: _wait_kernel(call, waits)
+    for op, make in makers.items():
+        _KERNELS.wrap(op._opname, make)
+    try:
+        from torch._functorch._aot_autograd import runtime_wrappers
+    except ImportError:                  # an older torch has no first-invocation mode
+        return
+    mode = getattr(runtime_wrappers, "_AnalyzeCustomOpInputOutputMode", None)
+    if mode is not None:
+        ctx.patches.wrap(mode, "__torch_dispatch__", lambda orig: _first_invocation(orig, makers))
+
+
+def _first_invocation(orig, makers: dict):
+    """AOT autograd runs a compiled graph's first call under a TorchDispatchMode (custom-op
+    aliasing checks) whose ``func(*args)`` skips every key above the backend, the kernels' key
+    included: that call's collectives are observed here, with the same row writers."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        make = makers.get(func) if _KERNELS.installed else None
+        if make is None or not all(type(a) is _tensor() for a in args if isinstance(a, _tensor())):
+            return orig(self, func, types, args, kwargs)
+        observe = make(lambda _keyset, *a, **k: orig(self, func, types, a, k))
+        return observe(None, *args, **(kwargs or {}))
+
+    return __torch_dispatch__
+
+
+def _tensor():
+    import torch
+
+    return torch.Tensor
 
 
 def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Waits, groups: dict, node):
@@ -188,5 +223,6 @@ INTEGRATION = Integration(
             "autograd formula may issue them",
     relies_on=("Library.impl(with_keyset=True) at ADInplaceOrView, OpOverload.redispatch", "torch._dynamo.callback_handler.run_start_callbacks",
                "torch._dynamo.utils.counters['stats']['unique_graphs']", "torch._C._current_autograd_node",
-               "_c10d_functional op schemas (group name last positional argument)"),
+               "_c10d_functional op schemas (group name last positional argument)",
+               "torch._functorch._aot_autograd.runtime_wrappers._AnalyzeCustomOpInputOutputMode (first call)"),
     wanted=wanted, apply=apply, remove=remove)

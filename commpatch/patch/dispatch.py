@@ -47,23 +47,20 @@ class Kernels:
     def wrap(self, name: str, make) -> None:
         """For op ``namespace::name`` (default overload): ``make(call)`` gives a function
         ``(keyset, *args, **kwargs)`` that runs the op with ``call(keyset, *args, **kwargs)`` and
-        returns its result; it is called for real tensors only."""
+        returns its result; it is called for real tensors only, with the keys below this one."""
         import torch
 
         op = getattr(getattr(torch.ops, self.namespace), name).default
         after = torch._C._after_ADInplaceOrView_keyset
         real = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
-        redispatch = op.redispatch
-
-        def call(keyset, *args, **kwargs):
-            return redispatch(keyset & after, *args, **kwargs)
-
-        observe = make(call)
+        redispatch = op._handle.redispatch_boxed      # what OpOverload.redispatch calls
+        observe = make(redispatch)     # called with the keyset below this key
 
         def kernel(keyset, *args, **kwargs):
-            if (keyset & after).highestPriorityTypeId() not in real:
-                return redispatch(keyset & after, *args, **kwargs)
-            return observe(keyset, *args, **kwargs)
+            below = keyset & after
+            if below.highestPriorityTypeId() not in real:
+                return redispatch(below, *args, **kwargs)
+            return observe(below, *args, **kwargs)
 
         with _lock:
             if self.lib is None:
