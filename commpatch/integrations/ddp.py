@@ -41,8 +41,12 @@ that model's buckets are not recorded (``ddp.hook_registered_before_enable``). T
 install run as Python under torch.compile (``_eager``), as DDP's own forward code does.
 
 The constructor's parameter check and broadcast are reached by name (``dist._verify_params_
-across_processes``, ``dist._broadcast_coalesced``); the bucket rebuild before the second
-forward through ``Reducer._rebuild_buckets``.
+across_processes``, ``dist._broadcast_coalesced``), the bucket rebuild before the second forward
+through ``Reducer._rebuild_buckets``: around each call, dispatcher kernels for the ``c10d`` ops it
+runs (``patch.dispatch``, calling thread only, removed after) give one row per collective with
+its real bytes. With ``find_unused_parameters=True`` the reducer all-reduces its unused-parameter
+bitmap right after launching the last bucket, from C++: the last bucket's hook installs a kernel
+that records that one call, removed at the end of the backward.
 """
 
 from __future__ import annotations
@@ -463,7 +467,8 @@ def _unused_map_allreduce(log, ddp) -> None:
 INTEGRATION = Integration(
     name="ddp",
     patches="DistributedDataParallel: __init__, forward pre-hook, register_comm_hook, _register_builtin_comm_hook, "
-            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs",
+            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs; dispatcher kernels for "
+            "c10d::allgather_ / broadcast_ / allreduce_ around the constructor's and reducer's C++ collectives",
     relies_on=("torch.nn.parallel.distributed.DistributedDataParallel.reducer", "dist._register_comm_hook",
                "Reducer._run_allreduce_hook", "GradBucket (index, parameters, buffer, is_last)",
                "DistributedDataParallel._set_forward_pass_work_handle / _pre_forward"),
