@@ -1,6 +1,7 @@
-"""Shared by the benchmarks: memory readings and the fake process group."""
+"""Shared by the benchmarks: memory readings, the fake process group, alternating rounds."""
 
 import os
+import statistics
 
 
 def rss_mb() -> float:
@@ -15,3 +16,15 @@ def fake_world(world_size: int = 8) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def alternating(ways: dict, rounds: int) -> dict:
+    """Run each of ``ways`` (name -> function returning a time) once to warm up, then ``rounds``
+    times in alternation; the median time per way."""
+    for fn in ways.values():
+        fn()
+    results = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            results[name].append(fn())
+    return {name: statistics.median(values) for name, values in results.items()}

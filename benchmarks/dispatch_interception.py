@@ -11,8 +11,9 @@ Prints microseconds per call, median of alternating rounds. Numbers go to docs/d
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
+
+from _util import alternating
 
 
 def main() -> None:
@@ -75,16 +76,10 @@ def main() -> None:
 
     ways = {"plain": plain, "commpatch wrapper": wrapper, "dispatcher (AutogradCPU)": dispatcher,
             "CommDebugMode": comm_debug}
-    for fn in ways.values():
-        fn()                       # warm up
-    results = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, fn in ways.items():
-            results[name].append(fn())
-    base = statistics.median(results["plain"])
+    medians = alternating(ways, args.rounds)
+    base = medians["plain"]
     print(f"{'way':28s} {'us/call':>8s} {'added us':>9s}")
-    for name, values in results.items():
-        med = statistics.median(values)
+    for name, med in medians.items():
         print(f"{name:28s} {med:8.2f} {med - base:9.2f}")
     dist.destroy_process_group()
 

@@ -34,6 +34,46 @@ GLOO_RUNS = {"all_gather_into_tensor": ("all_gather",), "all_gather_single": ("a
              "all_gather_object": ("all_gather", "all_gather")}
 
 
+# bytes per element of the scalar types the profiler names (kineto events' dtypes())
+_ITEMSIZE = {"float": 4, "double": 8, "int": 4, "long": 8, "long int": 8, "long long": 8, "short": 2, "c10::Half": 2, "c10::BFloat16": 2,
+             "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def witness_bytes(prof, world_size) -> Counter:
+    """Bytes per gloo op the profiler saw (record_shapes=True), as nccl-tests counts S: the
+    tensors given, all_gather times the group size (gloo's event shows the local input)."""
+    import math
+
+    out = Counter()
+    for e in prof.profiler.kineto_results.events():
+        if e.name().startswith("gloo:"):
+            op = e.name()[len("gloo:"):]
+            n = sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in zip(e.shapes(), e.dtypes()))
+            out[op] += n * (world_size if op == "all_gather" else 1)
+    return out
+
+
+def claimed_bytes(df) -> Counter:
+    """Bytes per gloo op commpatch's rows say ran (rows of ops that issue one collective)."""
+    from commpatch.data.ops import BY_NAME
+
+    out = Counter()
+    for op, n in zip(df["op"].astype(str), df["bytes"]):
+        runs = BY_NAME[op].runs or GLOO_RUNS.get(op, (op,))
+        assert len(runs) == 1, op
+        out[{"reduce_scatter": "all_reduce"}.get(runs[0], runs[0])] += int(n)
+    return out
+
+
+def python_kernel(op: str) -> bool:
+    """A Python kernel (commpatch's, patch/dispatch.py) is registered for ``op``: at its key torch
+    otherwise has a fallthrough registered in C++."""
+    import torch
+
+    line = next(ln for ln in torch._C._dispatch_dump_table(op).splitlines() if ln.startswith("ADInplaceOrView:"))
+    return ".py:" in line
+
+
 def _model():
     import torch
 
@@ -69,16 +109,98 @@ def ddp_default(rank, world_size):
 
     reference = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     commpatch.enable(output="none")
-    with profile() as prof:
+    with profile(record_shapes=True) as prof:
         ddp = DDP(_model(), bucket_cap_mb=0.0002)     # several buckets
         grads = _train(ddp, rank)
     df = commpatch.log()
     commpatch.disable()
     identical = all(torch.equal(a, b) for ga, gb in zip(reference, grads) for a, b in zip(ga, gb))
     after = _train(ddp, rank, steps=2)        # the hook stays registered: a pass-through now
-    return dict(df=df, witness=witness_counts(prof), identical=identical,
+    return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size), identical=identical,
                 rows_after_disable=len(commpatch.log()) - len(df), finite=all(g.isfinite().all() for g in after[-1]),
                 params=[p.numel() * p.element_size() for p in ddp.parameters()])
+
+
+def ddp_unused(rank, world_size):
+    """find_unused_parameters=True with a branch that is never used: the constructor and 5 steps
+    under the profiler; the dispatcher kernels present only while the reducer's bitmap
+    all-reduce is due (in backward), never after a step or after disable()."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.profiler import profile
+
+    import commpatch
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.unused = _model(), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.body(x)
+
+    commpatch.enable(output="none")
+    kernels_between_steps = []
+    with profile(record_shapes=True) as prof:
+        ddp = DDP(Branchy(), find_unused_parameters=True, bucket_cap_mb=0.0002)
+        for _ in range(5):
+            ddp(torch.randn(4, 8)).sum().backward()
+            kernels_between_steps.append(python_kernel("c10d::allreduce_") or python_kernel("c10d::broadcast_"))
+    df = commpatch.log()
+    commpatch.disable()
+    return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size),
+                kernels_between_steps=kernels_between_steps, errors=commpatch.internal_errors(),
+                params=[p.numel() * p.element_size() for p in ddp.parameters()])
+
+
+def compiled_tp(rank, world_size):
+    """A tensor-parallel MLP compiled with inductor (fullgraph=True), and a functional collective
+    whose autograd formula issues one in backward; the profiler as witness."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.profiler import profile
+
+    import commpatch
+    from commpatch.integrations import compiled
+
+    mesh = init_device_mesh("cpu", (world_size,))
+
+    def tp_mlp():
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+        return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    def step(model):
+        inp = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        out = model(inp)
+        out.sum().backward()
+        return [out.detach()] + [inp.grad] + [p.grad.to_local() for p in model.parameters()]
+
+    eager = step(tp_mlp())
+    commpatch.enable(output="none")
+    out = {"installed_before_compile": compiled._KERNELS.installed}
+    model = tp_mlp()
+    cmodel = torch.compile(model, fullgraph=True)
+    with commpatch.capture() as cap, profile(record_shapes=True) as prof:
+        first = step(cmodel)                         # compiles forward and backward, then runs them
+        for p in model.parameters():
+            p.grad = None
+        second = step(cmodel)
+    out["tp"] = (cap.df, witness_counts(prof), witness_bytes(prof, world_size))
+    out["equal_eager"] = all(torch.equal(a, b) for a, b in zip(eager, first)) and \
+        all(torch.equal(a, b) for a, b in zip(eager, second))
+
+    x = torch.ones(4, 3, requires_grad=True)
+    with commpatch.capture() as cap, profile(record_shapes=True) as prof:
+        y = funcol.all_gather_single_autograd(x * (rank + 1), 0, mesh)
+        (funcol.wait_tensor(y) * 2).sum().backward()
+    out["formula"] = (cap.df, witness_counts(prof), witness_bytes(prof, world_size), x.grad.flatten().tolist())
+    commpatch.disable()
+    out["kernel_after_disable"] = python_kernel("_c10d_functional::all_reduce_")
+    out["errors"] = commpatch.internal_errors()
+    return out
 
 
 def ddp_hooks(rank, world_size):

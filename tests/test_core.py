@@ -261,11 +261,14 @@ def test_compaction_keeps_every_row_and_late_durations():
     assert _session.default().log.nbytes() / n < 120
 
 
-def test_torch_compile_runs_unchanged_and_its_collectives_are_not_seen():
-    """Pinned limit: dynamo rewrites dist.all_reduce (our wrapper included) into a functional
-    collective inside the graph, so the compiled call is not recorded by the Python wrapper.
-    fullgraph=True proves the wrapper causes no graph break."""
+def test_torch_compile_runs_unchanged_and_its_collectives_are_seen_at_the_dispatcher():
+    """dynamo rewrites dist.all_reduce (our wrapper included) into a functional collective inside
+    the graph: the Python wrapper does not run, the dispatcher kernel (integrations.compiled)
+    records it, once. fullgraph=True proves the wrapper causes no graph break; the kernels go
+    away at disable()."""
     import torch._dynamo
+
+    from tests.integration_workers import python_kernel
 
     def fn(x):
         y = x * 2
@@ -276,7 +279,10 @@ def test_torch_compile_runs_unchanged_and_its_collectives_are_not_seen():
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="eager", fullgraph=True)
     assert torch.equal(compiled(torch.ones(4)), fn(torch.ones(4)))
-    assert commpatch.log()["op"].tolist() == ["all_reduce"]     # only the eager call
+    assert commpatch.log()["op"].tolist() == ["compiled.all_reduce", "all_reduce"]
+    assert python_kernel("_c10d_functional::all_reduce")
+    commpatch.disable()
+    assert not python_kernel("_c10d_functional::all_reduce")
     torch._dynamo.reset()
 
 

@@ -1,5 +1,6 @@
-"""DDP: one row per gradient bucket per step, the constructor's collectives, user / builtin
-hooks, bit-identical gradients, and the profiler as witness on the same run."""
+"""DDP: one row per gradient bucket per step, the constructor's and the bucket rebuild's
+collectives, the unused-parameter bitmap all-reduce, user / builtin hooks, bit-identical
+gradients, and the profiler as witness on the same run (counts and bytes per gloo op)."""
 
 import pytest
 
@@ -22,9 +23,34 @@ def test_gradients_bit_identical(default_run):
         assert res["identical"]
 
 
-def test_profiler_witness_counts_match(default_run):
+def test_profiler_witness_counts_and_bytes_match(default_run):
+    """Constructor (parameter check, broadcast), bucket rebuild and buckets: what gloo ran."""
     for res in default_run:
         assert w.claimed_counts(res["df"]) == res["witness"]
+        assert w.claimed_bytes(res["df"]) == res["witness_bytes"]
+
+
+@pytest.fixture(scope="module")
+def unused_run():
+    return run_ranks(w.ddp_unused, 2, timeout=120)
+
+
+def test_find_unused_parameters_bitmap_allreduce_matches_profiler(unused_run):
+    """find_unused_parameters=True with an unused branch, constructor + 5 steps: per gloo op the
+    counts and bytes equal the profiler's; one bitmap all-reduce per step (an int32 per
+    parameter), attributed to DDP's backward; the kernel is gone after each backward."""
+    for res in unused_run:
+        df = res["df"]
+        assert not res["errors"]
+        assert w.claimed_counts(df) == res["witness"]
+        assert w.claimed_bytes(df) == res["witness_bytes"]
+        bitmap = df[df["op"] == "ddp_unused_allreduce"]
+        assert len(bitmap) == 5 and (bitmap["bytes"] == 4 * len(res["params"])).all()
+        assert (bitmap["step"].diff().dropna() >= 0).all() and (bitmap["dtype"] == "int32").all()
+        assert (bitmap["phase"] == "backward").all() and (bitmap["module"] == "DistributedDataParallel").all()
+        assert (bitmap["source"] == "ddp").all() and (bitmap["collective"] == "all_reduce").all()
+        assert (bitmap["timing"] == "future").all() and (bitmap["duration_us"] > 0).all()
+        assert not any(res["kernels_between_steps"])
 
 
 def test_one_row_per_bucket_per_step(default_run):
@@ -42,7 +68,9 @@ def test_one_row_per_bucket_per_step(default_run):
         assert (buckets["timing"] == "future").all() and (buckets["duration_us"] > 0).all()
         ctor = df[df["op"] == "ddp_broadcast_coalesced"]
         assert len(ctor) == 1 and ctor.iloc[0]["bytes"] == sum(res["params"])
-        assert (df["op"] == "ddp_verify_params").sum() == 1
+        assert (df["op"] == "ddp_verify_params_allgather").sum() == (df["op"] == "ddp_verify_params_broadcast").sum() == 1
+        assert (df["op"] == "ddp_rebuild_buckets_broadcast").sum() == 2
+        assert (df["op"] == "ddp_unused_allreduce").sum() == 0        # find_unused_parameters=False
 
 
 def test_disable_leaves_a_pass_through_hook(default_run):
@@ -75,4 +103,5 @@ def test_no_sync_shows_no_gradient_rows(hooks_run):
     for out in hooks_run:
         df = out["no_sync_only"]
         assert (df["bucket"] >= 0).sum() == 0
-        assert set(df["op"].astype(str)) <= {"ddp_verify_params", "ddp_broadcast_coalesced"}
+        assert set(df["op"].astype(str)) <= {"ddp_verify_params_allgather", "ddp_verify_params_broadcast",
+                                             "ddp_broadcast_coalesced"}

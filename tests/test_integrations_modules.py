@@ -23,9 +23,10 @@ def test_rows_name_module_and_phase(run):
         assert w.claimed_counts(df) == witness
         got = Counter(zip(df["op"].astype(str), df["module"].astype(str), df["phase"].astype(str)))
         assert got == {
-            ("ddp_verify_params", "", "other"): 1, ("ddp_broadcast_coalesced", "", "other"): 1,
+            ("ddp_verify_params_allgather", "", "other"): 1, ("ddp_verify_params_broadcast", "", "other"): 1,
+            ("ddp_broadcast_coalesced", "", "other"): 1,
             ("all_reduce", "module.0", "forward"): 2,         # the submodule's own forward (FQN under DDP)
-            ("ddp_rebuild_buckets", DDP, "forward"): 1,       # before the 2nd forward
+            ("ddp_rebuild_buckets_broadcast", DDP, "forward"): 2,   # before the 2nd forward
             ("ddp_bucket_allreduce", DDP, "backward"): 2,
             ("all_reduce", "ClipSGD", "optimizer"): 2,        # named by the optimizer's class
             ("barrier", "", "other"): 1,

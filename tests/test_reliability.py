@@ -339,13 +339,26 @@ def _compile_warnings(record) -> list[str]:
     return [m for m in _warnings_of_commpatch(record) if "torch.compile" in m]
 
 
+def _cuda_graphs_on(monkeypatch):
+    """What commpatch reads to know a compiled graph will be a CUDA graph (none on this machine)."""
+    import torch._inductor.config
+
+    from commpatch.patch import compile_notice as _compile_notice
+
+    monkeypatch.setattr(_compile_notice, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)
+
+
 def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monkeypatch):
+    """Collectives compiled into a graph replayed as a CUDA graph are the ones commpatch cannot
+    see: said once, naming the collective; nothing once disabled."""
     import torch._dynamo
     import torch.distributed._functional_collectives as funcol
 
     from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
+    _cuda_graphs_on(monkeypatch)
     before = funcol.traceable_collective_remaps
     torch._dynamo.reset()
     commpatch.enable(output="none")
@@ -356,7 +369,7 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
         assert torch.equal(first(torch.ones(4)), _compiled_step(torch.ones(4)))
         assert torch.equal(second(torch.ones(4)), _compiled_step(torch.ones(4)) * 3)
     said = _compile_warnings(record)
-    assert len(said) == 1 and "not recorded" in said[0] and "'all_reduce'" in said[0]
+    assert len(said) == 1 and "cannot record" in said[0] and "'all_reduce'" in said[0] and "CUDA graph" in said[0]
     commpatch.disable()
     assert funcol.traceable_collective_remaps is before and not any(
         hasattr(k, "__commpatch_original__") for k in before)
@@ -369,9 +382,10 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
     torch._dynamo.reset()
 
 
-def test_torch_compile_without_collectives_says_nothing(monkeypatch):
+def test_torch_compile_without_cuda_graphs_or_collectives_says_nothing(monkeypatch):
     """The notice is for collectives really missed: compiling a model without one is silent, as is
-    a compiled function whose collective runs eagerly (a ``torch._dynamo.disable``d call: recorded)."""
+    a compiled function whose collective runs eagerly (a ``torch._dynamo.disable``d call: recorded),
+    and a compiled collective outside CUDA graphs (recorded at the dispatcher)."""
     import torch._dynamo
 
     from commpatch.patch import compile_notice as _compile_notice
@@ -392,8 +406,9 @@ def test_torch_compile_without_collectives_says_nothing(monkeypatch):
         warnings.simplefilter("always")
         torch.compile(model, backend="eager", fullgraph=True)(torch.ones(2, 4)).sum().backward()
         torch.compile(broken, backend="eager")(torch.ones(2, 4))
+        torch.compile(_compiled_step, backend="eager", fullgraph=True)(torch.ones(4))
     assert not _compile_warnings(record)
-    assert commpatch.log()["op"].tolist() == ["all_reduce"]
+    assert commpatch.log()["op"].tolist() == ["all_reduce", "compiled.all_reduce"]
     torch._dynamo.reset()
 
 
@@ -403,6 +418,7 @@ def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd
     from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
+    _cuda_graphs_on(monkeypatch)
     torch._dynamo.reset()
     commpatch.enable(output="none")
     with warnings.catch_warnings():

@@ -84,7 +84,8 @@ TARGET_NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
 # Same size rules and bandwidth kinds; ``runs`` names what a profiler sees underneath.
 EXTRA_OPS: tuple[Target, ...] = (
     _T("ddp_bucket_allreduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
-    _T("ddp_broadcast_coalesced", None, ("list", None), ONE, False, runs=("broadcast",)),
+    _T("ddp_broadcast_coalesced", None, ("list", None), ONE, False, runs=("broadcast",)),   # one row per broadcast
+    # one 0-byte row per call: written by commpatch before issue 16, kept to read older files
     _T("ddp_verify_params", None, ("none", None), NO_BW, False, runs=("all_gather", "broadcast")),
     _T("ddp_rebuild_buckets", None, ("none", None), NO_BW, False, runs=("broadcast", "broadcast")),
     _T("funcol.all_reduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
@@ -99,6 +100,23 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("coalesced.all_reduce", None, ("list", None), ALLREDUCE, runs=("all_reduce",)),
     _T("coalesced.all_gather_single", None, ("list", None), ALLGATHER, runs=("all_gather",)),
     _T("coalesced.reduce_scatter_single", None, ("list", None), REDUCESCATTER, runs=("reduce_scatter",)),
+    # issue 16 (appended: op codes of older files stay valid). torch.ops._c10d_functional called by
+    # compiled code (integrations/compiled.py), S counted as the funcol.* rows count it
+    _T("compiled.all_reduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
+    _T("compiled.all_reduce_coalesced", None, ("list", None), ALLREDUCE, True, runs=("all_reduce",)),
+    _T("compiled.all_gather_into_tensor", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
+    _T("compiled.all_gather_into_tensor_coalesced", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
+    _T("compiled.reduce_scatter_tensor", None, ("t", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
+    _T("compiled.reduce_scatter_tensor_coalesced", None, ("list", None), REDUCESCATTER, True,
+       runs=("reduce_scatter",)),
+    _T("compiled.all_to_all_single", None, ("t", None), ALLTOALL, True, runs=("all_to_all",)),
+    _T("compiled.broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
+    # what DDP's C++ issues, one row per collective (the constructor's check and broadcast, the
+    # bucket rebuild, the reducer's unused-parameter bitmap; integrations/ddp.py)
+    _T("ddp_verify_params_allgather", None, ("t", None), ALLGATHER, True, runs=("all_gather",)),
+    _T("ddp_verify_params_broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
+    _T("ddp_rebuild_buckets_broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
+    _T("ddp_unused_allreduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
 )
 OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
 
@@ -110,9 +128,15 @@ _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "
 _SPECIAL = {"_all_gather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
             "monitored_barrier": "barrier", "isend": "send", "irecv": "recv", "batch_isend_irecv": "send_recv",
             "ddp_bucket_allreduce": "all_reduce", "ddp_broadcast_coalesced": "broadcast",
-            "ddp_verify_params": "all_gather", "ddp_rebuild_buckets": "broadcast"}
+            "ddp_verify_params": "all_gather", "ddp_rebuild_buckets": "broadcast",
+            "ddp_verify_params_allgather": "all_gather", "ddp_verify_params_broadcast": "broadcast",
+            "ddp_rebuild_buckets_broadcast": "broadcast", "ddp_unused_allreduce": "all_reduce"}
 _DDP_API = {"ddp_bucket_allreduce": "Reducer.allreduce", "ddp_broadcast_coalesced": "_broadcast_coalesced",
-            "ddp_verify_params": "_verify_params_across_processes", "ddp_rebuild_buckets": "Reducer._rebuild_buckets"}
+            "ddp_verify_params": "_verify_params_across_processes", "ddp_rebuild_buckets": "Reducer._rebuild_buckets",
+            "ddp_verify_params_allgather": "_verify_params_across_processes",
+            "ddp_verify_params_broadcast": "_verify_params_across_processes",
+            "ddp_rebuild_buckets_broadcast": "Reducer._rebuild_buckets",
+            "ddp_unused_allreduce": "Reducer.all_reduce_local_used_map"}
 
 
 def describe_op(name: str) -> tuple[str, str, str]:

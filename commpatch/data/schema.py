@@ -37,7 +37,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("op", "category", "", "what commpatch recorded: the torch.distributed function's name (e.g. all_reduce), or source.name for rows an integration records (funcol.all_gather, coalesced.all_reduce, ddp_bucket_allreduce)"),
     Column("collective", "category", "", "the collective that ran, as nccl-tests names it: all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, gather, scatter, barrier, send, recv, send_recv (derived from op)"),
     Column("api", "category", "", "the function actually called, torch's own name (all_gather_into_tensor, _broadcast_coalesced, Reducer.allreduce, ...; derived from op)"),
-    Column("source", "category", "", "who issued it: c10d (a torch.distributed call), ddp (DDP's reducer), funcol (functional collectives: DTensor, tensor parallel), coalescing (derived from op)"),
+    Column("source", "category", "", "who issued it: c10d (a torch.distributed call), ddp (DDP's reducer), funcol (functional collectives: DTensor, tensor parallel), coalescing, compiled (a torch.compile'd graph) (derived from op)"),
     Column("rank", "int64", "", "global rank of the process that made the call"),
     Column("world_size", "int64", "", "size of the default process group"),
     Column("group", "category", "", "process group name ('0' is the default group)"),

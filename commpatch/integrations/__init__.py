@@ -8,6 +8,8 @@
                   parameters moved, in the phase they ran.
 - ``coalescing``: ``_coalescing_manager``: one row for the coalesced collective that ran.
 - ``steps``:      the step counter without code change (optimizer steps, else DDP / FSDP root forwards).
+- ``compiled``:   collectives inside compiled graphs and functional collectives' autograd
+                  formulas (``_c10d_functional`` ops, seen at the dispatcher).
 
 The contract (``Integration``): each module defines one ``INTEGRATION`` naming what it patches
 and which torch internals it relies on, with ``wanted(settings)``, ``apply(ctx)`` and
@@ -18,13 +20,13 @@ same writer as the wrapper's slow path). A new integration is a module here plus
 
 from __future__ import annotations
 
-from . import base, coalescing, ddp, fsdp, functional, modules, steps
+from . import base, coalescing, compiled, ddp, fsdp, functional, modules, steps
 from ..record import state as _runtime
 from .base import Context, Integration  # noqa: F401 - the contract, for integrations and their readers
 
 # in the order they are applied
 ALL: tuple[Integration, ...] = (ddp.INTEGRATION, functional.INTEGRATION, modules.INTEGRATION, fsdp.INTEGRATION,
-                                coalescing.INTEGRATION, steps.INTEGRATION)
+                                coalescing.INTEGRATION, compiled.INTEGRATION, steps.INTEGRATION)
 
 
 def apply(log, timing, settings: dict) -> Context:

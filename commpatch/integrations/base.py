@@ -1,8 +1,10 @@
 """The integration contract (``Integration``), the context an integration gets, and its helpers:
-``when_imported`` (with the current context) and ``record`` (``record.rows``: the one row writer)."""
+``when_imported`` (with the current context), ``record`` (``record.rows``: the one row writer)
+and ``Waits`` (rows timed to the wait on their result)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,3 +48,28 @@ def when_imported(modname: str, fn) -> None:
 
         _ADAPTERS[(modname, fn)] = adapter
     _when_imported(modname, adapter, error_kind=f"integrations.import:{modname}")
+
+
+class Waits:
+    """Rows of functional collectives, timed from issue to the return of the ``wait_tensor`` on
+    their result: keyed by the result's storage address, as torch's work registry is (waits on
+    views of it count); an entry keeps its tensor alive, so the storage is not reused meanwhile."""
+
+    MAX = 1 << 16        # results never waited for are dropped beyond this
+
+    def __init__(self, log) -> None:
+        self.pending: dict[int, tuple] = {}
+        self.done = log.done
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, key: int, tensor, seq: int, start: int) -> None:
+        if len(self.pending) >= self.MAX:
+            self.pending.clear()
+        self.pending[key] = (tensor, seq, start)
+
+    def waited(self, key: int) -> None:
+        entry = self.pending.pop(key, None)
+        if entry is not None:
+            self.done[entry[1]] = time.perf_counter_ns() - entry[2]

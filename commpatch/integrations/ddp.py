@@ -41,17 +41,23 @@ that model's buckets are not recorded (``ddp.hook_registered_before_enable``). T
 install run as Python under torch.compile (``_eager``), as DDP's own forward code does.
 
 The constructor's parameter check and broadcast are reached by name (``dist._verify_params_
-across_processes``, ``dist._broadcast_coalesced``); the bucket rebuild before the second
-forward through ``Reducer._rebuild_buckets``.
+across_processes``, ``dist._broadcast_coalesced``), the bucket rebuild before the second forward
+through ``Reducer._rebuild_buckets``: around each call, dispatcher kernels for the ``c10d`` ops it
+runs (``patch.dispatch``, calling thread only, removed after) give one row per collective with
+its real bytes. With ``find_unused_parameters=True`` the reducer all-reduces its unused-parameter
+bitmap right after launching the last bucket, from C++: the last bucket's hook installs a kernel
+that records that one call, removed at the end of the backward.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 
-from ..data.schema import P_BACKWARD, T_FUTURE, T_HOST
+from ..data.schema import P_BACKWARD, T_FUTURE
+from ..patch.dispatch import Kernels
 from ..record import state as _runtime
 from ..record.rows import SEQ, on_device
 from ..record.rows import peek_seq as _peek_seq
@@ -75,9 +81,8 @@ def apply(ctx) -> None:
     import torch.distributed as dist
 
     p, log = ctx.patches, ctx.log
-    p.wrap(dist, "_broadcast_coalesced", lambda orig: _recorded(log, orig, "ddp_broadcast_coalesced", _coalesced_size))
-    p.wrap(dist, "_verify_params_across_processes",
-           lambda orig: _recorded(log, orig, "ddp_verify_params", lambda args, kwargs: (None, 0)))
+    p.wrap(dist, "_broadcast_coalesced", lambda orig: _scoped(log, orig, _CTOR, "broadcast_coalesced"))
+    p.wrap(dist, "_verify_params_across_processes", lambda orig: _scoped(log, orig, _VERIFY, "verify_params"))
     when_imported(DDP_MODULE, _patch_ddp_class)
 
 
@@ -132,6 +137,8 @@ def measured(log, ddp, hook, timing=None):
                 elif started is not None:        # the rows inside timed themselves
                     timing.cancel(started)
                 buckets.append((lo, _peek_seq(SEQ), bucket.index(), len(bucket.parameters())))
+                if bucket.is_last() and ddp is not None and ddp.find_unused_parameters and not ddp.static_graph:
+                    _unused_map_allreduce(log, ddp)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("ddp.hook", exc)
             return fut
@@ -382,61 +389,101 @@ def _builtin_equivalent(comm_hook_type):
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
 
 
-# ---- constructor and rebuild collectives -----------------------------------------------------
-def _coalesced_size(args, kwargs):
-    tensors = args[1] if len(args) > 1 else kwargs.get("tensors", [])
-    return (tensors[0] if tensors else None), sum(t.numel() for t in tensors)
+# ---- collectives the reducer and the constructor issue from C++ ----------------------------
+# c10d op -> (row op, S: "in" the tensors given, "out" the gathered output)
+_CTOR = {"broadcast_": ("ddp_broadcast_coalesced", "in")}
+_VERIFY = {"allgather_": ("ddp_verify_params_allgather", "out"), "broadcast_": ("ddp_verify_params_broadcast", "in")}
+_REBUILD = {"broadcast_": ("ddp_rebuild_buckets_broadcast", "in")}
+_UNUSED = {"allreduce_": ("ddp_unused_allreduce", "in")}
 
 
-def _recorded(log, orig, op, size):
-    """A C++ function reachable by name: one host-timed row per call."""
+def _scoped(log, orig, ops: dict, kind: str):
+    """``orig`` (a C++ function reachable from Python: the constructor's parameter check and
+    broadcast, the reducer's bucket rebuild) with the collectives it issues recorded one row each,
+    with their real bytes: dispatcher kernels on ``ops`` installed for the duration of the call
+    and only for the calling thread (``patch.dispatch``)."""
     state = _runtime.STATE
 
-    def wrapper(*args, **kwargs):
+    def scoped(*args, **kwargs):
         if not state.recording or _runtime.LOCAL.depth:
             return orig(*args, **kwargs)
-        group = args[0] if args else kwargs.get("process_group")
-        start = _pc()
-        err = True
+        kernels = _inner_kernels(log, ops, kind, threading.get_ident())
         try:
-            result = orig(*args, **kwargs)
-            err = False
-            return result
+            return orig(*args, **kwargs)
         finally:
-            end = _pc()
-            try:
-                tensor, numel = size(args, kwargs)
-                record(log, op, group, tensor, numel, start, end, False, T_HOST, err)
-            except Exception as exc:  # noqa: BLE001
-                _runtime.fail(f"ddp.{op}", exc)
+            kernels.remove()
 
-    return wrapper
+    return scoped
+
+
+def _inner_kernels(log, ops: dict, kind: str, thread: int, once: bool = False):
+    """Kernels recording each call of ``ops`` made by ``thread`` (``once``: only the first)."""
+    kernels = Kernels("c10d")
+    try:
+        where = _runtime.STATE.where
+        for name, (op, count) in ops.items():
+            kernels.wrap(name, lambda call, op=op, count=count:
+                         _inner_kernel(log, call, op, count, kind, thread, once, where))
+    except Exception as exc:  # noqa: BLE001
+        kernels.remove()
+        _runtime.fail(f"ddp.{kind}", exc)
+    return kernels
+
+
+def _inner_kernel(log, call, op: str, count: str, kind: str, thread: int, once: bool, where: int):
+    from torch._C._distributed_c10d import ProcessGroup, Work
+
+    done = log.done
+    armed = [True]
+
+    def inner(keyset, tensors, *rest, **kwargs):
+        if not armed[0] or threading.get_ident() != thread:
+            return call(keyset, tensors, *rest, **kwargs)
+        start = _pc()
+        out = call(keyset, tensors, *rest, **kwargs)
+        end = _pc()
+        try:
+            armed[0] = not once
+            group = ProcessGroup.unbox(rest[0] if count == "in" else rest[1])
+            flat = [t for ts in tensors for t in ts] if count == "out" else tensors
+            state = _runtime.STATE
+            outer, state.where = state.where, where
+            try:
+                seq = record(log, op, group, flat[0], sum(t.numel() for t in flat), start, end, True, T_FUTURE)
+            finally:
+                state.where = outer
+            Work.unbox(out[1]).get_future().then(lambda _f, seq=seq: done.__setitem__(seq, _pc() - start))
+        except Exception as exc:  # noqa: BLE001
+            _runtime.fail(f"ddp.{kind}", exc)
+        return out
+
+    return inner
 
 
 def _rebuild_buckets(log, orig):
     """The reducer's bucket rebuild (before the 2nd forward) broadcasts the new layout from C++."""
-    state = _runtime.STATE
+    return _scoped(log, orig, _REBUILD, "rebuild_buckets")
 
-    def _rebuild_buckets(self):
-        if not state.recording:
-            return orig(self)
-        start = _pc()
-        rebuilt = orig(self)
-        end = _pc()
-        if rebuilt:
-            try:
-                record(log, "ddp_rebuild_buckets", None, None, 0, start, end, False, T_HOST)
-            except Exception as exc:  # noqa: BLE001
-                _runtime.fail("ddp.rebuild_buckets", exc)
-        return rebuilt
 
-    return _rebuild_buckets
+def _unused_map_allreduce(log, ddp) -> None:
+    """Called by the last bucket's hook of a DDP with find_unused_parameters: the reducer issues
+    the all-reduce of its unused-parameter bitmap next, from C++ (``all_reduce_local_used_map``).
+    A kernel records that one call; it is removed at the end of the backward."""
+    import torch
+
+    kernels = _inner_kernels(log, _UNUSED, "unused_parameters", threading.get_ident(), once=True)
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(kernels.remove)
+    except Exception as exc:  # noqa: BLE001 - not inside a backward: nothing follows
+        kernels.remove()
+        _runtime.fail("ddp.unused_parameters", exc)
 
 
 INTEGRATION = Integration(
     name="ddp",
     patches="DistributedDataParallel: __init__, forward pre-hook, register_comm_hook, _register_builtin_comm_hook, "
-            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs",
+            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs; dispatcher kernels for "
+            "c10d::allgather_ / broadcast_ / allreduce_ around the constructor's and reducer's C++ collectives",
     relies_on=("torch.nn.parallel.distributed.DistributedDataParallel.reducer", "dist._register_comm_hook",
                "Reducer._run_allreduce_hook", "GradBucket (index, parameters, buffer, is_last)",
                "DistributedDataParallel._set_forward_pass_work_handle / _pre_forward"),

@@ -5,9 +5,10 @@ leaf functions are wrapped (the wrappers call each other through module globals,
 calls ``funcol.<name>`` at call time, so a late patch is seen). Their wait is lazy: the result
 is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the row is timed
 ``wait``: issue -> return of that ``wait_tensor`` (an upper bound on the collective: it also
-contains whatever ran before the result was first used). Not seen: the collectives that
-functional collectives' autograd formulas issue in backward (they call the ops directly), and
-everything under torch.compile (see docs/design-notes.md).
+contains whatever ran before the result was first used). While a wrapper runs torch's function
+it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
+the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
+not count the call again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 from ..data.schema import T_HOST, T_NONE, T_WAIT
 from ..patch import compile_notice as _compile_notice
 from ..record import state as _runtime
-from .base import Integration, record, when_imported
+from . import compiled
+from .base import Integration, Waits, record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -37,7 +39,6 @@ FUNCTIONS = {
     "all_to_all_single_autograd": ("funcol.all_to_all_single", False),
     "broadcast": ("funcol.broadcast", False),
 }
-MAX_PENDING = 1 << 16     # results never waited for are dropped beyond this
 
 
 def wanted(settings: dict) -> bool:
@@ -49,14 +50,14 @@ def apply(ctx) -> None:
 
 
 def _patch_funcol(ctx, funcol) -> None:
-    pending: dict[int, tuple] = {}          # storage address of a result -> (tensor, seq, start)
+    waits = Waits(ctx.log)
     for name, (op, many) in FUNCTIONS.items():
-        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many: _wrapper(ctx, funcol, orig, op, many, pending))
-    ctx.patches.wrap(funcol, "wait_tensor", lambda orig: _wait_wrapper(ctx.log, orig, pending))
+        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many: _wrapper(ctx, funcol, orig, op, many, waits))
+    ctx.patches.wrap(funcol, "wait_tensor", lambda orig: _wait_wrapper(orig, waits))
 
 
-def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
-    state = _runtime.STATE
+def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
+    state, local = _runtime.STATE, _runtime.LOCAL
     log = ctx.log
     params = list(inspect.signature(orig).parameters)
     gpos, tpos = params.index("group"), params.index("tag") if "tag" in params else None
@@ -66,13 +67,18 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
-    compiling = torch.compiler.is_compiling
+    compiling, dynamo_compiling = torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling
+    grad_enabled = torch.is_grad_enabled
 
     def wrapper(*args, **kwargs):
         if not state.recording:
             return orig(*args, **kwargs)
-        if compiling():                  # traced into a graph: it runs later, compiled, unseen
-            _compile_notice.collective_compiled(op)
+        outer = local.python_call
+        if outer:                        # inside another wrapped function (``*_autograd`` calls the plain one)
+            return orig(*args, **kwargs)
+        if compiling():                  # traced into a graph: seen when it runs (integrations.compiled)
+            if not dynamo_compiling():   # AOT autograd runs this as Python (dynamo would only trace it)
+                _compile_notice.collective_compiled(op)
             return orig(*args, **kwargs)
         try:
             first = args[0] if args else next(iter(kwargs.values()))
@@ -87,7 +93,10 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.read", exc)
             return orig(*args, **kwargs)
+        if tensor.requires_grad and grad_enabled():   # an autograd formula may issue collectives in
+            compiled.ensure_installed()               # backward, from C++: seen at the dispatcher
         start = _pc()
+        local.python_call = True         # recorded here: the dispatcher kernels skip it
         try:
             result = orig(*args, **kwargs)
         except BaseException:
@@ -96,6 +105,8 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("funcol.record", exc)
             raise
+        finally:
+            local.python_call = outer
         end = _pc()
         try:
             last = result[-1] if many and result else result
@@ -104,10 +115,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
             timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
             if lazy:                     # the last result's wait marks completion of the batch
-                if len(pending) >= MAX_PENDING:
-                    pending.clear()
-                # keyed by storage, as torch's work registry is: waits on views of it count
-                pending[key] = (last.elem, seq, start)
+                waits.add(key, last.elem, seq, start)
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.record", exc)
         return result
@@ -115,18 +123,13 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, pending: dict):
     return wrapper
 
 
-def _wait_wrapper(log, orig, pending: dict):
-    done = log.done
-
+def _wait_wrapper(orig, waits: Waits):
     def wait_tensor(tensor):
         out = orig(tensor)
-        if pending:
+        if waits:
             key = _storage_key(tensor)
-            if key is None:              # a traced / fake tensor has no storage: not one of ours
-                return out
-            entry = pending.pop(key, None)
-            if entry is not None:       # the entry holds its tensor: the storage is not reused
-                done[entry[1]] = _pc() - entry[2]
+            if key is not None:          # a traced / fake tensor has no storage: not one of ours
+                waits.waited(key)
         return out
 
     return wait_tensor
