@@ -112,7 +112,7 @@ def _report(args) -> int:
     if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
         df = io.read(args.paths, ranks=ranks, steps=window)
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
-        raise _InputError(f"--module-tree: the log has no module column (written by an older commpatch): "
+        raise _InputError("--module-tree: the log has no module column (written by an older commpatch): "
                           "no module tree")
     if args.trace:
         from .render.trace import write_chrome_trace  # lazy: the CLI's other commands never load numpy / pandas
