@@ -115,7 +115,7 @@ def measured(log, ddp, hook, timing=None):
         try:
             lo = _peek_seq(SEQ)
             started = None
-            if timing is not None and state.devices:
+            if timing is not None:           # the bucket's own device (the flag may not be set yet)
                 try:
                     buf = bucket.buffer()
                     started = timing.device_start(buf) if on_device(buf, log) else None
@@ -439,20 +439,31 @@ def _inner_kernel(log, call, op: str, count: str, kind: str, thread: int, once: 
     def inner(keyset, tensors, *rest, **kwargs):
         if not armed[0] or threading.get_ident() != thread:
             return call(keyset, tensors, *rest, **kwargs)
+        flat, started = [t for ts in tensors for t in ts] if count == "out" else tensors, None
+        timing = base.CURRENT.timing if base.CURRENT is not None else None
+        try:
+            if timing is not None and flat and on_device(flat[0], log):
+                started = timing.device_start(flat[0])     # on an accelerator the work's future completes at enqueue
+        except Exception as exc:  # noqa: BLE001 - device events unusable: timed by the future
+            _runtime.fail("timing", exc)
         start = _pc()
         out = call(keyset, tensors, *rest, **kwargs)
         end = _pc()
         try:
             armed[0] = not once
             group = ProcessGroup.unbox(rest[0] if count == "in" else rest[1])
-            flat = [t for ts in tensors for t in ts] if count == "out" else tensors
+            fut, seq = Work.unbox(out[1]).get_future(), next(SEQ)
+            if started is not None:
+                tcode = timing.device_after(seq, log.group_id(group), started, fut)
+            else:
+                fut.then(lambda _f, seq=seq: done.__setitem__(seq, _pc() - start))
+                tcode = T_FUTURE
             state = _runtime.STATE
             outer, state.where = state.where, where
             try:
-                seq = record(log, op, group, flat[0], sum(t.numel() for t in flat), start, end, True, T_FUTURE)
+                record(log, op, group, flat[0], sum(t.numel() for t in flat), start, end, True, tcode, seq=seq)
             finally:
                 state.where = outer
-            Work.unbox(out[1]).get_future().then(lambda _f, seq=seq: done.__setitem__(seq, _pc() - start))
         except Exception as exc:  # noqa: BLE001
             _runtime.fail(f"ddp.{kind}", exc)
         return out

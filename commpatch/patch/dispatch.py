@@ -6,7 +6,7 @@ function commpatch could replace; they all reach the dispatcher. ``Kernels`` reg
 ops, a Python kernel at the ``ADInplaceOrView`` key, where torch has a fallthrough for them (it
 only skips to the next key): the kernel redispatches to the keys below (``op.redispatch``), which
 is what the fallthrough does, so the op computes exactly what it computed before, and observes
-the call only when the next key is a real backend (``CPU``, ``CUDA``). Tracing (fake tensors,
+the call only when the next key is a real backend (``CPU`` or an accelerator's). Tracing (fake tensors,
 functionalization, ``make_fx``, dynamo, AOT autograd: the ``Python`` / ``Functionalize`` keys come
 next) and meta tensors pass straight through. Inference tensors (``torch.inference_mode``) have no
 ``ADInplaceOrView`` key: their calls are not seen.
@@ -33,6 +33,16 @@ _LIVE: set = set()            # Kernels with registrations, for the exit clean-u
 _lock = threading.Lock()
 
 
+def real_backends() -> tuple:
+    """The dispatch keys of devices whose calls are real collectives: CPU and every accelerator
+    (CUDA, XPU, HPU, MTIA, PrivateUse1 devices, MPS); not Meta, not tracing keys."""
+    import torch
+
+    keys = torch._C.DispatchKey
+    return tuple(getattr(keys, name) for name in ("CPU", "CUDA", "XPU", "HPU", "MTIA", "PrivateUse1", "MPS")
+                 if hasattr(keys, name))
+
+
 class Kernels:
     """A set of Python kernels in one op namespace; ``wrap`` adds one, ``remove`` drops them all."""
 
@@ -52,7 +62,7 @@ class Kernels:
 
         op = getattr(getattr(torch.ops, self.namespace), name).default
         after = torch._C._after_ADInplaceOrView_keyset
-        real = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+        real = real_backends()
         redispatch = op._handle.redispatch_boxed      # what OpOverload.redispatch calls
         observe = make(redispatch)     # called with the keyset below this key
 

@@ -354,7 +354,7 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
             dist.all_reduce(small)
             if i % 100 == 99:
                 small.cpu()
-            if i in (calls // 5 - 1, calls - 1):          # right after a read
+            if i in (calls // 2 - 1, calls - 1):          # right after a read
                 created.append(timing.created)
         out["pool"] = created
         out["pool_rows"] = len(commpatch.log())
@@ -390,6 +390,7 @@ def commpatch_frameworks(rank, world_size):
             opt.step()
         df = commpatch.log()
         out["ddp_rows"] = _rows(df[df["bucket"] >= 0], ("op", "device", "backend", "timing", "duration_us"))
+        out["ddp_internal_rows"] = _rows(df[df["bucket"] < 0], ("op", "device", "timing"))   # constructor, rebuild
         commpatch.reset()
         try:
             from torch.distributed.fsdp import fully_shard
