@@ -8,8 +8,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..data.schema import T_HOST
 from ..patch.hooks import Patches
 from ..patch.hooks import when_imported as _when_imported
+from ..record import state as _runtime
 from ..record.rows import record  # noqa: F401 - the row writer of every integration
 
 CURRENT = None   # the Context between apply() and remove()
@@ -73,3 +75,11 @@ class Waits:
         entry = self.pending.pop(key, None)
         if entry is not None:
             self.done[entry[1]] = time.perf_counter_ns() - entry[2]
+
+
+def error_row(log, op: str, group, tensor, numel: int, start: int, peer: int, kind: str) -> None:
+    """The row of an async call torch raised from (timed on the host to the raise); never raises."""
+    try:
+        record(log, op, group, tensor, numel, start, time.perf_counter_ns(), True, T_HOST, err=True, peer=peer)
+    except Exception as exc:  # noqa: BLE001
+        _runtime.fail(f"{kind}.record", exc)

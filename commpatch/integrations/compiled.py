@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import time
 
-from ..data.schema import T_HOST, T_WAIT
+from ..data.schema import T_WAIT
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from .base import Integration, Waits, record, when_imported
+from .base import Integration, Waits, error_row, record, when_imported
 
 _pc = time.perf_counter_ns
 
@@ -173,10 +173,7 @@ def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Wai
         try:
             result = call(keyset, *args, **kwargs)
         except BaseException:
-            try:
-                record(log, op, group, tensor, numel, start, _pc(), True, T_HOST, err=True, peer=peer)
-            except Exception as exc:  # noqa: BLE001
-                _runtime.fail("compiled.record", exc)
+            error_row(log, op, group, tensor, numel, start, peer, "compiled")
             raise
         end = _pc()
         try:

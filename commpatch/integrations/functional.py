@@ -20,7 +20,7 @@ from ..data.schema import T_HOST, T_NONE, T_WAIT
 from ..patch import compile_notice as _compile_notice
 from ..record import state as _runtime
 from . import compiled
-from .base import Integration, Waits, record, when_imported
+from .base import Integration, Waits, error_row, record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -100,10 +100,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         try:
             result = orig(*args, **kwargs)
         except BaseException:
-            try:
-                record(log, op, pg, tensor, numel, start, _pc(), True, T_HOST, err=True, peer=peer)
-            except Exception as exc:  # noqa: BLE001
-                _runtime.fail("funcol.record", exc)
+            error_row(log, op, pg, tensor, numel, start, peer, "funcol")
             raise
         finally:
             local.python_call = outer
