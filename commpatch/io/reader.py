@@ -301,8 +301,11 @@ def _derive_own(df) -> None:
     by = [c for c in ("rank", "pid", "group") if c in df.columns]
     key = df.groupby(by, observed=True, sort=False).ngroup().to_numpy(np.int64) if by else np.zeros(len(df), np.int64)
     order = np.argsort(df["seq"].to_numpy(), kind="stable") if "seq" in df.columns else np.arange(len(df))
-    timing = np.asarray([TIMINGS.index(OLD_TIMING_NAMES.get(t, t)) if OLD_TIMING_NAMES.get(t, t) in TIMINGS else -1
-                         for t in df["timing"].astype(str)], np.int64)
+    names = df["timing"].astype("category")
+    code_of = [TIMINGS.index(OLD_TIMING_NAMES.get(t, t)) if OLD_TIMING_NAMES.get(t, t) in TIMINGS else -1
+               for t in names.cat.categories.astype(str)]      # per category, not per row
+    codes = names.cat.codes.to_numpy()
+    timing = np.where(codes >= 0, np.asarray(code_of + [-1], np.int64)[codes], -1)
     dur_ns = df["duration_us"].to_numpy(np.float64) * 1e3
     own = np.full(len(df), np.nan)
     own[order] = own_times(np, key[order], df["start_ns"].to_numpy(np.int64)[order], dur_ns[order], timing[order])
