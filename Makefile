@@ -7,7 +7,7 @@ STAMP = .make-installed
 
 .PHONY: install demo test bench clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml
+$(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test]"
 	$(PYTHON) -m commpatch install-hook

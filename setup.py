@@ -1,9 +1,11 @@
-"""Only here to ship commpatch.pth at the top of site-packages (coverage.py's way):
-setuptools has no declarative option for that. Everything else is in setup.cfg.
-Editable installs (pip install -e .) do not run build_py: use `commpatch install-hook`."""
+"""Only here for what setup.cfg cannot declare: shipping commpatch.pth at the top of
+site-packages (coverage.py's way; editable installs do not run build_py: use `commpatch
+install-hook`), and the optional C row writer of the hot path (commpatch/record/_hot.c, like
+coverage.py's CTracer: when it cannot be compiled the install goes on and the pure-Python path is
+used). Everything else is in setup.cfg."""
 import os
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -14,4 +16,5 @@ class build_py_with_pth(build_py):
         self.copy_file(src, os.path.join(self.build_lib, "commpatch.pth"), preserve_mode=0)
 
 
-setup(cmdclass={"build_py": build_py_with_pth})
+setup(cmdclass={"build_py": build_py_with_pth},
+      ext_modules=[Extension("commpatch.record._hot", ["commpatch/record/_hot.c"], optional=True)])

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 
 from . import config as _config
 
@@ -495,7 +496,20 @@ def cmd_env(args) -> int:
         if problem:
             print(f"{' ' * width}    !! {problem}")
     print(f"\nzero-code hook (.pth): {hook_path()} {'installed' if os.path.exists(hook_path()) else 'not installed'}")
+    print(f"hot path: {_recorder_status()}")
     return 0
+
+
+def _recorder_status() -> str:
+    """Which tail the fast path uses: the C recorder (record/_hot.c) or pure Python, and why."""
+    from .record import rows  # lazy: `commpatch env` must run even where recording cannot
+
+    if rows.C_ROWS:
+        return "C recorder (commpatch.record._hot)"
+    if rows._hot is None:
+        return "pure Python (the optional C recorder was not built: reinstall with a C compiler for ~0.2 us less per call)"
+    return (f"pure Python (perf_counter here is {time.get_clock_info('perf_counter').implementation}, "
+            "the C recorder reads CLOCK_MONOTONIC)")
 
 
 def cmd_install_hook(args) -> int:

@@ -157,3 +157,7 @@ def test_commpatch_env_lists_every_setting():
     lines = res.stdout.splitlines()           # defaults as the README writes them, unset values said so
     assert any(line.split() == ["COMMPATCH", "=", "(unset)", "(default", "0)"] for line in lines)
     assert any(line.split() == ["COMMPATCH_OPS", "=", "(unset)", "(default", "all)"] for line in lines)
+    from commpatch.record import rows
+
+    hot = [line for line in lines if line.startswith("hot path: ")]    # which tail records, said plainly
+    assert len(hot) == 1 and hot[0].startswith("hot path: C recorder" if rows.C_ROWS else "hot path: pure Python")

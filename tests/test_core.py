@@ -308,3 +308,70 @@ def test_collective_api_and_source_are_separate_columns():
     assert df["api"].astype(str).tolist() == ["all_gather_into_tensor", "all_gather", "all_reduce"]
     assert set(df["source"].astype(str)) == {"c10d"}
     assert summary.set_index("collective")["count"].to_dict() == {"all_gather": 2, "all_reduce": 1}
+
+
+def _workload():
+    """Every shape of fast-path row: a dtype seen first, a peer, no tensor, a sparse tensor (no
+    nbytes), a list op, step / tag changes, a call torch rejects, and one on the slow path."""
+    t, i = torch.ones(3), torch.arange(6)
+    dist.all_reduce(t)
+    dist.all_reduce(i)
+    commpatch.step()
+    with commpatch.tag("phase b"):
+        dist.broadcast(t, src=3)
+        dist.barrier()
+    dist.all_reduce(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (5,)))
+    dist.all_gather([torch.empty(3) for _ in range(WORLD)], t)
+    with pytest.raises(TypeError):
+        dist.all_reduce(t, op="not an op")
+    dist.all_reduce(t, async_op=True).wait()
+
+
+def test_c_recorder_writes_the_rows_the_python_path_writes(monkeypatch):
+    """The C tail (record/_hot.c) and the pure-Python tail give the same rows, field for field."""
+    from commpatch.record import rows
+
+    if not rows.C_ROWS:
+        pytest.skip("the C recorder is not built here: only the Python path runs")
+    logs = {}
+    for c_rows in (True, False):
+        monkeypatch.setattr(rows, "C_ROWS", c_rows)
+        commpatch.disable()
+        commpatch.reset()
+        commpatch.enable(output="none")
+        wrapper = dist.all_reduce.__code__
+        assert ("call" in wrapper.co_names) is c_rows
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _workload()
+        logs[c_rows] = commpatch.log()
+    commpatch.disable()
+    keep = ["op", "dtype", "numel", "bytes", "peer", "step", "tag", "status", "timing", "async_op", "group"]
+    c, py = (logs[k][keep].reset_index(drop=True) for k in (True, False))
+    for df in (c, py):
+        df["step"] -= df["step"].min()        # the step counter goes on across reset()
+    pd.testing.assert_frame_equal(c, py)
+    assert c["status"].tolist().count("error") == 1 and c["numel"].tolist()[:2] == [3, 6]
+    assert (logs[True]["host_us"] >= 0).all() and logs[True]["seq"].is_unique
+
+
+@pytest.mark.faults
+def test_c_recorder_failure_never_breaks_the_call(monkeypatch):
+    """A fault inside the C tail (here: registering a new dtype) keeps the call's result, warns
+    once and counts; the next rows are written."""
+    _runtime.reset_errors()
+    commpatch.enable(output="none")
+
+    class Broken(list):
+        def __len__(self):
+            raise KeyError("injected")
+
+    monkeypatch.setattr(_session.default().log, "dtype_names", Broken())   # a new dtype cannot register
+    t = torch.ones(2, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        for _ in range(3):
+            assert dist.all_reduce(t) is None
+    kind = "record" if "call" in dist.all_reduce.__code__.co_names else "read"
+    assert commpatch.internal_errors()[kind] == 3
+    monkeypatch.undo()
+    commpatch.disable()

@@ -10,13 +10,33 @@ and the process's sequence counter ``SEQ``.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import NamedTuple
 
 from ..data.ops import OP_CODE
-from ..data.schema import ROW, pack_flags
-from .state import STATE
+from ..data.schema import ROW, T_HOST, T_SHIFT, pack_flags
+from .state import STATE, fail
+
+try:
+    from . import _hot      # the C row writer (record/_hot.c), built at install when a compiler is there
+except ImportError:         # not built: the pure-Python fast path
+    _hot = None
+# It reads CLOCK_MONOTONIC itself: used only where that is what time.perf_counter_ns reads (Linux).
+C_ROWS = _hot is not None and time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
 SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
+
+
+def hot_call(log, mask: int, code: int, orig, maintain):
+    """The C recorder's ``call`` for op ``code`` wrapping ``orig``, bound to ``log`` (see
+    record/_hot.c), or None when it is not available (not built, another clock).
+    ``call(gid, tensor or dtype code, numel or None, peer, *args)`` returns ``orig(*args)``, timed
+    on the host, after appending its row (numel None: the tensor's own); ``maintain(seq)`` runs
+    when a chunk of rows starts."""
+    if not C_ROWS:
+        return None
+    return _hot.Recorder(log.buf, STATE.__dict__, SEQ, log.dtype_ids, log.dtype_id, log.dtype_sizes, mask, code,
+                         T_HOST << T_SHIFT, orig, maintain, fail).call
 
 
 def peek_seq(counter=SEQ) -> int:

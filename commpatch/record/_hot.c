@@ -1,0 +1,354 @@
+/* The fast path's tail in C: the call of a synchronous host-timed op and its row.
+ *
+ * ``Recorder(buf, state_dict, seq, dtype_ids, dtype_id, dtype_sizes, mask, code, flags, orig,
+ * maintain, fail)`` holds the log's row buffer (a bytearray), the ``record.state.STATE`` instance
+ * dict, the process's sequence counter (an itertools.count), the dtype registry (its Python
+ * fallback for a new dtype, element sizes), the chunk mask, one op's code and flags byte, the
+ * function it wraps, the log's maintenance and commpatch's failure counter.
+ * ``recorder.call(gid, t_or_dc, numel_or_None, peer, *args)`` reads the clock, calls
+ * ``orig(*args)``, reads the clock, takes the next sequence number, finds the dtype code (from the
+ * tensor, or given as an int) and element count (given, or the tensor's) and appends one packed
+ * row with the current step, tag and module/phase: the same 59 bytes as ``data.schema.ROW.pack``
+ * (little-endian, no padding). When orig raises, the row is an error row and the exception
+ * propagates unchanged; commpatch's own errors go to ``fail`` and never reach the caller.
+ *
+ * Why: the same tail in Python (two clock reads, next(), three attribute reads, a dict lookup,
+ * t.numel(), struct.pack of 12 values, bytearray.extend) costs ~0.25 us more per call (measured in
+ * docs/design-notes.md). record/wrapper.py uses the Python tail when this module is not built (the
+ * extension is optional) or perf_counter is not CLOCK_MONOTONIC (record/rows.py checks).
+ * Everything runs under the GIL and the row is written in one piece, as bytearray.extend did.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+#include <time.h>
+
+#define ROW_SIZE 59
+#define F_ERROR 4             /* data.schema.F_ERROR */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *buf;        /* bytearray */
+    PyObject *state;      /* dict: STATE.__dict__ */
+    PyObject *seq;        /* itertools.count */
+    PyObject *dtype_ids;  /* dict: dtype -> code */
+    PyObject *dtype_id;   /* callable: registers a new dtype, returns its code */
+    PyObject *dtype_sizes;/* list: code -> bytes per element */
+    PyObject *orig;       /* the function wrapped */
+    PyObject *maintain;   /* called with the seq when a chunk starts */
+    PyObject *fail;       /* record.state.fail(kind, exc) */
+    long long mask;       /* CHUNK_MASK */
+    long code;            /* the op's code (one recorder per wrapper) */
+    unsigned char flags;  /* the flags byte of a synchronous host-timed row */
+} Recorder;
+
+static PyObject *s_step, *s_tag, *s_where, *s_dtype, *s_nbytes, *s_numel, *s_record;
+
+static int
+Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *buf, *state, *seq, *dtype_ids, *dtype_id, *dtype_sizes, *orig, *maintain, *fail;
+    long long mask;
+    long code;
+    int flags;
+    if (!PyArg_ParseTuple(args, "O!O!OO!OO!LliOOO", &PyByteArray_Type, &buf, &PyDict_Type, &state, &seq,
+                          &PyDict_Type, &dtype_ids, &dtype_id, &PyList_Type, &dtype_sizes, &mask, &code, &flags,
+                          &orig, &maintain, &fail))
+        return -1;
+    if (Py_TYPE(seq)->tp_iternext == NULL) {
+        PyErr_SetString(PyExc_TypeError, "seq must be an iterator");
+        return -1;
+    }
+    Py_INCREF(buf); Py_XSETREF(self->buf, buf);
+    Py_INCREF(state); Py_XSETREF(self->state, state);
+    Py_INCREF(seq); Py_XSETREF(self->seq, seq);
+    Py_INCREF(dtype_ids); Py_XSETREF(self->dtype_ids, dtype_ids);
+    Py_INCREF(dtype_id); Py_XSETREF(self->dtype_id, dtype_id);
+    Py_INCREF(dtype_sizes); Py_XSETREF(self->dtype_sizes, dtype_sizes);
+    Py_INCREF(orig); Py_XSETREF(self->orig, orig);
+    Py_INCREF(maintain); Py_XSETREF(self->maintain, maintain);
+    Py_INCREF(fail); Py_XSETREF(self->fail, fail);
+    self->mask = mask;
+    self->code = code;
+    self->flags = (unsigned char)flags;
+    return 0;
+}
+
+static int
+Recorder_traverse(Recorder *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->buf); Py_VISIT(self->state); Py_VISIT(self->seq);
+    Py_VISIT(self->dtype_ids); Py_VISIT(self->dtype_id); Py_VISIT(self->dtype_sizes);
+    Py_VISIT(self->orig); Py_VISIT(self->maintain); Py_VISIT(self->fail);
+    return 0;
+}
+
+static int
+Recorder_clear(Recorder *self)
+{
+    Py_CLEAR(self->buf); Py_CLEAR(self->state); Py_CLEAR(self->seq);
+    Py_CLEAR(self->dtype_ids); Py_CLEAR(self->dtype_id); Py_CLEAR(self->dtype_sizes);
+    Py_CLEAR(self->orig); Py_CLEAR(self->maintain); Py_CLEAR(self->fail);
+    return 0;
+}
+
+static void
+Recorder_dealloc(Recorder *self)
+{
+    PyObject_GC_UnTrack(self);
+    Recorder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* An int entry of STATE.__dict__ (0 when absent, as a fresh State has them all). */
+static int
+state_int(PyObject *state, PyObject *name, long long *out)
+{
+    PyObject *v = PyDict_GetItemWithError(state, name);   /* borrowed */
+    if (v == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        *out = 0;
+        return 0;
+    }
+    *out = PyLong_AsLongLong(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static inline long long
+now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Elements of tensor t whose dtype code is dc: t.nbytes / itemsize (a C getter, half the cost of
+ * the t.numel() method call), else t.numel() (sparse tensors have no nbytes). */
+static int
+tensor_numel(Recorder *self, PyObject *t, long dc, long long *out)
+{
+    long long size = 0;
+    if (dc >= 0 && dc < PyList_GET_SIZE(self->dtype_sizes)) {
+        size = PyLong_AsLongLong(PyList_GET_ITEM(self->dtype_sizes, dc));
+        if (size == -1 && PyErr_Occurred())
+            return -1;
+    }
+    if (size > 0) {
+        PyObject *nb = PyObject_GetAttr(t, s_nbytes);
+        if (nb != NULL) {
+            long long v = PyLong_AsLongLong(nb);
+            Py_DECREF(nb);
+            if (!(v == -1 && PyErr_Occurred())) {
+                *out = v / size;
+                return 0;
+            }
+        }
+        PyErr_Clear();
+    }
+    PyObject *n = PyObject_CallMethodNoArgs(t, s_numel);
+    if (n == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(n);
+    Py_DECREF(n);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+#define PUT(p, v, T) do { T _v = (T)(v); memcpy((p), &_v, sizeof(T)); (p) += sizeof(T); } while (0)
+
+/* Append the row of a call of this recorder's op that ran from start to end; *seqobj gets its
+ * sequence number (a new reference). -1 with an exception set when it could not. */
+static int
+append_row(Recorder *self, PyObject *const *args, long long start, long long end, unsigned char flags,
+           PyObject **seqobj)
+{
+    long gid = PyLong_AsLong(args[0]);
+    long peer = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return -1;
+    long dc;
+    PyObject *x = args[1];
+    if (PyLong_CheckExact(x)) {
+        dc = PyLong_AsLong(x);
+    }
+    else {
+        PyObject *dtype = PyObject_GetAttr(x, s_dtype);
+        if (dtype == NULL)
+            return -1;
+        PyObject *c = PyDict_GetItemWithError(self->dtype_ids, dtype);   /* borrowed */
+        if (c != NULL) {
+            Py_DECREF(dtype);
+            dc = PyLong_AsLong(c);
+        }
+        else {
+            if (PyErr_Occurred()) {
+                Py_DECREF(dtype);
+                return -1;
+            }
+            c = PyObject_CallOneArg(self->dtype_id, dtype);          /* first sight: register */
+            Py_DECREF(dtype);
+            if (c == NULL)
+                return -1;
+            dc = PyLong_AsLong(c);
+            Py_DECREF(c);
+        }
+        if (dc == -1 && PyErr_Occurred())
+            return -1;
+    }
+    long long numel;
+    if (args[2] == Py_None) {
+        if (tensor_numel(self, x, dc, &numel) < 0)
+            return -1;
+    }
+    else if ((numel = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    long long step, tag, where;
+    if (state_int(self->state, s_step, &step) < 0 || state_int(self->state, s_tag, &tag) < 0
+            || state_int(self->state, s_where, &where) < 0)
+        return -1;
+    PyObject *so = Py_TYPE(self->seq)->tp_iternext(self->seq);
+    if (so == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "sequence counter exhausted");
+        return -1;
+    }
+    long long seq = PyLong_AsLongLong(so);
+    Py_ssize_t n = PyByteArray_GET_SIZE(self->buf);
+    if ((seq == -1 && PyErr_Occurred()) || PyByteArray_Resize(self->buf, n + ROW_SIZE) < 0) {
+        Py_DECREF(so);
+        return -1;
+    }
+    char *p = PyByteArray_AS_STRING(self->buf) + n;
+    PUT(p, seq, int64_t);
+    PUT(p, self->code, int16_t);
+    PUT(p, gid, int16_t);
+    PUT(p, dc, int16_t);
+    PUT(p, numel, int64_t);
+    PUT(p, flags, uint8_t);
+    PUT(p, start, int64_t);
+    PUT(p, end, int64_t);
+    PUT(p, peer, int32_t);
+    PUT(p, step, int64_t);
+    PUT(p, tag, int32_t);
+    PUT(p, where, int32_t);
+    *seqobj = so;
+    return 0;
+}
+
+/* The exception now set, handed to fail(what, exc) and cleared (commpatch never raises into the
+ * user's code for its own errors). */
+static void
+report_failure(Recorder *self, PyObject *what)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    PyObject *r = PyObject_CallFunctionObjArgs(self->fail, what, value ? value : Py_None, NULL);
+    Py_XDECREF(r);
+    Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(tb);
+    if (r == NULL)
+        PyErr_Clear();
+}
+
+/* call(gid, t_or_dtype_code, numel_or_None, peer, *args): orig(*args) between two clock reads,
+ * then its row (an error row, with the exception re-raised, when it raised). */
+static PyObject *
+Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 4) {
+        PyErr_SetString(PyExc_TypeError, "call() takes at least 4 arguments");
+        return NULL;
+    }
+    long long start = now_ns();
+    PyObject *result = PyObject_Vectorcall(self->orig, args + 4, nargs - 4, NULL);
+    long long end = now_ns();
+    PyObject *seqobj = NULL;
+    if (result == NULL) {               /* torch raised: an error row, then its exception unchanged */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (append_row(self, args, start, end, self->flags | F_ERROR, &seqobj) < 0)
+            report_failure(self, s_record);
+        Py_XDECREF(seqobj);
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (append_row(self, args, start, end, self->flags, &seqobj) < 0) {
+        report_failure(self, s_record);
+        return result;
+    }
+    long long seq = PyLong_AsLongLong(seqobj);
+    if (!(seq & self->mask)) {          /* a chunk starts: late timings, clock offset, flush */
+        PyObject *r = PyObject_CallOneArg(self->maintain, seqobj);
+        if (r == NULL)
+            report_failure(self, s_record);
+        Py_XDECREF(r);
+    }
+    Py_DECREF(seqobj);
+    return result;
+}
+
+static PyObject *
+hot_now(PyObject *mod, PyObject *noargs)
+{
+    return PyLong_FromLongLong(now_ns());
+}
+
+static PyMethodDef Recorder_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))Recorder_call, METH_FASTCALL,
+     "call(gid, tensor_or_dtype_code, numel_or_None, peer, *args): orig(*args), timed on the host, and its row"},
+    {NULL}
+};
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "commpatch.record._hot.Recorder",
+    .tp_basicsize = sizeof(Recorder),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One wrapped op's call and row (see commpatch/record/_hot.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Recorder_init,
+    .tp_dealloc = (destructor)Recorder_dealloc,
+    .tp_traverse = (traverseproc)Recorder_traverse,
+    .tp_clear = (inquiry)Recorder_clear,
+    .tp_methods = Recorder_methods,
+};
+
+static PyMethodDef hot_methods[] = {
+    {"now", hot_now, METH_NOARGS, "the clock call() reads (CLOCK_MONOTONIC, ns)"},
+    {NULL}
+};
+
+static struct PyModuleDef hot_module = {
+    PyModuleDef_HEAD_INIT, "_hot", "The fast path's tail in C (see commpatch/record/_hot.c).", -1, hot_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__hot(void)
+{
+#if !PY_LITTLE_ENDIAN
+    PyErr_SetString(PyExc_ImportError, "commpatch's packed rows are little-endian");
+    return NULL;
+#endif
+    if (PyType_Ready(&RecorderType) < 0)
+        return NULL;
+    s_step = PyUnicode_InternFromString("step");
+    s_tag = PyUnicode_InternFromString("tag");
+    s_where = PyUnicode_InternFromString("where");
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_nbytes = PyUnicode_InternFromString("nbytes");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_record = PyUnicode_InternFromString("record");
+    if (!s_step || !s_tag || !s_where || !s_dtype || !s_nbytes || !s_numel || !s_record)
+        return NULL;
+    PyObject *m = PyModule_Create(&hot_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RecorderType);
+    if (PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
+        Py_DECREF(&RecorderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
