@@ -2,8 +2,10 @@
 
 1-element all_reduce on the `fake` backend (FakeStore, world 8) isolates instrumentation cost
 from transport; then the same on a real 1-rank gloo group. Rounds alternate (unpatched,
-commpatch, profiler with record_shapes=True, ...); the figure is the median over rounds of the
-paired per-call difference against the unpatched round beside it.
+commpatch, commpatch's pure-Python fallback when the C recorder is built, profiler with
+record_shapes=True, ...); the figure is the median over rounds of the paired per-call difference
+against the unpatched round beside it. Issue 11's target: commpatch's added time at most 1.1x
+the profiler's in the same run (printed).
 Usage: python benchmarks/overhead.py [--rounds 15] [--calls 20000]
 """
 
@@ -39,23 +41,41 @@ def call(t):
     dist.all_reduce(t)
 
 
+def patched_round(calls: int, c_rows: bool) -> float:
+    from commpatch.record import rows
+
+    saved, rows.C_ROWS = rows.C_ROWS, c_rows and rows.C_ROWS
+    try:
+        commpatch.enable(output="none")
+        return timed(call, calls)
+    finally:
+        commpatch.disable()
+        commpatch.reset()
+        rows.C_ROWS = saved
+
+
 def run(label: str, rounds: int, calls: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from commpatch.record import rows
+
     for _ in range(3):                          # warm up every path once
         timed(call, calls // 10)
-    base, patched, prof = [], [], []
+    base, patched, pure, prof = [], [], [], []
     for _ in range(rounds):
         base.append(timed(call, calls))
-        commpatch.enable(output="none")
-        patched.append(timed(call, calls))
-        commpatch.disable()
-        commpatch.reset()
+        patched.append(patched_round(calls, True))
+        if rows.C_ROWS:                         # the pure-Python fallback, for comparison
+            pure.append(patched_round(calls, False))
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
             prof.append(timed(call, calls))
     d_cp = [p - b for p, b in zip(patched, base)]
     d_pr = [p - b for p, b in zip(prof, base)]
     out = {
+        "hot_path": "C recorder" if rows.C_ROWS else "pure Python",
+        "pure_python_added_us": statistics.median(p - b for p, b in zip(pure, base)) / 1e3 if pure else None,
+        "added_ratio_to_profiler": statistics.median(d_cp) / statistics.median(d_pr) if statistics.median(d_pr) > 0
+        else float("inf"),
         "label": label,
         "unpatched_us": statistics.median(base) / 1e3,
         "commpatch_added_us": statistics.median(d_cp) / 1e3,
@@ -66,6 +86,9 @@ def run(label: str, rounds: int, calls: int) -> dict:
     print(f"{label:28s} unpatched {out['unpatched_us']:7.2f} us/call | commpatch +{out['commpatch_added_us']:.2f} us "
           f"(x{out['commpatch_ratio']:.3f}) | torch.profiler(record_shapes) +{out['profiler_added_us']:.2f} us "
           f"(x{out['profiler_ratio']:.3f})", flush=True)
+    pure_text = f"; pure-Python fallback +{out['pure_python_added_us']:.2f} us" if pure else ""
+    print(f"{'':28s} hot path: {out['hot_path']}{pure_text}; commpatch's added time / the profiler's: "
+          f"{out['added_ratio_to_profiler']:.2f} (target <= 1.1)", flush=True)
     return out
 
 

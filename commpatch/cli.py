@@ -501,15 +501,16 @@ def cmd_env(args) -> int:
 
 
 def _recorder_status() -> str:
-    """Which tail the fast path uses: the C recorder (record/_hot.c) or pure Python, and why."""
-    from .record import rows  # lazy: `commpatch env` must run even where recording cannot
+    """Which tail the fast path uses: the C recorder (record/_hot.c) or pure Python, and why (the
+    same test as record.rows.C_ROWS, without loading the runtime: cli is on the offline side)."""
+    import importlib.util
 
-    if rows.C_ROWS:
-        return "C recorder (commpatch.record._hot)"
-    if rows._hot is None:
+    clock = time.get_clock_info("perf_counter").implementation
+    if importlib.util.find_spec("commpatch.record._hot") is None:
         return "pure Python (the optional C recorder was not built: reinstall with a C compiler for ~0.2 us less per call)"
-    return (f"pure Python (perf_counter here is {time.get_clock_info('perf_counter').implementation}, "
-            "the C recorder reads CLOCK_MONOTONIC)")
+    if clock != "clock_gettime(CLOCK_MONOTONIC)":
+        return f"pure Python (perf_counter here is {clock}; the C recorder reads CLOCK_MONOTONIC)"
+    return "C recorder (commpatch.record._hot)"
 
 
 def cmd_install_hook(args) -> int:

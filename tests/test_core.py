@@ -371,7 +371,7 @@ def test_c_recorder_failure_never_breaks_the_call(monkeypatch):
     with pytest.warns(RuntimeWarning, match="internal error"):
         for _ in range(3):
             assert dist.all_reduce(t) is None
-    kind = "record" if "call" in dist.all_reduce.__code__.co_names else "read"
-    assert commpatch.internal_errors()[kind] == 3
+    errors = commpatch.internal_errors()       # Python path: "read"; the C recorder: "record"
+    assert set(errors) <= {"read", "record"} and sum(errors.values()) == 3
     monkeypatch.undo()
     commpatch.disable()

@@ -1,22 +1,27 @@
-/* The fast path's tail in C: the call of a synchronous host-timed op and its row.
+/* The fast path in C: the call of a synchronous host-timed op and its row.
  *
- * ``Recorder(buf, state_dict, seq, dtype_ids, dtype_id, dtype_sizes, mask, code, flags, orig,
- * maintain, fail)`` holds the log's row buffer (a bytearray), the ``record.state.STATE`` instance
- * dict, the process's sequence counter (an itertools.count), the dtype registry (its Python
- * fallback for a new dtype, element sizes), the chunk mask, one op's code and flags byte, the
+ * A ``Recorder`` is made per wrapped op (record/rows.py: hot_call) and holds the log's row buffer
+ * (a bytearray), the ``record.state.STATE`` instance dict, the process's sequence counter (an
+ * itertools.count), the dtype registry (its Python fallback for a new dtype, element sizes), the
+ * group registry, torch's coalescing state, the chunk mask, the op's code and flags byte, the
  * function it wraps, the log's maintenance and commpatch's failure counter.
- * ``recorder.call(gid, t_or_dc, numel_or_None, peer, *args)`` reads the clock, calls
- * ``orig(*args)``, reads the clock, takes the next sequence number, finds the dtype code (from the
- * tensor, or given as an int) and element count (given, or the tensor's) and appends one packed
- * row with the current step, tag and module/phase: the same 59 bytes as ``data.schema.ROW.pack``
- * (little-endian, no padding). When orig raises, the row is an error row and the exception
- * propagates unchanged; commpatch's own errors go to ``fail`` and never reach the caller.
  *
- * Why: the same tail in Python (two clock reads, next(), three attribute reads, a dict lookup,
- * t.numel(), struct.pack of 12 values, bytearray.extend) costs ~0.25 us more per call (measured in
- * docs/design-notes.md). record/wrapper.py uses the Python tail when this module is not built (the
- * extension is optional) or perf_counter is not CLOCK_MONOTONIC (record/rows.py checks).
- * Everything runs under the GIL and the row is written in one piece, as bytearray.extend did.
+ * ``recorder.call(group, t, numel_or_None, peer, async_op, *args)`` returns the module's ``SLOW``
+ * sentinel, without calling anything, unless the call is the common case (synchronous, no
+ * coalescing manager open, a plain torch.Tensor on the CPU or no tensor, a registered group this
+ * rank is in); then it reads the clock, calls ``orig(*args)``, reads the clock, takes the next
+ * sequence number, finds the dtype code and element count (given, or the tensor's nbytes over its
+ * element size) and appends one packed row with the current step, tag and module/phase: the same
+ * 59 bytes as ``data.schema.ROW.pack`` (little-endian, no padding). When orig raises, the row is
+ * an error row and the exception propagates unchanged; commpatch's own errors go to ``fail`` and
+ * never reach the caller.
+ *
+ * Why: the same work in Python (the checks, a dict lookup, two clock reads, next(), three
+ * attribute reads, t.numel(), struct.pack of 12 values, bytearray.extend) costs ~0.3 us more per
+ * call (docs/design-notes.md). record/wrapper.py keeps the Python path for every other case and
+ * when this module is not built (the extension is optional) or perf_counter is not
+ * CLOCK_MONOTONIC (record/rows.py checks). Everything runs under the GIL and the row is written
+ * in one piece, as bytearray.extend did.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,23 +42,55 @@ typedef struct {
     PyObject *orig;       /* the function wrapped */
     PyObject *maintain;   /* called with the seq when a chunk starts */
     PyObject *fail;       /* record.state.fail(kind, exc) */
+    PyObject *group_ids;  /* dict: group object -> gid (Log.group_ids) */
+    PyObject *coalescing; /* dict: torch's groups inside a _coalescing_manager */
+    PyObject *tensor;     /* torch.Tensor: other classes go the Python way */
+    PyGetSetDef *get_dtype, *get_nbytes;   /* torch.Tensor's C getters, NULL: use getattr */
+    long dc_const;        /* the dtype code of an op without a tensor, -1 for a tensor op */
+    int check_devices;    /* STATE.devices set (an accelerator has a process group): Python way */
     long long mask;       /* CHUNK_MASK */
     long code;            /* the op's code (one recorder per wrapper) */
     unsigned char flags;  /* the flags byte of a synchronous host-timed row */
 } Recorder;
 
-static PyObject *s_step, *s_tag, *s_where, *s_dtype, *s_nbytes, *s_numel, *s_record;
+static PyObject *s_step, *s_tag, *s_where, *s_dtype, *s_nbytes, *s_numel, *s_record, *s_devices;
+static PyObject *SLOW;      /* returned instead of calling: the Python path takes this call */
+
+/* The C getter behind type.name when it is a plain getset descriptor (torch.Tensor.dtype). */
+static PyGetSetDef *
+getset_of(PyObject *type, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttr(type, name);
+    if (d == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyGetSetDef *g = Py_IS_TYPE(d, &PyGetSetDescr_Type) ? ((PyGetSetDescrObject *)d)->d_getset : NULL;
+    Py_DECREF(d);   /* the type keeps the descriptor alive */
+    return (g != NULL && g->get != NULL) ? g : NULL;
+}
+
+/* t.name, through the getter found at init when t is exactly torch.Tensor. */
+static inline PyObject *
+tensor_get(Recorder *self, PyObject *t, PyGetSetDef *g, PyObject *name)
+{
+    if (g != NULL && Py_IS_TYPE(t, (PyTypeObject *)self->tensor))
+        return g->get(t, g->closure);
+    return PyObject_GetAttr(t, name);
+}
 
 static int
 Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
 {
     PyObject *buf, *state, *seq, *dtype_ids, *dtype_id, *dtype_sizes, *orig, *maintain, *fail;
+    PyObject *group_ids, *coalescing, *tensor;
     long long mask;
-    long code;
-    int flags;
-    if (!PyArg_ParseTuple(args, "O!O!OO!OO!LliOOO", &PyByteArray_Type, &buf, &PyDict_Type, &state, &seq,
+    long code, dc_const;
+    int flags, check_devices;
+    if (!PyArg_ParseTuple(args, "O!O!OO!OO!LliOOOO!O!O!lp", &PyByteArray_Type, &buf, &PyDict_Type, &state, &seq,
                           &PyDict_Type, &dtype_ids, &dtype_id, &PyList_Type, &dtype_sizes, &mask, &code, &flags,
-                          &orig, &maintain, &fail))
+                          &orig, &maintain, &fail, &PyDict_Type, &group_ids, &PyDict_Type, &coalescing,
+                          &PyType_Type, &tensor, &dc_const, &check_devices))
         return -1;
     if (Py_TYPE(seq)->tp_iternext == NULL) {
         PyErr_SetString(PyExc_TypeError, "seq must be an iterator");
@@ -68,6 +105,13 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     Py_INCREF(orig); Py_XSETREF(self->orig, orig);
     Py_INCREF(maintain); Py_XSETREF(self->maintain, maintain);
     Py_INCREF(fail); Py_XSETREF(self->fail, fail);
+    Py_INCREF(group_ids); Py_XSETREF(self->group_ids, group_ids);
+    Py_INCREF(coalescing); Py_XSETREF(self->coalescing, coalescing);
+    Py_INCREF(tensor); Py_XSETREF(self->tensor, tensor);
+    self->get_dtype = getset_of(tensor, s_dtype);
+    self->get_nbytes = getset_of(tensor, s_nbytes);
+    self->dc_const = dc_const;
+    self->check_devices = check_devices;
     self->mask = mask;
     self->code = code;
     self->flags = (unsigned char)flags;
@@ -80,6 +124,7 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
     Py_VISIT(self->buf); Py_VISIT(self->state); Py_VISIT(self->seq);
     Py_VISIT(self->dtype_ids); Py_VISIT(self->dtype_id); Py_VISIT(self->dtype_sizes);
     Py_VISIT(self->orig); Py_VISIT(self->maintain); Py_VISIT(self->fail);
+    Py_VISIT(self->group_ids); Py_VISIT(self->coalescing); Py_VISIT(self->tensor);
     return 0;
 }
 
@@ -89,6 +134,7 @@ Recorder_clear(Recorder *self)
     Py_CLEAR(self->buf); Py_CLEAR(self->state); Py_CLEAR(self->seq);
     Py_CLEAR(self->dtype_ids); Py_CLEAR(self->dtype_id); Py_CLEAR(self->dtype_sizes);
     Py_CLEAR(self->orig); Py_CLEAR(self->maintain); Py_CLEAR(self->fail);
+    Py_CLEAR(self->group_ids); Py_CLEAR(self->coalescing); Py_CLEAR(self->tensor);
     return 0;
 }
 
@@ -135,7 +181,7 @@ tensor_numel(Recorder *self, PyObject *t, long dc, long long *out)
             return -1;
     }
     if (size > 0) {
-        PyObject *nb = PyObject_GetAttr(t, s_nbytes);
+        PyObject *nb = tensor_get(self, t, self->get_nbytes, s_nbytes);
         if (nb != NULL) {
             long long v = PyLong_AsLongLong(nb);
             Py_DECREF(nb);
@@ -159,20 +205,16 @@ tensor_numel(Recorder *self, PyObject *t, long dc, long long *out)
 /* Append the row of a call of this recorder's op that ran from start to end; *seqobj gets its
  * sequence number (a new reference). -1 with an exception set when it could not. */
 static int
-append_row(Recorder *self, PyObject *const *args, long long start, long long end, unsigned char flags,
+append_row(Recorder *self, long gid, PyObject *const *args, long long start, long long end, unsigned char flags,
            PyObject **seqobj)
 {
-    long gid = PyLong_AsLong(args[0]);
     long peer = PyLong_AsLong(args[3]);
-    if (PyErr_Occurred())
+    if (peer == -1 && PyErr_Occurred())
         return -1;
-    long dc;
+    long dc = self->dc_const;
     PyObject *x = args[1];
-    if (PyLong_CheckExact(x)) {
-        dc = PyLong_AsLong(x);
-    }
-    else {
-        PyObject *dtype = PyObject_GetAttr(x, s_dtype);
+    if (dc < 0) {
+        PyObject *dtype = tensor_get(self, x, self->get_dtype, s_dtype);
         if (dtype == NULL)
             return -1;
         PyObject *c = PyDict_GetItemWithError(self->dtype_ids, dtype);   /* borrowed */
@@ -251,29 +293,77 @@ report_failure(Recorder *self, PyObject *what)
         PyErr_Clear();
 }
 
-/* call(gid, t_or_dtype_code, numel_or_None, peer, *args): orig(*args) between two clock reads,
- * then its row (an error row, with the exception re-raised, when it raised). */
+/* Whether this call can be taken here: synchronous, no coalescing manager open, a plain CPU
+ * torch.Tensor (or no tensor), a group already registered and of which this rank is a member.
+ * Anything else (first call on a group, async, tensor subclasses, accelerators, errors) is the
+ * Python path's: gid -1 then. */
+static long
+fast_gid(Recorder *self, PyObject *const *args)
+{
+    PyObject *t = args[1], *async_op = args[4];
+    if (async_op != Py_False && async_op != Py_None) {
+        int r = PyObject_IsTrue(async_op);
+        if (r != 0) {
+            PyErr_Clear();
+            return -1;
+        }
+    }
+    if (PyDict_GET_SIZE(self->coalescing) > 0)
+        return -1;
+    if (t != Py_None) {
+        if (!Py_IS_TYPE(t, (PyTypeObject *)self->tensor))
+            return -1;
+        if (self->check_devices) {
+            PyObject *dev = PyDict_GetItemWithError(self->state, s_devices);   /* borrowed */
+            if (dev == NULL ? PyErr_Occurred() != NULL : PyObject_IsTrue(dev) != 0) {
+                PyErr_Clear();
+                return -1;
+            }
+        }
+    }
+    else if (self->dc_const < 0) {
+        return -1;                      /* a tensor op without its tensor: torch's error, in Python */
+    }
+    PyObject *g = PyDict_GetItemWithError(self->group_ids, args[0]);   /* borrowed */
+    if (g == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    long gid = PyLong_AsLong(g);
+    if (gid < 0)
+        PyErr_Clear();
+    return gid;
+}
+
+/* call(group, t, numel_or_None, peer, async_op, *args): SLOW unless fast_gid takes the call; then
+ * orig(*args) between two clock reads and its row (an error row, with the exception re-raised,
+ * when it raised). */
 static PyObject *
 Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 4) {
-        PyErr_SetString(PyExc_TypeError, "call() takes at least 4 arguments");
+    if (nargs < 5) {
+        PyErr_SetString(PyExc_TypeError, "call() takes at least 5 arguments");
         return NULL;
     }
+    long gid = fast_gid(self, args);
+    if (gid < 0) {
+        Py_INCREF(SLOW);
+        return SLOW;
+    }
     long long start = now_ns();
-    PyObject *result = PyObject_Vectorcall(self->orig, args + 4, nargs - 4, NULL);
+    PyObject *result = PyObject_Vectorcall(self->orig, args + 5, nargs - 5, NULL);
     long long end = now_ns();
     PyObject *seqobj = NULL;
     if (result == NULL) {               /* torch raised: an error row, then its exception unchanged */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (append_row(self, args, start, end, self->flags | F_ERROR, &seqobj) < 0)
+        if (append_row(self, gid, args, start, end, self->flags | F_ERROR, &seqobj) < 0)
             report_failure(self, s_record);
         Py_XDECREF(seqobj);
         PyErr_Restore(type, value, tb);
         return NULL;
     }
-    if (append_row(self, args, start, end, self->flags, &seqobj) < 0) {
+    if (append_row(self, gid, args, start, end, self->flags, &seqobj) < 0) {
         report_failure(self, s_record);
         return result;
     }
@@ -296,7 +386,7 @@ hot_now(PyObject *mod, PyObject *noargs)
 
 static PyMethodDef Recorder_methods[] = {
     {"call", (PyCFunction)(void (*)(void))Recorder_call, METH_FASTCALL,
-     "call(gid, tensor_or_dtype_code, numel_or_None, peer, *args): orig(*args), timed on the host, and its row"},
+     "call(group, t, numel_or_None, peer, async_op, *args): orig(*args), timed on the host, and its row; SLOW when the Python path must take the call"},
     {NULL}
 };
 
@@ -339,13 +429,18 @@ PyInit__hot(void)
     s_nbytes = PyUnicode_InternFromString("nbytes");
     s_numel = PyUnicode_InternFromString("numel");
     s_record = PyUnicode_InternFromString("record");
-    if (!s_step || !s_tag || !s_where || !s_dtype || !s_nbytes || !s_numel || !s_record)
+    s_devices = PyUnicode_InternFromString("devices");
+    if (!s_step || !s_tag || !s_where || !s_dtype || !s_nbytes || !s_numel || !s_record || !s_devices)
+        return NULL;
+    SLOW = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (SLOW == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&hot_module);
     if (m == NULL)
         return NULL;
     Py_INCREF(&RecorderType);
-    if (PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
+    Py_INCREF(SLOW);
+    if (PyModule_AddObject(m, "SLOW", SLOW) < 0 || PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0) {
         Py_DECREF(&RecorderType);
         Py_DECREF(m);
         return NULL;

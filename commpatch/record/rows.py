@@ -27,16 +27,23 @@ C_ROWS = _hot is not None and time.get_clock_info("perf_counter").implementation
 SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
 
 
-def hot_call(log, mask: int, code: int, orig, maintain):
+def hot_call(log, mask: int, code: int, orig, maintain, coalescing: dict, tensor_type, dtype_code: int,
+             check_devices: bool):
     """The C recorder's ``call`` for op ``code`` wrapping ``orig``, bound to ``log`` (see
     record/_hot.c), or None when it is not available (not built, another clock).
-    ``call(gid, tensor or dtype code, numel or None, peer, *args)`` returns ``orig(*args)``, timed
-    on the host, after appending its row (numel None: the tensor's own); ``maintain(seq)`` runs
-    when a chunk of rows starts."""
+    ``call(group, t, numel or None, peer, async_op, *args)`` returns ``SLOW`` for any call but the
+    common case (the Python path takes it), else ``orig(*args)``, timed on the host, after
+    appending its row (numel None: the tensor's own); ``maintain(seq)`` runs when a chunk of rows
+    starts. ``dtype_code``: the op's dtype code when it has no tensor, else -1; ``check_devices``:
+    leave every call to Python once ``STATE.devices`` is set (device timing)."""
     if not C_ROWS:
         return None
     return _hot.Recorder(log.buf, STATE.__dict__, SEQ, log.dtype_ids, log.dtype_id, log.dtype_sizes, mask, code,
-                         T_HOST << T_SHIFT, orig, maintain, fail).call
+                         T_HOST << T_SHIFT, orig, maintain, fail, log.group_ids, coalescing, tensor_type,
+                         dtype_code, check_devices).call
+
+
+SLOW = _hot.SLOW if _hot is not None else object()
 
 
 def peek_seq(counter=SEQ) -> int:

@@ -23,7 +23,7 @@ from ..data.schema import ROW, T_DEVICE, T_FUTURE, T_HOST, T_NCCL, T_NONE, T_SHI
 from . import state as _runtime
 from .log import CHUNK_MASK
 from .readers import group_peer, make_reader, reader_lines
-from .rows import SEQ, Pending, hot_call, on_device, write_row
+from .rows import SEQ, SLOW, Pending, hot_call, on_device, write_row
 from .state import COALESCING
 
 MARK = "__commpatch_original__"   # attribute of every wrapper commpatch installs: the original
@@ -31,12 +31,13 @@ MARK = "__commpatch_original__"   # attribute of every wrapper commpatch install
 
 # The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
 # else (device events, async futures, nested object collectives, coalescing) goes to `slow`.
-_FAST = """
+_HEAD = """
 def {name}({params}):
     if not state.recording:
         return orig({call})
     if state.nesting and local.depth:   # a plain read unless some nesting op is running
-        return inner({args}, {kwargs})
+        return inner({args}, {kwargs})"""
+_BODY = """
     try:
 {read}
         gid = group_ids.get(group)
@@ -44,24 +45,15 @@ def {name}({params}):
             gid = log.group_id(group)
         if gid < 0:                 # this rank is not in the group: torch does nothing
             return orig({call})
-        go_slow = {slow_test}{pre_row}
+        go_slow = {slow_test}
+        if not go_slow:
+            dc = {dtype_code}
+            seq = next_seq()
     except Exception as exc:        # never break the user's call
         fail("read", exc)
         return orig({call})
     if go_slow:                     # outside the guard: torch's own errors must not re-run the call
-        return slow({args}, {kwargs}, t, {numel}, group, gid, async_op, peer)
-{tail}"""
-# The tail of a synchronous host-timed call: in Python (the sequence number and dtype code are
-# taken before the call), or the C recorder's call (record/_hot.c: the clock reads, the call, the
-# seq, dtype, count, pack and append in one C call, ~0.2 us less; the seq is taken when the call
-# returns). With the C recorder, a single tensor's element count is not read before the call: the
-# recorder reads it (t.nbytes over the element size, half the cost of t.numel()), and the rare
-# paths call numel_of(t).
-_PRE_PY = """
-        if not go_slow:
-            dc = {dtype_code}
-            seq = next_seq()"""
-_TAIL_PY = """
+        return slow({args}, {kwargs}, t, numel, group, gid, async_op, peer)
     start = pc(){watch_enter}
     try:
         result = orig({call})
@@ -77,16 +69,28 @@ _TAIL_PY = """
         fail("record", exc)
     return result
 """
-_TAIL_C = """
-    return call(gid, {dtype_arg}, {numel_row}, peer, {call})
-"""
+# With the C recorder (record/_hot.c), the common case (synchronous, a plain CPU tensor, a known
+# group) is one C call after the argument reads: the checks, the group lookup, both clock reads,
+# the call, seq, dtype, element count, pack and append (~0.2 us less than _BODY). It answers SLOW
+# for anything else, which _BODY then takes as before. A single tensor's element count is not read
+# before the call: the recorder reads it (t.nbytes over the element size, half the cost of
+# t.numel()); _BODY reads it first.
+_C_TRY = """
+    try:
+{read}
+    except Exception as exc:        # never break the user's call
+        fail("read", exc)
+        return orig({call})
+    result = call(group, t, {numel_c}, peer, async_op, {call})
+    if result is not SLOW:
+        return result"""
 # Names the generated code uses itself: a torch parameter with one of these names makes the
 # generator fall back to the generic (*args, **kwargs) form.
 _RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
              "fail", "slow", "t", "numel", "peer", "start", "pc", "result", "error_row",
              "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
              "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor", "Pending",
-             "pending", "get_ident", "call", "numel_of"}
+             "pending", "get_ident", "call", "SLOW", "result"}
 
 
 def signature_source(fn):
@@ -275,26 +279,30 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     else:
         params, call, args, kwargs, defaults = "*args, **kwargs", "*args, **kwargs", "args", "kwargs", {}
         read_lines = reader_lines(target, orig)
-    c_call = hot_call(log, CHUNK_MASK, code, orig, maintain) if sig is not None and not watch else None
-    numel = "numel"
+    def body(lines):
+        return _BODY.format(slow_test=slow_test, dtype_code=dtype_code, watch_enter=watch_enter, watch_exit=watch_exit,
+                            watch_exit_err=watch_exit.replace("\n", "\n    "), call=call, args=args, kwargs=kwargs,
+                            read="\n".join(" " * 8 + ln for ln in lines))
+
+    head = _HEAD.format(name=target.name, params=params, call=call, args=args, kwargs=kwargs)
+    c_call = None
+    if sig is not None and leaf and not watch:
+        c_call = hot_call(log, CHUNK_MASK, code, orig, maintain, coalescing, Tensor,
+                          -1 if target.tensor is not None else log.dtype_id(no_tensor_dtype),
+                          not host_only and target.tensor is not None)
     if c_call is None:
-        pre_row = _PRE_PY.format(dtype_code=dtype_code)
-        tail = _TAIL_PY.format(watch_enter=watch_enter, watch_exit=watch_exit, call=call,
-                               watch_exit_err=watch_exit.replace("\n", "\n    "))
+        source = head + body(read_lines)
     else:
-        numel_row = "numel"
-        if "numel = t.numel()" in read_lines:        # one tensor: the C recorder reads its count
-            read_lines = [ln for ln in read_lines if ln != "numel = t.numel()"]
-            numel, numel_row = "numel_of(t)", "None"
-        dtype_arg = "t" if target.tensor is not None else str(log.dtype_id(no_tensor_dtype))
-        pre_row, tail = "", _TAIL_C.format(dtype_arg=dtype_arg, numel_row=numel_row, call=call)
-    source = _FAST.format(name=target.name, slow_test=slow_test, params=params, pre_row=pre_row, tail=tail, numel=numel,
-                          call=call, args=args, kwargs=kwargs, read="\n".join(" " * 8 + ln for ln in read_lines))
+        lazy = "numel = t.numel()" in read_lines      # one tensor: the C recorder reads its count
+        c_read = [ln for ln in read_lines if not (lazy and ln == "numel = t.numel()")]
+        source = head + _C_TRY.format(read="\n".join(" " * 8 + ln for ln in c_read), call=call,
+                                      numel_c="None" if lazy else "numel") + \
+            body(["numel = t.numel()" if lazy else "pass"])
     ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
               next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
               extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
               HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
-              group_peer=group_peer, pending=pending, get_ident=get_ident, Pending=Pending, Tensor=Tensor, call=c_call, numel_of=numel_of,
+              group_peer=group_peer, pending=pending, get_ident=get_ident, Pending=Pending, Tensor=Tensor, call=c_call, SLOW=SLOW,
               **defaults)
     exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
     wrapper = ns[target.name]
@@ -305,13 +313,6 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
 
 PENDING_TIMINGS = (T_FUTURE, T_DEVICE, T_NCCL)
 
-
-def numel_of(t) -> int:
-    """A tensor's element count for a row, 0 when it has none (not a tensor: torch raises its own error)."""
-    try:
-        return t.numel()
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 
