@@ -4,7 +4,9 @@ model (hidden 512, 3 Linear layers, batch 64, 3 buckets of 1 MB), one gloo proce
 
 Alternating rounds in the same process, commpatch recording throughout: the finalize timed, then
 not (``_time_finalize`` replaced by a no-op), each round N steps; CPU time (process_time) and wall
-time per step; the median of the paired differences.
+time per step; the median of the paired differences. Step times vary by more than the cost, so it
+is also measured alone: a tiny backward (one multiply) whose tensor hook calls ``_time_finalize``
+or not, alternating blocks of 2,000 backwards, median of the paired block differences.
 
     python benchmarks/ddp_finalize_timing.py [--rounds 40] [--steps 20]
 """
@@ -68,6 +70,28 @@ def main(argv=None) -> int:
                 results[on].append(measured)
     ddp_integration._time_finalize = timed
     dist.destroy_process_group()
+
+    syncs = []
+    engine = torch.autograd.Variable._execution_engine
+    w = torch.ones(1, requires_grad=True)
+
+    def block(on, n=2000):
+        hook = (lambda g: timed(engine, syncs, 0, 0)) if on else (lambda g: None)
+        handle = w.register_hook(hook)
+        t = time.perf_counter()
+        for _ in range(n):
+            (w * 2.0).backward()
+        handle.remove()
+        return (time.perf_counter() - t) / n
+
+    alone = {True: [], False: []}
+    for r in range(21):
+        for on in ((True, False) if r % 2 else (False, True)):
+            measured = block(on)
+            if r:
+                alone[on].append(measured)
+    assert len(syncs) == 21 * 2000
+    per_call = statistics.median(a - b for a, b in zip(alone[True], alone[False]))
     base_cpu = statistics.median(c for c, _ in results[False])
     base_wall = statistics.median(w for _, w in results[False])
     cpu = [a[0] - b[0] for a, b in zip(results[True], results[False])]
@@ -78,6 +102,7 @@ def main(argv=None) -> int:
     print(f"added: {1e6 * statistics.median(cpu):+.1f} us CPU per step ({100 * statistics.median(cpu) / base_cpu:+.2f}%; "
           f"paired differences {1e6 * min(cpu):+.1f} to {1e6 * max(cpu):+.1f}), "
           f"{1e6 * statistics.median(wall):+.1f} us wall per step ({100 * statistics.median(wall) / base_wall:+.2f}%)")
+    print(f"alone: {1e6 * per_call:+.2f} us per backward (a tiny backward: {1e6 * statistics.median(alone[False]):.2f} us)")
     return 0
 
 
