@@ -157,7 +157,8 @@ def test_scaling_tables():
 
 def test_steps_stages_setup_and_ddp_exposure():
     """Step 0 is set-up, DDP's bucket rebuild is set-up wherever it falls; the exposed time of DDP's
-    gradient buckets runs from the last bucket's issue to the end of the last one."""
+    gradient buckets runs from the last bucket's issue to the end of the last one, or to the end of
+    DDP's finalize where it is noted (sync_end_us, step 3)."""
     t0 = 1_700_000_000_000_000_000
     us = 1000
     rows = [dict(rank=0, step=0, op="ddp_verify_params", start_ns=t0, duration_us=50.0, group_size=2)]
@@ -167,7 +168,8 @@ def test_steps_stages_setup_and_ddp_exposure():
             dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 100 * us, duration_us=250.0,
                  async_op=True, timing="future", bucket=1, group_size=2, bytes=4000),
             dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 300 * us, duration_us=200.0,
-                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000)]
+                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000,
+                 sync_end_us=280.0 if step == 3 else np.nan)]      # step 3: the finalize ends at 580 us
         if step == 1:
             rows.append(dict(rank=0, step=1, op="ddp_rebuild_buckets", start_ns=base, duration_us=30.0, group_size=2))
     ps = analysis.per_step(frame(rows), by_rank=False)
@@ -176,8 +178,15 @@ def test_steps_stages_setup_and_ddp_exposure():
     assert two["exposed_us"] == pytest.approx(200.0) and two["busy_us"] == pytest.approx(400.0)
     assert two["overlapped_us"] == pytest.approx(200.0) and two["overlap_unknown_us"] == 0.0
     assert two["step_us"] == pytest.approx(1000.0) and two["exposed_share"] == pytest.approx(0.2)
+    assert two["ddp_finalize_us"] == 0.0
+    three = ps[ps["step"] == 3].iloc[0]
+    assert three["ddp_finalize_us"] == pytest.approx(80.0) and three["exposed_us"] == pytest.approx(280.0)
+    assert three["busy_us"] == pytest.approx(480.0) and three["comm_us"] == pytest.approx(450.0)
+    assert three["overlapped_us"] == pytest.approx(200.0) and three["comm_share"] == pytest.approx(0.48)
     st = analysis.steady_state(ps)
-    assert st["steps"] == 3 and st["step_p50_us"] == pytest.approx(1000.0) and st["exposed_share"] == pytest.approx(0.2)
+    # exposed shares 230/1100 (step 1: the blocking rebuild first), 0.2, 0.28: the median is step 1's
+    assert st["steps"] == 3 and st["step_p50_us"] == pytest.approx(1000.0)
+    assert st["exposed_share"] == pytest.approx(230 / 1100) and st["ddp_finalize_us"] == 0.0
     setup = analysis.setup_cost(frame(rows), ps)
     assert setup["setup_comm_us"] == pytest.approx(80.0) and setup["by_op"]["ddp_verify_params"] == 50.0
     assert setup["setup_us"] == pytest.approx(1000.0)      # step 0's first call to step 1's first call

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import commpatch
+from commpatch import analysis
 from tests import steps_workers
 from tests.multiproc import run_ranks
 
@@ -65,10 +66,26 @@ def test_ground_truth_benchmark_runs(tmp_path):
     assert [r["world_size"] for r in rows] == [1, 2]
     for r in rows:
         assert r["source"] == "optimizer" and r["steps"] >= 4
-        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms"):
+        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms", "finalize_us"):
             assert r[key] == r[key], key                        # a number, not NaN
-        assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1
+        assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1 and r["finalize_us"] >= 0
     assert rows[0]["log_efficiency"] == pytest.approx(1.0) and rows[0]["truth_efficiency"] == pytest.approx(1.0)
+    # DDP's finalize: its end noted once per synchronised backward, on the row of its last bucket, and
+    # counted in the step's figures (finalize after the last all-reduce <= exposed <= under way)
+    for n in (1, 2):
+        df = commpatch.read_csv(str(tmp_path / f"w{n}"))
+        buckets = df[df["op"] == "ddp_bucket_allreduce"]
+        noted = buckets[buckets["sync_end_us"].notna()]
+        assert df.loc[df["op"] != "ddp_bucket_allreduce", "sync_end_us"].isna().all()
+        per_backward = buckets.groupby(["rank", "step"])
+        assert (noted.groupby(["rank", "step"]).size() == 1).all() and len(noted) == per_backward.ngroups
+        assert (noted.set_index(["rank", "step"])["bucket"] == per_backward["bucket"].max()).all()
+        assert (noted["sync_end_us"] > 0).all()
+        ps = analysis.per_step(df)
+        synced = ps[(ps["stage"] == "steady") & (ps["calls"] > 0)]
+        assert len(synced) >= 4 * n and (synced["ddp_finalize_us"] >= 0).all()
+        assert (synced["ddp_finalize_us"] <= synced["exposed_us"]).all()
+        assert (synced["exposed_us"] <= synced["busy_us"]).all()
 
 
 def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):

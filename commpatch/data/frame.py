@@ -138,6 +138,7 @@ def columns(parsed, names=None) -> dict:
         "phase": lambda: _cat(np, phase, list(PHASES)),
         **{name: (lambda name=name: bucket_columns()[name]) for name in ("bucket", "bucket_params", "tensors")},
         "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
+        "sync_end_us": lambda: _sync_ends(np, raw["seq"], parsed.syncs),
     }
     return {name: out[name]() for name in COLUMNS if names is None or name in names}
 
@@ -253,6 +254,16 @@ def _step_sources(np, seqs, marks):
     at = np.array([m[0] for m in marks], np.int64)
     codes = np.array([0] + [m[1] for m in marks], np.int64)
     return codes[np.searchsorted(at, seqs, side="right")]
+
+
+def _sync_ends(np, seqs, syncs):
+    """Per row, the end of DDP's finalize in us after the row's start (``sync`` records), else NaN."""
+    out = np.full(len(seqs), np.nan)
+    if syncs:
+        keys = np.array([s[0] for s in syncs], np.int64)
+        ns = _by_seq(np, seqs, keys, np.array([s[1] for s in syncs], np.int64))
+        out[ns >= 0] = ns[ns >= 0] / 1e3
+    return out
 
 
 def _cumcount(np, keys):

@@ -13,7 +13,8 @@ File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``
 - ``Q``: (seq, own_ns) pairs, the same way: a device-timed row's own time (its completion minus
   the later of its start and the previous call's completion on the group, measured on the device);
 - ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket,
-  step_source, device (the accelerator type that rows flagged "on the device" ran on).
+  step_source, device (the accelerator type that rows flagged "on the device" ran on), sync (the
+  end of DDP's finalize after a backward, ns after the start of the row of its last bucket).
 A frame cut short by a crash (the last one) is skipped and counted, never fatal.
 
 The file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW``: never through a pre-planted link,
@@ -60,6 +61,7 @@ class Parsed:
         self.clock: list[tuple[int, int]] = []
         self.buckets: list[tuple[int, int, int, int]] = []
         self.step_sources: list[tuple[int, int]] = []   # (first seq, data.schema.STEP_SOURCES code)
+        self.syncs: list[tuple[int, int]] = []          # (seq of a last bucket's row, finalize end ns after its start)
         self.torn = 0            # frames (or rows) cut short by a crash, skipped
 
 
@@ -142,3 +144,5 @@ def _meta(out: Parsed, m: dict) -> None:
         out.step_sources.append((m["seq"], m["source"]))
     elif kind == "bucket":
         out.buckets.append((m["lo"], m["hi"], m["index"], m["params"]))
+    elif kind == "sync":
+        out.syncs.append((m["seq"], m["end"]))

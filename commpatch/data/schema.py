@@ -68,6 +68,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
     Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
     Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet)"),
+    Column("sync_end_us", "float64", "us", "DDP on CPU, on the ddp_bucket_allreduce row of a backward's last bucket: when the reducer's finalize after that backward ended (it waits for every bucket's all-reduce, then copies the averaged gradients into .grad), in us after the row's start_ns; NaN on other rows"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 
@@ -75,10 +76,10 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # removed). ADDED_IN names the version that added a column (the others are in version 1).
 # Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
 # header is its schema: readers go by column names, and fill columns a file predates.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
 ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3,
-            "own_us": 4, "step_source": 4}
+            "own_us": 4, "step_source": 4, "sync_end_us": 5}
 DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 

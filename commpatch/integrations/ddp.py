@@ -101,9 +101,13 @@ def _patch_ddp_class(ctx, module) -> None:
 def measured(log, ddp, hook, timing=None):
     """Wrap a comm hook: bucket spans for the rows inside it, a row when none is visible (timed
     with device events on an accelerator, by the hook's future on CPU)."""
+    import torch
+
     ddp_ref = weakref.ref(ddp)
     state = _runtime.STATE
+    engine, graph_task = torch.autograd.Variable._execution_engine, torch._C._current_graph_task_id
     buckets = log.buckets
+    syncs = log.syncs
     done = log.done
 
     def hook_wrapper(hook_state, bucket):
@@ -134,6 +138,9 @@ def measured(log, ddp, hook, timing=None):
                         fut.then(lambda _f, seq=seq, start=start: done.__setitem__(seq, _pc() - start))
                         tcode = T_FUTURE
                     record(log, "ddp_bucket_allreduce", group, buf, buf.numel(), start, end, True, tcode, seq=seq)
+                    # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
+                    if started is None and buf.is_cpu and bucket.is_last() and graph_task() >= 0:
+                        _time_finalize(engine, syncs, seq, start)
                 elif started is not None:        # the rows inside timed themselves
                     timing.cancel(started)
                 buckets.append((lo, _peek_seq(SEQ), bucket.index(), len(bucket.parameters())))
@@ -148,6 +155,25 @@ def measured(log, ddp, hook, timing=None):
     hook_wrapper.__wrapped__ = hook
     hook_wrapper.__qualname__ = getattr(hook, "__qualname__", "hook")
     return hook_wrapper
+
+
+def _time_finalize(engine, syncs, seq, start) -> None:
+    """The end of the reducer's finalize after this backward (it waits for every bucket's future,
+    then copies the averaged gradients into .grad), as ns after the last bucket's issue, noted for
+    that bucket's row (``sync_end_us``). The reducer queues its finalize as an autograd-engine
+    final callback right after this last hook returns (reducer.cpp, ``mark_variable_ready``); a
+    callback queued here runs before it, and one queued by that callback after it (the engine runs
+    the callbacks added while it runs them, in order). Two callbacks and one timestamp per step."""
+    def finalize_begins():
+        try:
+            engine.queue_callback(lambda: syncs.append((seq, _pc() - start)))
+        except Exception as exc:  # noqa: BLE001 - never break the user's backward
+            _runtime.fail("ddp.finalize", exc)
+
+    try:
+        engine.queue_callback(finalize_begins)
+    except Exception as exc:  # noqa: BLE001 - not inside a backward (no finalize follows)
+        _runtime.fail("ddp.finalize", exc)
 
 
 class _Dispatch:

@@ -80,6 +80,7 @@ class Log:
         self.world_size = -1
         self.pid = os.getpid()
         self.buckets: list[tuple] = []       # (first_seq, end_seq, bucket, params): DDP hook spans
+        self.syncs: list[tuple] = []         # (seq, ns after its start): end of DDP's finalize (integrations.ddp)
         self.output = ""                     # path template ('' : frames kept in memory)
         self.max_rows = 0                    # with no output: rows kept in memory (0: no limit)
         self.on_open = None                  # called with (log) before a file is opened: e.g. start the flusher
@@ -262,6 +263,11 @@ class Log:
             out.extend(logfile.meta("bucket", lo=lo, hi=hi, index=index, params=params)
                        for lo, hi, index, params in buckets[:k])
             del buckets[:k]
+        syncs = self.syncs
+        if syncs:
+            k = len(syncs)
+            out.extend(logfile.meta("sync", seq=seq, end=end) for seq, end in syncs[:k])
+            del syncs[:k]
         return b"".join(out)
 
     def sinks(self) -> list:
@@ -309,6 +315,7 @@ class Log:
         self.own.clear()
         self.pending.clear()
         self.buckets.clear()
+        self.syncs.clear()
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""

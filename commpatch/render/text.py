@@ -170,9 +170,10 @@ def _step_notes(per_step) -> list:
                      "(the last step has none); steady-state figures are medians over the steady steps.")
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
-    notes.append("comm_share: communication in flight (busy_us) / step time. exposed_share: time the training thread "
-                 "waited for communication / step time (the overhead): blocking calls for their whole duration, DDP "
-                 "gradient buckets from the issue of the last bucket to the end of the last one. overlap_unknown_us: "
+    notes.append("comm_share: communication under way (busy_us, DDP's finalize included) / step time. exposed_share: "
+                 "time the training thread waited for communication / step time (the overhead): blocking calls for "
+                 "their whole duration, DDP gradient buckets from the issue of the last bucket to the end of DDP's "
+                 "finalize (its wait for the buckets and copy into .grad). overlap_unknown_us: "
                  "other async or device-timed calls, whose wait the log does not show.")
     return notes
 
