@@ -6,6 +6,7 @@ Each scenario runs once with an independent witness on the same run: torch.profi
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 
@@ -109,7 +110,7 @@ def ddp_default(rank, world_size):
 
     reference = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     commpatch.enable(output="none")
-    with profile(record_shapes=True) as prof:
+    with _counting_installs() as installs, profile(record_shapes=True) as prof:
         ddp = DDP(_model(), bucket_cap_mb=0.0002)     # several buckets
         grads = _train(ddp, rank)
     df = commpatch.log()
@@ -118,7 +119,25 @@ def ddp_default(rank, world_size):
     after = _train(ddp, rank, steps=2)        # the hook stays registered: a pass-through now
     return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size), identical=identical,
                 rows_after_disable=len(commpatch.log()) - len(df), finite=all(g.isfinite().all() for g in after[-1]),
-                params=[p.numel() * p.element_size() for p in ddp.parameters()])
+                params=[p.numel() * p.element_size() for p in ddp.parameters()], installs=dict(installs))
+
+
+@contextlib.contextmanager
+def _counting_installs():
+    """How many times DDP's dispatcher kernels were put in place, per kind (each costs ~150 us)."""
+    from commpatch.integrations import ddp as cp_ddp
+
+    counts, install = Counter(), cp_ddp._inner_kernels
+
+    def counting(log, ops, kind, *args, **kwargs):
+        counts[kind] += 1
+        return install(log, ops, kind, *args, **kwargs)
+
+    cp_ddp._inner_kernels = counting
+    try:
+        yield counts
+    finally:
+        cp_ddp._inner_kernels = install
 
 
 def ddp_unused(rank, world_size):
@@ -141,7 +160,7 @@ def ddp_unused(rank, world_size):
 
     commpatch.enable(output="none")
     kernels_between_steps = []
-    with profile(record_shapes=True) as prof:
+    with _counting_installs() as installs, profile(record_shapes=True) as prof:
         ddp = DDP(Branchy(), find_unused_parameters=True, bucket_cap_mb=0.0002)
         for _ in range(5):
             ddp(torch.randn(4, 8)).sum().backward()
@@ -150,7 +169,7 @@ def ddp_unused(rank, world_size):
     commpatch.disable()
     return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size),
                 kernels_between_steps=kernels_between_steps, errors=commpatch.internal_errors(),
-                params=[p.numel() * p.element_size() for p in ddp.parameters()])
+                params=[p.numel() * p.element_size() for p in ddp.parameters()], installs=dict(installs))
 
 
 def compiled_tp(rank, world_size):

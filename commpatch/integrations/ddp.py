@@ -70,6 +70,7 @@ _pc = time.perf_counter_ns
 # Reducer -> its _Dispatch, or None when the reducer is someone else's (a hook registered before
 # enable(), the Python reducer): decided once per reducer, forgotten with it.
 _SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NO_REBUILD: weakref.WeakSet = weakref.WeakSet()    # reducers whose bucket rebuild is behind them or never comes
 _TORCH: dict[str, object] = {}      # the torch functions behind the persistent pass-throughs
 
 
@@ -312,6 +313,8 @@ def _installing(log, orig, active):
             reducer = self.__dict__.get("reducer")
             if reducer is not None and reducer not in _SLOTS:
                 _install(log, self, reducer)
+                if getattr(self, "find_unused_parameters", False) and not getattr(self, "static_graph", False):
+                    _NO_REBUILD.add(reducer)     # torch's should_rebuild_buckets() is false for good
         return orig(self, *args, **kwargs)
 
     return _eager(installing)
@@ -498,8 +501,26 @@ def _inner_kernel(log, call, op: str, count: str, kind: str, thread: int, once: 
 
 
 def _rebuild_buckets(log, orig):
-    """The reducer's bucket rebuild (before the 2nd forward) broadcasts the new layout from C++."""
-    return _scoped(log, orig, _REBUILD, "rebuild_buckets")
+    """The reducer's bucket rebuild (before the 2nd forward) broadcasts the new layout from C++.
+    DDP asks at every forward, and the kernels cost ~150 us to put in place and take away, so they
+    are installed only while a rebuild can still happen: not once it has happened (the reducer does
+    it once), nor for a DDP that never rebuilds (find_unused_parameters without static_graph:
+    noted by the forward wrapper)."""
+    scoped = _scoped(log, orig, _REBUILD, "rebuild_buckets")
+
+    def rebuild_buckets(reducer):
+        try:
+            done = reducer in _NO_REBUILD
+        except TypeError:                    # not weak-referenceable: not a reducer we know
+            done = False
+        if done:
+            return orig(reducer)
+        rebuilt = scoped(reducer)
+        if rebuilt:
+            _NO_REBUILD.add(reducer)
+        return rebuilt
+
+    return rebuild_buckets
 
 
 def _unused_map_allreduce(log, ddp) -> None:
