@@ -7,7 +7,9 @@ Two identical DDP models on a gloo group: one is only ever stepped while commpat
 Prints the median step time of each and the ratio (target: <= 1.02).
 
 --compare adds, in the same alternating rounds: torch.profiler (CPU, record_shapes=True) and
-CommDebugMode around the plain model, and the hand-written recipe on a third model (a comm hook
+CommDebugMode around the plain model, torch's own Python ``allreduce_hook`` on a model of its own
+(what any Python comm hook costs: commpatch sees DDP's buckets through one), and the hand-written
+recipe on another model (a comm hook
 that times each bucket's all_reduce and waits for it: DDP's reducer bypasses dist.*, so a
 wrapper of dist.all_reduce would see nothing). DeepSpeed's comms logger only sees calls made
 through deepspeed.comm, so a DDP job gives it nothing to record: not in this table.
@@ -69,7 +71,12 @@ def worker(rank, nproc, steps, rounds, port, compare=False):
         models["sync recipe"].register_comm_hook(None, sync_recipe_hook(records))
         models["torch.profiler"] = models["plain"]
         models["CommDebugMode"] = DDP(demo_model(), bucket_cap_mb=1)   # its own: it may break it
-        kinds += ["torch.profiler", "CommDebugMode", "sync recipe"]
+        # torch's own Python all-reduce hook, no commpatch: what any Python comm hook costs here
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        models["torch allreduce_hook"] = DDP(demo_model(), bucket_cap_mb=1)
+        models["torch allreduce_hook"].register_comm_hook(None, default_hooks.allreduce_hook)
+        kinds += ["torch.profiler", "CommDebugMode", "sync recipe", "torch allreduce_hook"]
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
     x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
     times = {k: [] for k in kinds}
