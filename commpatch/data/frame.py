@@ -157,13 +157,14 @@ def dataframe(parsed, names=None):
 def arrow_table(parsed, names=None):
     """The same columns as a pyarrow Table (no pandas involved: the fast path of the exports);
     ``names``: only these."""
+    import numpy as np
     import pyarrow as pa
 
     arrays = []
     cols = columns(parsed, names)
     for name, c in cols.items():
         if isinstance(c, Cat):
-            arrays.append(pa.DictionaryArray.from_arrays(pa.array(c.codes.astype("int32")),
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(c.codes.astype(np.int32, copy=False)),
                                                          pa.array(c.categories, type=pa.string())))
         else:
             arrays.append(pa.array(c))
@@ -205,7 +206,7 @@ def own_times(np, keys, start_ns, dur_ns, timing, device_own=None):
     if host_clock.any():
         idx = np.flatnonzero(host_clock)
         k = np.asarray(keys)[idx]
-        order = idx[np.lexsort((idx, k))]      # by key, then issue (row) order
+        order = idx[np.argsort(k, kind="stable")]      # by key, then issue (row) order: idx is increasing
         k = np.asarray(keys)[order]
         start = (start_ns[order] - start_ns[idx].min()).astype(np.float64)   # small: exact in float64
         end = start + dur_ns[order]
@@ -283,11 +284,11 @@ def _cat(np, codes, names) -> Cat:
     """Sorted categories of the values present (the dtype read_csv gives); ``names`` may repeat a
     value (two groups with the same ranks): categories are unique values."""
     if len(codes) == 0:
-        return Cat(np.zeros(0, np.int64), [])
+        return Cat(np.zeros(0, np.int32), [])
     present = np.flatnonzero(np.bincount(codes, minlength=len(names)))
     categories = sorted({names[i] for i in present})
     position = {name: i for i, name in enumerate(categories)}
-    lut = np.full(len(names), -1, dtype=np.int64)
+    lut = np.full(len(names), -1, dtype=np.int32)    # int32: what Arrow's dictionary arrays take as is
     lut[present] = [position[names[i]] for i in present]
     return Cat(lut[codes], categories)
 
