@@ -27,7 +27,7 @@ import numpy as np
 
 from ..data.schema import expand_ranks
 from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
-from .steps import per_step
+from .steps import per_step, with_pattern_steps
 from .summaries import durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
@@ -95,6 +95,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None) -> "
 
     if len(df) == 0:
         return None
+    df = with_pattern_steps(df)
     by = [by] if isinstance(by, str) else list(by)
     names: dict = {}
     dur = durations(df)

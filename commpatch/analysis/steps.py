@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .pattern import with_pattern_steps
 from .summaries import durations, size_bucket, summary
 
 # Timing sources whose duration is time the calling thread was blocked in the call.
@@ -87,6 +88,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     """
     import pandas as pd
 
+    df = with_pattern_steps(df)
     rank_all, step_all, start_all = df["rank"].to_numpy(), df["step"].to_numpy(), df["start_ns"].to_numpy()
     order = np.lexsort((start_all, step_all, rank_all))
     rank, step, start_ns = rank_all[order], step_all[order], start_all[order]
@@ -264,6 +266,7 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
         raise ValueError(f"scaling mode {mode!r}: choose weak or strong")
     rows = []
     for label, df in runs.items():
+        df = with_pattern_steps(df)
         ps = per_step(df, by_rank=False)
         st = steady_state(ps)
         bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
@@ -298,6 +301,7 @@ def scaling_by_op(runs):
 
     frames = []
     for label, df in runs.items():
+        df = with_pattern_steps(df)
         rows = steady_rows(df, per_step(df, by_rank=False))
         if not len(rows):
             continue
