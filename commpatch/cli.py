@@ -97,7 +97,9 @@ def _report(args) -> int:
         columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
         df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns, ranks=ranks, steps=window)
         _check_rows(args, len(df), ranks, window)
-        df = analysis.with_pattern_steps(df)      # before cross_rank: its mismatches name the step
+        # before cross_rank (its mismatches name the step); the window again: steps found from the pattern
+        df = analysis.with_pattern_steps(df, window=window)
+        _check_rows(args, len(df), ranks, window)
         cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
         rep, pre = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross), None
     if args.format == "csv":
@@ -112,7 +114,7 @@ def _report(args) -> int:
     else:
         sys.stdout.write(report.render_report_text(rep) + "\n")
     if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
-        df = io.read(args.paths, ranks=ranks, steps=window)
+        df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
         raise _InputError("--module-tree: the log has no module column (written by an older commpatch): "
                           "no module tree")
@@ -149,7 +151,12 @@ def _check_rows(args, n, ranks, window) -> None:
         sliced = ranks is not None or window is not None
         raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
                           + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
-                          + ": nothing to report")
+                          + ": nothing to report" + (_PATTERN_WINDOW if window is not None and window[0] else ""))
+
+
+# --steps A:B is cut on the recorded steps while reading: a log without step boundaries is all step 0 then
+_PATTERN_WINDOW = (" (a log without step boundaries has its steps numbered from its pattern of calls after it is "
+                   "read: give a window from 0 there, e.g. --steps :200)")
 
 
 def _use_engine(args) -> bool:
@@ -184,7 +191,7 @@ def _engine_report(args, by, steps, ranks, window):
 
     eng = engine.Engine(by=by)
     try:
-        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps)
+        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps, window=window)
         columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
         for staged in io.read_ranks(args.paths, transform, columns=columns, ranks=ranks, steps=window,
                                     progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):

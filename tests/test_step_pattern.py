@@ -2,6 +2,7 @@
 its iterations numbered offline (analysis.pattern), seen by per_step, the findings, the report
 (pandas and DuckDB engines) and --compare; what has steps, or no clear pattern, is left alone."""
 
+import io
 import json
 import warnings
 
@@ -34,7 +35,7 @@ def rank_log(rank, calls, starts=(), world=2, seed=0):
     start_us = np.cumsum(idle) + np.r_[0, np.cumsum(dur)[:-1]]
     ops = [op for op, _ in calls]
     cols = {"seq": np.arange(n), "op": ops, "rank": rank, "world_size": world, "group": "0", "group_size": world,
-            "group_ranks": "0 1", "group_seq": np.arange(n), "backend": "gloo", "device": "cpu", "dtype": "float32",
+            "group_ranks": " ".join(map(str, range(world))), "group_seq": np.arange(n), "backend": "gloo", "device": "cpu", "dtype": "float32",
             "bytes": [b for _, b in calls], "numel": [b // 4 for _, b in calls], "peer": -1, "async_op": False,
             "start_ns": (1e15 + start_us * 1e3).astype(np.int64), "host_us": dur, "duration_us": dur, "own_us": dur,
             "timing": "host", "status": "ok", "step": 0, "step_source": "none", "pid": 100 + rank, "bucket": -1,
@@ -107,6 +108,12 @@ def test_a_period_after_a_set_up_prefix_is_numbered_alike_on_every_rank(tmp_path
         assert "steps found from the repeating pattern of collectives (period 7 calls" in rep["findings"][0]["text"]
         steps = rep["sections"]["steps"]
         assert [s["step"] for s in steps] == list(range(41)) and {s["step_source"] for s in steps} == {"pattern"}
+        # --steps is cut on the recorded steps while reading (all 0 here), then on the steps found
+        assert cli.main(["report", str(run), "--steps", ":10", "--format", "csv", "--section", "steps",
+                         "--engine", name, "--no-progress"]) == 0
+        assert pd.read_csv(io.StringIO(capsys.readouterr().out))["step"].tolist() == list(range(10))
+    assert cli.main(["report", str(run), "--steps", "5:10", "--no-progress"]) == 2
+    assert "give a window from 0 there, e.g. --steps :200" in capsys.readouterr().err
     assert cli.main(["report", "--compare", str(run), str(again), "--format", "json", "--no-progress"]) == 0
     assert [r["steps"] for r in json.loads(capsys.readouterr().out)["scaling"]] == [39, 39]
 
@@ -130,10 +137,10 @@ def test_an_extra_call_joins_its_iteration_and_repeated_layers_are_not_iteration
     assert out.attrs["step_pattern"][0].period == 26 and (out["step"].to_numpy() == truth).all()
 
 
-def test_no_clear_pattern_is_refused_with_one_warning():
+def test_no_clear_pattern_is_refused_with_one_warning(tmp_path, capsys):
     rng = np.random.default_rng(3)
     keys = [(AR, 4), (AR, 64), (AG, 256), (BC, 16), ("barrier", 0)]
-    aperiodic = [rank_log(r, [keys[k] for k in rng.integers(0, len(keys), 300)]) for r in (0, 1)]
+    aperiodic = [rank_log(r, [keys[k] for k in rng.integers(0, len(keys), 300)], world=3) for r in (0, 1)]
     short = rank_log(2, BLOCK[:4], world=3)
     df = pd.concat([*aperiodic, short], ignore_index=True).astype({c.name: c.dtype for c in SCHEMA})
     with warnings.catch_warnings(record=True) as record:
@@ -148,3 +155,11 @@ def test_no_clear_pattern_is_refused_with_one_warning():
     assert all(isinstance(why, str) for why in out.attrs["step_pattern"].values())
     text = findings.findings(out, analysis.per_step(out, by_rank=False))[0].text
     assert text.startswith("no step boundary in the log") and "no clear repeating pattern" in text, text
+    for rank, part in df.groupby("rank"):               # the report, either engine: one warning for all ranks
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+    for name in ["pandas"] + (["duckdb"] if engine.available() else []):
+        assert cli.main(["report", str(tmp_path), "--engine", name, "--no-progress"]) == 0
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "no clear repeating pattern" in line]
+        assert len(lines) == 1 and lines[0].startswith("commpatch report: warning: no step boundary"), err
+        assert "rank 2: 4 call(s): too few to repeat" in lines[0]

@@ -67,7 +67,7 @@ class Found(NamedTuple):
     start: int       # where the first iteration starts (the rank's row, in seq order)
 
 
-def with_pattern_steps(df, warn: bool = True):
+def with_pattern_steps(df, warn: bool = True, window=None):
     """``df`` with steps found from the repeating pattern of collectives on every rank whose
     ``step`` is constant and that no recorded source counted (see the module docstring): those
     rows get their iteration number in ``step`` and ``pattern`` in ``step_source``; other rows
@@ -75,7 +75,22 @@ def with_pattern_steps(df, warn: bool = True):
     saying why. The result records what was found per rank in ``attrs['step_pattern']`` (rank ->
     ``Found`` or the reason, a string); a frame that has it is returned as it is, so calling this
     again (``per_step``, ``build_report``, ``scaling`` each do) costs nothing. ``df`` itself is
-    not modified."""
+    not modified. ``window``: ``(first, stop)`` (None: open) keeps the rows with ``first <= step <
+    stop`` afterwards (a window cut while reading, ``io.read(steps=...)``, cuts on the recorded
+    steps, where a log without step boundaries is all step 0)."""
+    out = _find(df, warn)
+    if window is None or window == (None, None):
+        return out
+    step = out["step"].to_numpy()
+    keep = np.ones(len(out), bool)
+    if window[0] is not None:
+        keep &= step >= window[0]
+    if window[1] is not None:
+        keep &= step < window[1]
+    return out if keep.all() else out[keep].reset_index(drop=True)
+
+
+def _find(df, warn):
     if ATTR in df.attrs or not len(df) or not {"rank", "step", "op", "group", "bytes"} <= set(df.columns):
         return df
     rank = df["rank"].to_numpy(np.int64)
@@ -108,10 +123,17 @@ def with_pattern_steps(df, warn: bool = True):
         out["step"] = new_step
         if "step_source" in out.columns:
             out["step_source"] = _with_source(out["step_source"], changed)
-    refused = {rank: why for rank, why in results.items() if not isinstance(why, Found)}
-    if refused and warn:
-        warnings.warn(_refusal(refused), StepPatternWarning, stacklevel=2)
+    if warn:
+        warn_refused(results, stacklevel=4)
     return out
+
+
+def warn_refused(results: dict, stacklevel: int = 2) -> None:
+    """One ``StepPatternWarning`` for the ranks of ``results`` (rank -> ``Found`` or the reason,
+    ``attrs['step_pattern']``) left without steps, if any."""
+    refused = {rank: why for rank, why in results.items() if not isinstance(why, Found)}
+    if refused:
+        warnings.warn(_refusal(refused), StepPatternWarning, stacklevel=stacklevel)
 
 
 def find_steps(key, idle=None):
@@ -298,4 +320,5 @@ def _ranks(ranks) -> str:
     return ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)})" if len(ranks) > 8 else "")
 
 
-__all__ = ["Found", "MIN_ITERATIONS", "MIN_MATCH", "StepPatternWarning", "find_steps", "with_pattern_steps"]
+__all__ = ["Found", "MIN_ITERATIONS", "MIN_MATCH", "StepPatternWarning", "find_steps", "warn_refused",
+           "with_pattern_steps"]
