@@ -1,7 +1,9 @@
 """Steps, set-up and steady state, overhead and overlap, scaling across world sizes.
 
 Definitions (per rank and step; a step is what the ``step`` column counts: optimizer steps, DDP /
-FSDP root forwards or the user's ``commpatch.step()``, see ``step_source``):
+FSDP root forwards or the user's ``commpatch.step()``, see ``step_source``; on a rank with none of
+them, the iterations of its repeating pattern of calls, numbered by ``pattern.with_pattern_steps``,
+which ``per_step`` and ``scaling`` apply first):
 
 - ``comm_us``: sum of the calls' measured durations.
 - ``busy_us``: wall time with communication under way: the union of the calls' windows [start,

@@ -67,7 +67,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
     Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
     Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
-    Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet), pattern (no step boundary in the rank's log: the analysis found the period of its calls, keyed by op, group and bytes, and numbered its iterations; never in a file commpatch writes)"),
+    Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet), pattern (no step boundary in the rank's log: the analysis found the period of its calls, keyed by op, group and bytes, and numbered its iterations; never recorded)"),
     Column("sync_end_us", "float64", "us", "DDP on CPU, on the ddp_bucket_allreduce row of a backward's last bucket: when the reducer's finalize after that backward ended (it waits for every bucket's all-reduce, then copies the averaged gradients into .grad), in us after the row's start_ns; NaN on other rows"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
