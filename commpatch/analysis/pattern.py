@@ -93,30 +93,37 @@ def with_pattern_steps(df, warn: bool = True, window=None):
 def _find(df, warn):
     if ATTR in df.attrs or not len(df) or not {"rank", "step", "op", "group", "bytes"} <= set(df.columns):
         return df
+    import pandas as pd
+
     rank = df["rank"].to_numpy(np.int64)
     step = df["step"].to_numpy(np.int64)
-    seq = df["seq"].to_numpy(np.int64) if "seq" in df.columns else np.arange(len(df))
-    order = np.lexsort((seq, rank))
-    r, s = rank[order], step[order]
-    bounds = np.flatnonzero(np.r_[True, r[1:] != r[:-1], True])
-    recorded = (_recorded(df["step_source"])[order] if "step_source" in df.columns
-                else np.zeros(len(df), bool))
-    candidates = [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])
-                  if (s[lo:hi] == s[lo]).all() and not recorded[lo:hi].any()]
-    if not candidates:
+    # ranks whose step is constant (O(n), no sort: a log with steps costs only this)
+    span = pd.Series(step).groupby(rank, sort=False).agg(["min", "max"])
+    flat = span.index.to_numpy()[(span["min"] == span["max"]).to_numpy()]
+    if not len(flat):
         return df
-    key = _keys(df)[order]
-    idle = _idle_ns(df)[order]
+    rows = np.flatnonzero(np.isin(rank, flat)) if len(flat) < len(span) else np.arange(len(df))
+    if "step_source" in df.columns:                     # a recorded source counted them: not ours
+        counted = np.unique(rank[rows][_recorded(df["step_source"])[rows]])
+        if len(counted):
+            rows = rows[~np.isin(rank[rows], counted)]
+    if not len(rows):
+        return df
+    seq = df["seq"].to_numpy(np.int64)[rows] if "seq" in df.columns else rows
+    order = rows[np.lexsort((seq, rank[rows]))]         # the stepless ranks' rows, by rank then seq
+    r = rank[order]
+    bounds = np.flatnonzero(np.r_[True, r[1:] != r[:-1], True])
+    key = _keys(df, order)
+    idle = _idle_ns(df, order, r)
     results: dict = {}
     new_step = step.copy()
     changed = np.zeros(len(df), bool)
-    for lo, hi in candidates:
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
         found, numbers = find_steps(key[lo:hi], idle[lo:hi])
         results[int(r[lo])] = found
         if isinstance(found, Found):
-            rows = order[lo:hi]
-            new_step[rows] = numbers
-            changed[rows] = True
+            new_step[order[lo:hi]] = numbers
+            changed[order[lo:hi]] = True
     out = df.copy(deep=False)
     out.attrs = {**df.attrs, ATTR: results}
     if changed.any():
@@ -254,32 +261,32 @@ def _match_rate(key, p, start) -> float:
     return float(ok.mean())
 
 
-def _keys(df):
-    """An integer code per row for (op, group, bytes)."""
+def _keys(df, rows):
+    """An integer code for (op, group, bytes) of each of ``rows``."""
     import pandas as pd
 
-    codes = [pd.factorize(df[c], sort=False)[0].astype(np.int64) for c in ("op", "group", "bytes")]
+    codes = []
+    for column in ("op", "group", "bytes"):
+        col = df[column]
+        values = col.cat.codes.to_numpy()[rows] if col.dtype.name == "category" else col.to_numpy()[rows]
+        codes.append(pd.factorize(values, sort=False)[0].astype(np.int64))
     sizes = [int(c.max()) + 2 for c in codes]
     return ((codes[0] + 1) * sizes[1] + codes[1] + 1) * sizes[2] + codes[2] + 1
 
 
-def _idle_ns(df):
-    """Per row: the calling thread's time outside commpatch's calls before it (its issue minus
-    the previous call's issue and time in the call), NaN for a rank's first row. Rows in any
-    order: computed in (rank, seq) order."""
-    if "start_ns" not in df.columns:
-        return np.full(len(df), np.nan)
-    start = df["start_ns"].to_numpy(np.int64)
-    inside = (np.nan_to_num(df["host_us"].to_numpy(np.float64)) * 1e3 if "host_us" in df.columns
-              else np.zeros(len(df)))
-    rank = df["rank"].to_numpy(np.int64)
-    seq = df["seq"].to_numpy(np.int64) if "seq" in df.columns else np.arange(len(df))
-    order = np.lexsort((seq, rank))
-    out = np.full(len(df), np.nan)
-    s, r = start[order], rank[order]
-    gap = (s[1:] - s[:-1]).astype(np.float64) - inside[order][:-1]
-    gap[r[1:] != r[:-1]] = np.nan
-    out[order[1:]] = gap
+def _idle_ns(df, rows, rank):
+    """For each of ``rows`` (by rank, then seq; ``rank`` their ranks): the calling thread's time
+    outside commpatch's calls before it (its issue minus the previous call's issue and time in the
+    call), NaN for a rank's first row or without issue times."""
+    out = np.full(len(rows), np.nan)
+    if "start_ns" not in df.columns or len(rows) < 2:
+        return out
+    start = df["start_ns"].to_numpy(np.int64)[rows]
+    inside = (np.nan_to_num(df["host_us"].to_numpy(np.float64)[rows]) * 1e3 if "host_us" in df.columns
+              else np.zeros(len(rows)))
+    gap = (start[1:] - start[:-1]).astype(np.float64) - inside[:-1]
+    gap[rank[1:] != rank[:-1]] = np.nan
+    out[1:] = gap
     return out
 
 
