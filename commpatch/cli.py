@@ -97,7 +97,8 @@ def _report(args) -> int:
         columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
         df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns, ranks=ranks, steps=window)
         _check_rows(args, len(df), ranks, window)
-        # before cross_rank (its mismatches name the step); the window again: steps found from the pattern
+        # before cross_rank (its mismatches name the step); the window of steps again: the reader
+        # kept whole the ranks with no step boundary, whose steps are found now
         df = analysis.with_pattern_steps(df, window=window)
         _check_rows(args, len(df), ranks, window)
         cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
@@ -151,12 +152,7 @@ def _check_rows(args, n, ranks, window) -> None:
         sliced = ranks is not None or window is not None
         raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
                           + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
-                          + ": nothing to report" + (_PATTERN_WINDOW if window is not None and window[0] else ""))
-
-
-# --steps A:B is cut on the recorded steps while reading: a log without step boundaries is all step 0 then
-_PATTERN_WINDOW = (" (a log without step boundaries has its steps numbered from its pattern of calls after it is "
-                   "read: give a window from 0 there, e.g. --steps :200)")
+                          + ": nothing to report")
 
 
 def _use_engine(args) -> bool:

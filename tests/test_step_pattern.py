@@ -108,12 +108,24 @@ def test_a_period_after_a_set_up_prefix_is_numbered_alike_on_every_rank(tmp_path
         assert "steps found from the repeating pattern of collectives (period 7 calls" in rep["findings"][0]["text"]
         steps = rep["sections"]["steps"]
         assert [s["step"] for s in steps] == list(range(41)) and {s["step_source"] for s in steps} == {"pattern"}
-        # --steps is cut on the recorded steps while reading (all 0 here), then on the steps found
-        assert cli.main(["report", str(run), "--steps", ":10", "--format", "csv", "--section", "steps",
-                         "--engine", name, "--no-progress"]) == 0
-        assert pd.read_csv(io.StringIO(capsys.readouterr().out))["step"].tolist() == list(range(10))
-    assert cli.main(["report", str(run), "--steps", "5:10", "--no-progress"]) == 2
-    assert "give a window from 0 there, e.g. --steps :200" in capsys.readouterr().err
+        # --steps A:B: the reader keeps a rank with no step boundary whole, the window is cut on the steps found
+        for window, kept in ((":10", range(10)), ("5:10", range(5, 10))):
+            assert cli.main(["report", str(run), "--steps", window, "--format", "csv", "--section", "steps",
+                             "--engine", name, "--no-progress"]) == 0
+            assert pd.read_csv(io.StringIO(capsys.readouterr().out))["step"].tolist() == list(kept)
+    sliced = commpatch.io.read(str(run), steps=(5, 10))
+    assert len(sliced) == len(df) and sliced.attrs["stepless_ranks"] == [0, 1]    # read whole, cut after
+    # a log with steps cut to its set-up (step 0: 5 iterations before the first optimizer step, a
+    # pattern of its own) is not a stepless log
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    counted = df.assign(step=np.maximum(truth - 5, 0), step_source=np.where(truth > 5, "optimizer", "none"))
+    for rank, part in counted.groupby("rank"):
+        commpatch.export_csv(str(logged / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+    sliced = commpatch.io.read(str(logged), steps=(0, 1))
+    assert len(sliced) == (counted["step"] == 0).sum() and sliced.attrs["stepless_ranks"] == []
+    assert cli.main(["report", str(logged), "--steps", ":1", "--format", "csv", "--section", "steps", "--no-progress"]) == 0
+    assert pd.read_csv(io.StringIO(capsys.readouterr().out))[["step", "step_source"]].values.tolist() == [[0, "none"]]
     assert cli.main(["report", "--compare", str(run), str(again), "--format", "json", "--no-progress"]) == 0
     assert [r["steps"] for r in json.loads(capsys.readouterr().out)["scaling"]] == [39, 39]
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..data.schema import S_FORWARD, S_OPTIMIZER, S_PATTERN, S_USER, STEP_SOURCES
+from ..data.schema import BOUNDARY_SOURCES, S_PATTERN, STEP_SOURCES, STEPLESS_ATTR
 
 MIN_MATCH = 0.9          # share of the steady part's positions that must repeat the period
 MIN_ITERATIONS = 3       # full periods the steady part must hold
@@ -50,8 +50,6 @@ GAP_RATIO = 0.5          # a shorter period is taken when its iterations start a
 PATTERN = STEP_SOURCES[S_PATTERN]   # the step_source of the rows numbered here
 ATTR = "step_pattern"    # df.attrs key: rank -> Found or the reason it was refused
 _KEYS_RARE, _KEYS_COMMON, _OFFSETS = 12, 4, 3
-# step sources that are step boundaries recorded in the log: a rank with one of them is not touched
-_RECORDED = tuple(STEP_SOURCES[s] for s in (S_USER, S_OPTIMIZER, S_FORWARD))
 
 
 class StepPatternWarning(UserWarning):
@@ -75,9 +73,9 @@ def with_pattern_steps(df, warn: bool = True, window=None):
     saying why. The result records what was found per rank in ``attrs['step_pattern']`` (rank ->
     ``Found`` or the reason, a string); a frame that has it is returned as it is, so calling this
     again (``per_step``, ``build_report``, ``scaling`` each do) costs nothing. ``df`` itself is
-    not modified. ``window``: ``(first, stop)`` (None: open) keeps the rows with ``first <= step <
-    stop`` afterwards (a window cut while reading, ``io.read(steps=...)``, cuts on the recorded
-    steps, where a log without step boundaries is all step 0)."""
+    not modified (a frame with recorded steps pays only the check for constant ranks).
+    ``window``: ``(first, stop)`` (None: open) keeps the rows with ``first <= step < stop``
+    afterwards (``io.read(steps=...)`` reads the ranks with no step boundary whole, for this)."""
     out = _find(df, warn)
     if window is None or window == (None, None):
         return out
@@ -100,6 +98,8 @@ def _find(df, warn):
     # ranks whose step is constant (O(n), no sort: a log with steps costs only this)
     span = pd.Series(step).groupby(rank, sort=False).agg(["min", "max"])
     flat = span.index.to_numpy()[(span["min"] == span["max"]).to_numpy()]
+    if STEPLESS_ATTR in df.attrs:       # read with a window of steps: only the ranks read whole
+        flat = flat[np.isin(flat, df.attrs[STEPLESS_ATTR])]
     if not len(flat):
         return df
     rows = np.flatnonzero(np.isin(rank, flat)) if len(flat) < len(span) else np.arange(len(df))
@@ -293,9 +293,9 @@ def _idle_ns(df, rows, rank):
 def _recorded(source):
     """Rows whose step a recorded boundary counted (user, optimizer, forward)."""
     if source.dtype.name == "category":
-        cats = np.array([str(c) in _RECORDED for c in source.cat.categories] + [False])
+        cats = np.array([str(c) in BOUNDARY_SOURCES for c in source.cat.categories] + [False])
         return cats[source.cat.codes.to_numpy()]
-    return source.astype(str).isin(_RECORDED).to_numpy()
+    return source.astype(str).isin(BOUNDARY_SOURCES).to_numpy()
 
 
 def _with_source(source, changed):

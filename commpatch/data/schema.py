@@ -90,6 +90,11 @@ P_FORWARD, P_BACKWARD, P_OPTIMIZER = 1, 2, 3
 # "pattern" is never recorded: the offline analysis (analysis.pattern) gives it to rows it numbered.
 STEP_SOURCES = ("none", "user", "optimizer", "forward", "pattern")
 S_NONE, S_USER, S_OPTIMIZER, S_FORWARD, S_PATTERN = range(5)
+# the step boundaries a log records: a rank with none of them (constant step) gets its steps offline
+BOUNDARY_SOURCES = tuple(STEP_SOURCES[s] for s in (S_USER, S_OPTIMIZER, S_FORWARD))
+# df.attrs key: with a window of steps, the ranks io.read kept whole (no step boundary); the other
+# ranks' rows were cut, so a constant step there is the window's, not a missing boundary
+STEPLESS_ATTR = "stepless_ranks"
 
 
 # ---- the packed bit fields of a row ----------------------------------------------------------
