@@ -136,17 +136,23 @@ def test_an_extra_call_joins_its_iteration_and_repeated_layers_are_not_iteration
     calls, truth, starts = looped(PREFIX, BLOCK, 40, extra_every=10)
     out = with_pattern_steps(rank_log(0, calls, starts))
     found = out.attrs["step_pattern"][0]
-    assert (found.period, found.steps) == (7, 40) and 0.98 < found.match < 1
+    assert (found.period, found.steps) == (7, 40) and 0.9 < found.match < 0.92     # 8 positions per extra call
     assert (out["step"].to_numpy() == truth).all()
     sizes = out.groupby("step").size()
     assert sizes[10] == sizes[40] == 8 and sizes[11] == 7
 
-    # 12 identical layers (2 all-reduces each) and a head: the layer's 2 calls repeat in 92% of
+    # 24 identical layers (2 all-reduces each) and a head: the layer's 2 calls repeat in 92% of
     # the positions, but only the whole iteration starts after the compute
-    layers = [(AR, 1024), (AR, 32)] * 12 + [(AR, 4000), (AR, 16)]
+    layers = [(AR, 1024), (AR, 32)] * 24 + [(AR, 4000), (AR, 16)]
     calls, truth, starts = looped([(BC, 1 << 16)], layers, 10)
     out = with_pattern_steps(rank_log(0, calls, starts))
-    assert out.attrs["step_pattern"][0].period == 26 and (out["step"].to_numpy() == truth).all()
+    assert out.attrs["step_pattern"][0].period == 50 and (out["step"].to_numpy() == truth).all()
+
+    # no call occurs once in the iteration: every period from the first, a partial last one its own step
+    calls, truth, starts = looped([(BC, 8)], [(AR, 64), (AR, 64), (AG, 256), (AG, 256)], 10)
+    out = with_pattern_steps(rank_log(0, calls + [(AR, 64), (AR, 64)], starts + [len(calls)]))
+    assert out.attrs["step_pattern"][0] == Found(4, 11, 1.0, 1)
+    assert out["step"].tolist() == truth.tolist() + [11, 11]
 
 
 def test_no_clear_pattern_is_refused_with_one_warning(tmp_path, capsys):

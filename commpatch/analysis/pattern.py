@@ -13,9 +13,9 @@ Per rank (rows in ``seq`` order, ``key`` the code of (op, group, bytes)):
   once, twice or three times per iteration);
 - a candidate ``p``: the steady part starts at ``s``, the first position from which a whole
   block of ``p`` calls repeats exactly (``key[s:s+p] == key[s+p:s+2p]``): the calls before it
-  are the set-up prefix. Its match rate is the share of positions of the steady part whose call
-  equals the call one period before or one period after (a call inserted now and then costs one
-  position, not a period's worth); a partial last iteration is normal;
+  are the set-up prefix. Its match rate is the share of positions of the steady part (but its
+  last p: a partial last iteration is normal) whose call equals the call one period later (a
+  call inserted every 10th iteration of 7 calls costs 8 positions in 71: 91%);
 - accepted when the match rate is >= ``MIN_MATCH`` and the steady part holds >= ``MIN_ITERATIONS``
   full periods. Of the accepted, the best match rate wins (ties: the shortest), unless a shorter
   accepted period starts its iterations at gaps as long as the winner's (the median idle time of
@@ -211,7 +211,7 @@ def _iteration_starts(key, p, start):
         anchor = start + offset
         starts = anchor + np.flatnonzero(key[anchor:] == key[anchor]) - offset
         return starts[starts >= start]
-    return np.arange(start, len(key) - p + 1, p) if len(key) - start >= p else np.array([start])
+    return np.arange(start, len(key), p)       # a partial last iteration is a step of its own
 
 
 def _candidates(key):
@@ -251,14 +251,10 @@ def _steady_start(key, p):
 
 
 def _match_rate(key, p, start) -> float:
-    """Share of the positions from ``start`` whose call equals the one p calls before (not
-    before ``start``) or after."""
+    """Share of the positions from ``start`` (but the last p: a partial last iteration is normal)
+    whose call equals the one p calls later."""
     k = key[start:]
-    m = len(k)
-    ok = np.zeros(m, bool)
-    ok[:m - p] = k[:m - p] == k[p:]
-    ok[p:] |= k[p:] == k[:m - p]
-    return float(ok.mean())
+    return float((k[:-p] == k[p:]).mean()) if len(k) > p else 0.0
 
 
 def _keys(df, rows):
