@@ -97,6 +97,10 @@ def _report(args) -> int:
         columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
         df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns, ranks=ranks, steps=window)
         _check_rows(args, len(df), ranks, window)
+        # before cross_rank (its mismatches name the step); the window of steps again: the reader
+        # kept whole the ranks with no step boundary, whose steps are found now
+        df = analysis.with_pattern_steps(df, window=window)
+        _check_rows(args, len(df), ranks, window)
         cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
         rep, pre = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross), None
     if args.format == "csv":
@@ -111,7 +115,7 @@ def _report(args) -> int:
     else:
         sys.stdout.write(report.render_report_text(rep) + "\n")
     if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
-        df = io.read(args.paths, ranks=ranks, steps=window)
+        df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
         raise _InputError("--module-tree: the log has no module column (written by an older commpatch): "
                           "no module tree")
@@ -183,7 +187,7 @@ def _engine_report(args, by, steps, ranks, window):
 
     eng = engine.Engine(by=by)
     try:
-        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps)
+        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps, window=window)
         columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
         for staged in io.read_ranks(args.paths, transform, columns=columns, ranks=ranks, steps=window,
                                     progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):
@@ -252,7 +256,7 @@ def _report_compare(args) -> int:
         _check_plots(args.plots)
     runs = {}
     for i, path in enumerate(args.compare):
-        runs[path] = io.read(path)
+        runs[path] = analysis.with_pattern_steps(io.read(path))
         if len(runs[path]) == 0:
             raise _InputError(f"--compare {path}: no collective calls recorded in this run's file(s)")
         _progress(args, "runs")(i + 1, len(args.compare))
@@ -353,14 +357,17 @@ def _plain_warnings():
     """Warnings about the logs as ``commpatch report: warning: ...`` lines (no source location)."""
     import warnings
 
+    from .analysis import StepPatternWarning  # lazy: the CLI's other commands never load numpy / pandas
     from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
 
+    plain = (LogFileWarning, StepPatternWarning)
     with warnings.catch_warnings():
-        warnings.simplefilter("always", LogFileWarning)
+        for category in plain:
+            warnings.simplefilter("always", category)
         shown = warnings.showwarning
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, LogFileWarning):
+            if issubclass(category, plain):
                 print(f"commpatch report: warning: {message}", file=sys.stderr)
             else:
                 shown(message, category, filename, lineno, file, line)

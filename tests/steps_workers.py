@@ -65,3 +65,34 @@ def step_sources(rank: int, n: int):
         return out
     finally:
         commpatch.disable()
+
+
+def hand_written_dp(rank: int, n: int, out: str, iterations: int):
+    """A data-parallel loop with no optimizer and no DDP: the parameters are broadcast once
+    (set-up), then each iteration all-reduces every gradient by hand and updates in place."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+        for _ in range(iterations):
+            model(x).pow(2).mean().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= n
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data -= 0.01 * p.grad
+                    p.grad = None
+    finally:
+        commpatch.disable()
+    return float(sum(p.detach().sum() for p in model.parameters()))

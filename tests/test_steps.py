@@ -4,6 +4,7 @@ commpatch.step(); the zero-code DDP demo (findings, CSVs, trace, plots); the gro
 by `python benchmarks/steps_ground_truth.py`, not here: timing ratios on a shared 2-core machine)."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,27 @@ def test_zero_code_ddp_demo(tmp_path):
     assert {"rank0.csv", "rank1.csv", "trace.json"} <= names
     if importlib.util.find_spec("matplotlib") is not None:
         assert set(os.listdir(out / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png", "skew_heatmap.png"}
+
+
+def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, capsys):
+    """No optimizer, no DDP: the report numbers the iterations of the all-reduce pattern. The
+    parameters' broadcast before the loop is step 0 (set-up), the 8 iterations are steps 1-8
+    (7 steady: the last has no next step to time it), numbered alike on both ranks."""
+    from commpatch import cli, io
+
+    models = run_ranks(steps_workers.hand_written_dp, 2, timeout=120, out=str(tmp_path), iterations=8)
+    assert models[0] == models[1]                             # the same update on both ranks
+    assert cli.main(["report", str(tmp_path), "--format", "json", "--no-progress"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["findings"][0]["text"].startswith("7 steady-state step(s) of 9, steps found from the repeating "
+                                                 "pattern of collectives (period 4 calls;"), rep["findings"][0]
+    assert [s["stage"] for s in rep["sections"]["steps"]] == ["setup"] + ["steady"] * 7 + ["end"]
+    assert "set-up (step 0: the calls before the repeating pattern starts)" in rep["findings"][2]["text"]
+    df = analysis.with_pattern_steps(io.read(str(tmp_path)))
+    per_rank = [part.sort_values("seq")[["op", "bytes", "step"]].to_numpy().tolist() for _, part in df.groupby("rank")]
+    assert per_rank[0] == per_rank[1]                         # the same call is the same step on both ranks
+    assert [s for op, _, s in per_rank[0] if op == "broadcast"] == [0] * 4
+    assert [s for op, _, s in per_rank[0] if op == "all_reduce"] == [i for i in range(1, 9) for _ in range(4)]
 
 
 def test_ground_truth_benchmark_runs(tmp_path):

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..data.schema import expand_ranks
 from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
+from .pattern import ATTR as PATTERN_ATTR, warn_refused, with_pattern_steps
 from .steps import per_step
 from .summaries import durations, finish_summary, own_durations, size_bucket
 
@@ -64,6 +65,7 @@ class Staged:
     unmeasured: int
     p2p_calls: int
     batch_calls: int
+    pattern: dict = field(default_factory=dict)     # rank -> pattern.Found or why not (no step boundary)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -86,13 +88,16 @@ def _codes(series, names: dict, column: str):
     return lut[codes] if len(codes) else np.zeros(0, np.int64), lut, s.cat.codes.to_numpy()
 
 
-def stage(df, directory: str, by=("collective", "size_bucket"), steps=None) -> "Staged | None":
+def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, window=None) -> "Staged | None":
     """Reduce the rows of one rank (the columns ``report`` reads, and those in ``by``) to integer
     columns and write them, its per-step view and its point-to-point calls as Parquet files
-    under ``directory`` (``rows/``, ``steps/``, ``p2p/``), which the ``Engine`` queries."""
+    under ``directory`` (``rows/``, ``steps/``, ``p2p/``), which the ``Engine`` queries. A rank
+    without step boundaries gets its steps from its pattern of calls first (``window``: then
+    only the steps first <= step < stop are kept, see ``pattern.with_pattern_steps``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    df = with_pattern_steps(df, warn=False, window=window) if len(df) else df   # the engine warns once
     if len(df) == 0:
         return None
     by = [by] if isinstance(by, str) else list(by)
@@ -149,7 +154,8 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None) -> "
     is_p2p = df["op"].isin(P2P_OPS).to_numpy()
     return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
                   unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
-                  batch_calls=int((df["op"] == "batch_isend_irecv").sum()))
+                  batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
+                  pattern=df.attrs.get(PATTERN_ATTR, {}))
 
 
 def _p2p_rows(df, op_local, op_names, rows):
@@ -223,6 +229,7 @@ class Engine:
         self.names: dict = {}          # column -> {code: name}
         self.group_ranks: dict = {}
         self.seen_ranks: set = set()
+        self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
         self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
 
@@ -253,6 +260,7 @@ class Engine:
             self.group_ranks.setdefault(name, ranks)
         for column, names in staged.names.items():
             self.names.setdefault(column, {}).update(names)
+        self.pattern.update(staged.pattern)
 
     def _connect(self) -> None:
         import duckdb
@@ -282,6 +290,7 @@ class Engine:
     # ---- results -----------------------------------------------------------------------------
     def results(self, top: int = 10, arrivals_bins: int | None = None) -> Results:
         """Every table of the report; ``arrivals_bins``: also the per-rank arrival matrix (plots)."""
+        warn_refused(self.pattern, stacklevel=3)
         return _engine_errors(self._results, top, arrivals_bins)
 
     def _results(self, top, arrivals_bins) -> Results:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .pattern import ATTR as PATTERN_ATTR, PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
 from .summaries import summary
 
@@ -40,7 +41,7 @@ def _pct(x) -> str:
 
 _SOURCES = {"optimizer": "each optimizer.step() (counted automatically)",
             "forward": "each forward of the DDP / FSDP root module (counted automatically: no optimizer step seen)",
-            "user": "commpatch.step()"}
+            "user": "commpatch.step()", PATTERN: "the repeating pattern of collectives"}
 
 
 def findings(df, steps_table, cross=None) -> list:
@@ -51,13 +52,20 @@ def findings(df, steps_table, cross=None) -> list:
     out: list[Finding] = []
     st = steady_state(steps_table)
     sources = [s for s in steps_table["step_source"].astype(str).unique() if s in _SOURCES]
+    found = df.attrs.get(PATTERN_ATTR, {}) if df is not None else {}
     if steps_table["step"].nunique() <= 1:
+        why = next((f" ({why})" for why in found.values() if not isinstance(why, Found)), "")
         out.append(Finding("steps", "no step boundary in the log (no optimizer.step(), DDP / FSDP forward or "
-                                    "commpatch.step()): figures are over the whole run, not per step.", "steps"))
+                                    f"commpatch.step()) and no clear repeating pattern of collectives{why}: figures "
+                                    "are over the whole run, not per step.", "steps"))
     else:
-        counted = "; ".join(_SOURCES[s] for s in sources) or "the step column"
-        out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, counted "
-                                    f"by {counted}; step 0 is set-up and the last one is not timed.", "steps"))
+        how = [f"counted by {_SOURCES[s]}" for s in sources if s != PATTERN]
+        if PATTERN in sources:
+            how.append(f"steps found from the repeating pattern of collectives ({_periods(found, steps_table)}; "
+                       "no optimizer.step(), DDP / FSDP forward or commpatch.step() in the log)")
+        out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
+                                    f"{'; '.join(how) or 'from the step column'}; step 0 is set-up and the last one "
+                                    "is not timed.", "steps"))
     if st["steps"]:
         overlapped = st["busy_us"] - st["exposed_us"] - st["overlap_unknown_us"]
         text = (f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
@@ -73,7 +81,12 @@ def findings(df, steps_table, cross=None) -> list:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
-        out.append(Finding("setup", f"set-up (step 0, up to the first step boundary: process group, model wrapping, first iteration) took "
+        what = "step 0, up to the first step boundary: process group, model wrapping, first iteration"
+        if PATTERN in sources:
+            first = int(steps_table["step"].min())
+            what = f"step {first}: " + ("the calls before the repeating pattern starts" if first == 0
+                                        else "the pattern's first iteration")
+        out.append(Finding("setup", f"set-up ({what}) took "
                                     f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
                                     f"rank, is {_pct(share)} of the run's and left out of the steady state"
                                     + (f" (largest: {parts})." if parts else "."), "steps"))
@@ -83,6 +96,18 @@ def findings(df, steps_table, cross=None) -> list:
     if slow is not None:
         out.append(slow)
     return out
+
+
+def _periods(found, steps_table) -> str:
+    """'period N calls' of the pattern the steps were found from: per rank from ``with_pattern_steps``
+    when known, else the calls of the steady-state steps it numbered (one period each)."""
+    periods = sorted({f.period for f in found.values() if isinstance(f, Found)})
+    if not periods:
+        rows = steps_table[(steps_table["step_source"].astype(str) == PATTERN) & (steps_table["stage"] == "steady")]
+        periods = [int(round(rows["calls"].median()))] if len(rows) else []
+    if not periods:
+        return "period unknown"
+    return f"period{'s' if len(periods) > 1 else ''} {', '.join(map(str, periods))} calls"
 
 
 def _cross_findings(cross, st) -> list:

@@ -1,7 +1,9 @@
 """Steps, set-up and steady state, overhead and overlap, scaling across world sizes.
 
 Definitions (per rank and step; a step is what the ``step`` column counts: optimizer steps, DDP /
-FSDP root forwards or the user's ``commpatch.step()``, see ``step_source``):
+FSDP root forwards or the user's ``commpatch.step()``, see ``step_source``; on a rank with none of
+them, the iterations of its repeating pattern of calls, numbered by ``pattern.with_pattern_steps``,
+which ``per_step`` and ``scaling`` apply first):
 
 - ``comm_us``: sum of the calls' measured durations.
 - ``busy_us``: wall time with communication under way: the union of the calls' windows [start,
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .pattern import with_pattern_steps
 from .summaries import durations, size_bucket, summary
 
 # Timing sources whose duration is time the calling thread was blocked in the call.
@@ -87,6 +90,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     """
     import pandas as pd
 
+    df = with_pattern_steps(df)
     rank_all, step_all, start_all = df["rank"].to_numpy(), df["step"].to_numpy(), df["start_ns"].to_numpy()
     order = np.lexsort((start_all, step_all, rank_all))
     rank, step, start_ns = rank_all[order], step_all[order], start_all[order]
@@ -264,6 +268,7 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
         raise ValueError(f"scaling mode {mode!r}: choose weak or strong")
     rows = []
     for label, df in runs.items():
+        df = with_pattern_steps(df)
         ps = per_step(df, by_rank=False)
         st = steady_state(ps)
         bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
@@ -298,6 +303,7 @@ def scaling_by_op(runs):
 
     frames = []
     for label, df in runs.items():
+        df = with_pattern_steps(df)
         rows = steady_rows(df, per_step(df, by_rank=False))
         if not len(rows):
             continue

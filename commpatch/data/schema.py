@@ -59,7 +59,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("algbw_gbps", "float64", "GB/s", "bytes / own_us (1e9 bytes per second)"),
     Column("busbw_gbps", "float64", "GB/s", "algbw times the nccl-tests bus factor for the op and group size"),
     Column("status", "category", "", "ok, or error when torch raised"),
-    Column("step", "int64", "", "training step of the call: counted automatically (each optimizer.step(), else each forward of a DDP / FSDP root module) unless commpatch.step() sets it; see step_source"),
+    Column("step", "int64", "", "training step of the call: counted automatically (each optimizer.step(), else each forward of a DDP / FSDP root module) unless commpatch.step() sets it; with none of them, the analysis numbers the iterations of a repeating pattern of collectives (step 0: the calls before it); see step_source"),
     Column("tag", "category", "", "innermost commpatch.tag() active when the call was issued"),
     Column("pid", "int64", "", "process id"),
     Column("module", "category", "", "fully qualified name of the innermost nn.Module running when the call was issued (forward), or of the root module whose backward issued it; '' outside modules"),
@@ -67,7 +67,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("bucket", "int64", "", "DDP gradient bucket index the call reduced; -1 if none"),
     Column("bucket_params", "int64", "", "number of parameters in that DDP bucket; 0 if none"),
     Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
-    Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet)"),
+    Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet), pattern (no step boundary in the rank's log: the analysis found the period of its calls, keyed by op, group and bytes, and numbered its iterations; never recorded)"),
     Column("sync_end_us", "float64", "us", "DDP on CPU, on the ddp_bucket_allreduce row of a backward's last bucket: when the reducer's finalize after that backward ended (it waits for every bucket's all-reduce, then copies the averaged gradients into .grad), in us after the row's start_ns; NaN on other rows"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
@@ -86,9 +86,15 @@ DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them 
 
 PHASES = ("other", "forward", "backward", "optimizer")
 P_FORWARD, P_BACKWARD, P_OPTIMIZER = 1, 2, 3
-# what advanced the step counter (record.state.STATE.step_source; a "step_source" meta record per change)
-STEP_SOURCES = ("none", "user", "optimizer", "forward")
-S_NONE, S_USER, S_OPTIMIZER, S_FORWARD = range(4)
+# what advanced the step counter (record.state.STATE.step_source; a "step_source" meta record per change).
+# "pattern" is never recorded: the offline analysis (analysis.pattern) gives it to rows it numbered.
+STEP_SOURCES = ("none", "user", "optimizer", "forward", "pattern")
+S_NONE, S_USER, S_OPTIMIZER, S_FORWARD, S_PATTERN = range(5)
+# the step boundaries a log records: a rank with none of them (constant step) gets its steps offline
+BOUNDARY_SOURCES = tuple(STEP_SOURCES[s] for s in (S_USER, S_OPTIMIZER, S_FORWARD))
+# df.attrs key: with a window of steps, the ranks io.read kept whole (no step boundary); the other
+# ranks' rows were cut, so a constant step there is the window's, not a missing boundary
+STEPLESS_ATTR = "stepless_ranks"
 
 
 # ---- the packed bit fields of a row ----------------------------------------------------------

@@ -10,6 +10,9 @@ advances by itself, and each row says what counted its step (``step_source``).
   FSDP units and DDP inside another counted forward do not count again.
 - ``user``: ``commpatch.step()`` was called: from then on only the user's calls move the counter.
 
+With none of them the counter stays at 0; the offline analysis (``analysis.pattern``) then numbers
+the iterations of the rank's repeating pattern of collectives (``pattern``): nothing at record time.
+
 Each change of source is one ``step_source`` record in the rank's log (``record.state.
 set_step_source``), not a field of every row. Cost: one Python call per optimizer step and per
 root forward.

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from ..data.frame import arrow_table, dataframe, own_times, parse_log
 from ..data.logfile import SUFFIX, parse_header
 from ..data.ops import describe_op
-from ..data.schema import (ADDED_IN, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA, SCHEMA_VERSION,
-                           SCHEMA_VERSION_KEY, TIMINGS)
+from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
+                           SCHEMA_VERSION, SCHEMA_VERSION_KEY, STEPLESS_ATTR, TIMINGS)
 from . import writer as _writer
 
 if TYPE_CHECKING:
@@ -71,7 +71,10 @@ def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.Data
     strings then converting). ``progress(done, total)`` is called after each file. ``columns``:
     read only these (in SCHEMA order). ``ranks``: a set of ranks to read (the files of other
     ranks are not read at all when their rank can be told from their first bytes); ``steps``:
-    ``(first, stop)`` keeps the rows with ``first <= step < stop`` (None: open).
+    ``(first, stop)`` keeps the rows with ``first <= step < stop`` (None: open), and every row of
+    a rank with no step boundary (its step constant, no recorded source: the analysis numbers its
+    steps from its pattern of calls, ``analysis.with_pattern_steps``, and cuts the window then),
+    listed in ``df.attrs["stepless_ranks"]``.
 
     Bad input raises ``LogFileError`` (a ValueError; ``LogFileNotFoundError``, also a
     FileNotFoundError, for paths that do not exist) naming the file and the problem. What can be
@@ -120,6 +123,7 @@ class _Parts:
         self.jobs = jobs if jobs is not None else _Jobs()
         self.pa = _writer._pyarrow()
         self.parts, self.filled, self.foreign, self.keys = [], set(), [], []
+        self.whole: set = set()      # ranks read whole despite a window of steps: no step boundary
 
     def load(self, path, scanned) -> None:
         plan, pa = self.plan, self.pa
@@ -137,7 +141,8 @@ class _Parts:
         if not self.jobs.admit(path, keys, self.notes):
             return
         self.keys.append((path, keys))
-        data = _cut(pa, data, plan.ranks, plan.steps)
+        data, whole = _cut(pa, data, plan.ranks, plan.steps)
+        self.whole.update(whole)
         if len(plan.schema) != len(plan.read_schema):      # the identity columns were for admit()
             data = data.select(plan.names) if pa is not None else data[plan.names]
         self.parts.append(data)
@@ -164,30 +169,58 @@ class _Parts:
             if old:
                 df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
         df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
+        if self.plan.steps is not None:
+            df.attrs[STEPLESS_ATTR] = sorted(self.whole)
         return df
 
 
 def _cut(pa, data, ranks, steps):
-    """The rows of ``data`` (Arrow table or DataFrame) of the given ranks and window of steps."""
+    """The rows of ``data`` (Arrow table or DataFrame) of the given ranks and window of steps (the
+    ranks with no step boundary whole: see ``read``), and those ranks."""
     if ranks is None and steps is None:
-        return data
+        return data, []
+    whole = _stepless_ranks(pa, data) if steps is not None else []
     if pa is not None:
         import pyarrow.compute as pc
 
         mask = None
         if ranks is not None:
             mask = pc.is_in(data.column("rank"), value_set=pa.array(sorted(ranks), pa.int64()))
+        window = None
         for bound, test in ((steps or (None, None))[0], pc.greater_equal), ((steps or (None, None))[1], pc.less):
             if bound is not None:
                 m = test(data.column("step"), pa.scalar(int(bound), pa.int64()))
-                mask = m if mask is None else pc.and_(mask, m)
-        return data if mask is None else data.filter(mask)
+                window = m if window is None else pc.and_(window, m)
+        if window is not None and whole:
+            window = pc.or_(window, pc.is_in(data.column("rank"), value_set=pa.array(whole, pa.int64())))
+        mask = window if mask is None else mask if window is None else pc.and_(mask, window)
+        return (data if mask is None else data.filter(mask)), whole
     keep = data["rank"].isin(sorted(ranks)) if ranks is not None else data["rank"] == data["rank"]
+    window = data["rank"] == data["rank"]
     if steps is not None and steps[0] is not None:
-        keep &= data["step"] >= steps[0]
+        window &= data["step"] >= steps[0]
     if steps is not None and steps[1] is not None:
-        keep &= data["step"] < steps[1]
-    return data[keep.to_numpy()].reset_index(drop=True)
+        window &= data["step"] < steps[1]
+    return data[(keep & (window | data["rank"].isin(whole))).to_numpy()].reset_index(drop=True), whole
+
+
+def _stepless_ranks(pa, data) -> list:
+    """The ranks of ``data`` whose step is constant and that no recorded source counted."""
+    if pa is not None:
+        import pyarrow.compute as pc
+
+        span = data.group_by("rank").aggregate([("step", "min"), ("step", "max")])
+        rank = span.column("rank").to_numpy()
+        flat = set(rank[span.column("step_min").to_numpy() == span.column("step_max").to_numpy()].tolist())
+        if flat and "step_source" in data.column_names:
+            counted = pc.is_in(pc.cast(data.column("step_source"), pa.string()), value_set=pa.array(BOUNDARY_SOURCES))
+            flat -= set(pc.unique(pc.filter(data.column("rank"), counted)).to_pylist())
+        return sorted(flat)
+    span = data.groupby("rank")["step"].agg(["min", "max"])
+    flat = set(span.index[span["min"] == span["max"]].tolist())
+    if flat and "step_source" in data.columns:
+        flat -= set(data.loc[data["step_source"].astype(str).isin(BOUNDARY_SOURCES), "rank"].unique().tolist())
+    return sorted(flat)
 
 
 def file_rank(path) -> "int | None":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..analysis import findings as _findings
-from ..analysis import matching, steps as _steps, summaries
+from ..analysis import matching, pattern, steps as _steps, summaries
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
 
@@ -111,6 +111,8 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     """
 
     pre = precomputed
+    if df is not None:
+        df = pattern.with_pattern_steps(df)      # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
     calls = pre.calls if pre is not None else len(df)
     rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
