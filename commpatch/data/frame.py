@@ -4,6 +4,8 @@ is computed here, never on the hot path."""
 
 from __future__ import annotations
 
+import threading
+
 from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
 from .logfile import parse
 from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, STEP_SOURCES, T_DEVICE,
@@ -140,7 +142,55 @@ def columns(parsed, names=None) -> dict:
         "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
         "sync_end_us": lambda: _sync_ends(np, raw["seq"], parsed.syncs),
     }
-    return {name: out[name]() for name in COLUMNS if names is None or name in names}
+    wanted = [name for name in COLUMNS if names is None or name in names]
+    return _build(out, wanted, n)
+
+
+# Columns are built on two threads from this many rows on: numpy releases the GIL in its array
+# operations, and most of the time is spent touching fresh memory (design notes, issue 11).
+PARALLEL_ROWS = 1 << 17
+# columns built in one task, in this order: they share a memoised value (own time, bucket spans)
+_CHAINS = (("own_us", "algbw_gbps", "busbw_gbps"), ("bucket", "bucket_params", "tensors"))
+
+
+def _build(builders: dict, wanted: list, n: int) -> dict:
+    """``{name: builders[name]()}`` for the wanted names, in their order; on two threads for large
+    logs (one thread where threads cannot start: interpreter shutdown)."""
+    if n < PARALLEL_ROWS or len(wanted) < 4:
+        return {name: builders[name]() for name in wanted}
+    tasks, chained = [], set()
+    for chain in _CHAINS:
+        names = [name for name in chain if name in wanted]
+        if names:
+            tasks.append(names)
+            chained.update(names)
+    tasks += [[name] for name in wanted if name not in chained]
+    done: dict = {}
+
+    def run(task_list) -> None:
+        for task in task_list:
+            for name in task:
+                done[name] = builders[name]()
+
+    def run_quietly(task_list) -> None:
+        try:
+            run(task_list)
+        except Exception:  # noqa: BLE001 - what it did not build is built (and raises) on the caller's thread
+            pass
+
+    helper = threading.Thread(target=run_quietly, args=(tasks[1::2],), daemon=True)
+    try:
+        helper.start()
+    except RuntimeError:                # no new threads at interpreter shutdown
+        helper = None
+        run(tasks[1::2])
+    run(tasks[0::2])
+    if helper is not None:
+        helper.join()
+    missing = [name for name in wanted if name not in done]     # the helper failed: build them here
+    for name in missing:
+        done[name] = builders[name]()
+    return {name: done[name] for name in wanted}
 
 
 def dataframe(parsed, names=None):
@@ -156,7 +206,9 @@ def dataframe(parsed, names=None):
 
 def arrow_table(parsed, names=None):
     """The same columns as a pyarrow Table (no pandas involved: the fast path of the exports);
-    ``names``: only these."""
+    ``names``: only these. Arrays are made from the numpy buffers (``Array.from_buffers``):
+    ``pa.array`` imports pandas to check its argument (~0.25 s, the largest part of converting a
+    1M-row log to Parquet)."""
     import numpy as np
     import pyarrow as pa
 
@@ -164,11 +216,34 @@ def arrow_table(parsed, names=None):
     cols = columns(parsed, names)
     for name, c in cols.items():
         if isinstance(c, Cat):
-            arrays.append(pa.DictionaryArray.from_arrays(pa.array(c.codes.astype(np.int32, copy=False)),
-                                                         pa.array(c.categories, type=pa.string())))
+            arrays.append(pa.DictionaryArray.from_arrays(_arrow_array(pa, np, c.codes), _arrow_strings(pa, np, c.categories)))
         else:
-            arrays.append(pa.array(c))
+            arrays.append(_arrow_array(pa, np, c))
     return pa.Table.from_arrays(arrays, names=list(cols))
+
+
+_ARROW_TYPES = {"i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64", "f8": "float64", "u1": "uint8"}
+
+
+def _arrow_array(pa, np, values):
+    """A numpy array of numbers or bools as an Arrow array (no nulls: NaN stays a float value, as
+    ``pa.array`` leaves it), sharing the numpy buffer except for bools (bit-packed)."""
+    values = np.ascontiguousarray(values)
+    if values.dtype == bool:
+        return pa.Array.from_buffers(pa.bool_(), len(values),
+                                     [None, pa.py_buffer(np.packbits(values, bitorder="little"))])
+    kind = values.dtype.str.lstrip("<=|")
+    if kind not in _ARROW_TYPES:
+        return pa.array(values)
+    return pa.Array.from_buffers(getattr(pa, _ARROW_TYPES[kind])(), len(values), [None, pa.py_buffer(values)])
+
+
+def _arrow_strings(pa, np, values):
+    """A list of str as an Arrow string array (offsets and UTF-8 bytes)."""
+    data = [v.encode("utf-8") for v in values]
+    offsets = np.zeros(len(data) + 1, np.int32)
+    np.cumsum([len(b) for b in data], out=offsets[1:])
+    return pa.Array.from_buffers(pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))])
 
 
 def _by_seq(np, seqs, keys, values):
@@ -284,11 +359,14 @@ def _cat(np, codes, names) -> Cat:
     """Sorted categories of the values present (the dtype read_csv gives); ``names`` may repeat a
     value (two groups with the same ranks): categories are unique values."""
     if len(codes) == 0:
-        return Cat(np.zeros(0, np.int32), [])
+        return Cat(np.zeros(0, np.int8), [])
     present = np.flatnonzero(np.bincount(codes, minlength=len(names)))
     categories = sorted({names[i] for i in present})
     position = {name: i for i, name in enumerate(categories)}
-    lut = np.full(len(names), -1, dtype=np.int32)    # int32: what Arrow's dictionary arrays take as is
+    # the smallest code type (what pandas picks too; Arrow's dictionary arrays take any): 1 byte a
+    # row for the usual handful of values, not 8 (most of a conversion's time is touching memory)
+    lut = np.full(len(names), -1, dtype=np.int8 if len(categories) < 127 else np.int16 if len(categories) < 32767
+                  else np.int32)
     lut[present] = [position[names[i]] for i in present]
     return Cat(lut[codes], categories)
 
