@@ -181,15 +181,14 @@ def _build(builders: dict, wanted: list, n: int) -> dict:
     helper = threading.Thread(target=run_quietly, args=(tasks[1::2],), daemon=True)
     try:
         helper.start()
-    except RuntimeError:                # no new threads at interpreter shutdown
+    except RuntimeError:                # no new threads at interpreter shutdown: all built below
         helper = None
-        run(tasks[1::2])
     run(tasks[0::2])
     if helper is not None:
         helper.join()
-    missing = [name for name in wanted if name not in done]     # the helper failed: build them here
-    for name in missing:
-        done[name] = builders[name]()
+    for name in wanted:                 # what the helper did not build (it failed, or never ran)
+        if name not in done:
+            done[name] = builders[name]()
     return {name: done[name] for name in wanted}
 
 

@@ -378,12 +378,6 @@ Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
     return result;
 }
 
-static PyObject *
-hot_now(PyObject *mod, PyObject *noargs)
-{
-    return PyLong_FromLongLong(now_ns());
-}
-
 static PyMethodDef Recorder_methods[] = {
     {"call", (PyCFunction)(void (*)(void))Recorder_call, METH_FASTCALL,
      "call(group, t, numel_or_None, peer, async_op, *args): orig(*args), timed on the host, and its row; SLOW when the Python path must take the call"},
@@ -404,13 +398,9 @@ static PyTypeObject RecorderType = {
     .tp_methods = Recorder_methods,
 };
 
-static PyMethodDef hot_methods[] = {
-    {"now", hot_now, METH_NOARGS, "the clock call() reads (CLOCK_MONOTONIC, ns)"},
-    {NULL}
-};
 
 static struct PyModuleDef hot_module = {
-    PyModuleDef_HEAD_INIT, "_hot", "The fast path's tail in C (see commpatch/record/_hot.c).", -1, hot_methods,
+    PyModuleDef_HEAD_INIT, "_hot", "The fast path's tail in C (see commpatch/record/_hot.c).", -1, NULL,
 };
 
 PyMODINIT_FUNC

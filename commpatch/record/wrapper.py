@@ -90,7 +90,7 @@ _RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_s
              "fail", "slow", "t", "numel", "peer", "start", "pc", "result", "error_row",
              "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
              "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor", "Pending",
-             "pending", "get_ident", "call", "SLOW", "result"}
+             "pending", "get_ident", "call", "SLOW"}
 
 
 def signature_source(fn):
@@ -279,10 +279,13 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     else:
         params, call, args, kwargs, defaults = "*args, **kwargs", "*args, **kwargs", "args", "kwargs", {}
         read_lines = reader_lines(target, orig)
+    def indented(lines):
+        return "\n".join(" " * 8 + ln for ln in lines)
+
     def body(lines):
         return _BODY.format(slow_test=slow_test, dtype_code=dtype_code, watch_enter=watch_enter, watch_exit=watch_exit,
                             watch_exit_err=watch_exit.replace("\n", "\n    "), call=call, args=args, kwargs=kwargs,
-                            read="\n".join(" " * 8 + ln for ln in lines))
+                            read=indented(lines))
 
     head = _HEAD.format(name=target.name, params=params, call=call, args=args, kwargs=kwargs)
     c_call = None
@@ -295,7 +298,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     else:
         lazy = "numel = t.numel()" in read_lines      # one tensor: the C recorder reads its count
         c_read = [ln for ln in read_lines if not (lazy and ln == "numel = t.numel()")]
-        source = head + _C_TRY.format(read="\n".join(" " * 8 + ln for ln in c_read), call=call,
+        source = head + _C_TRY.format(read=indented(c_read), call=call,
                                       numel_c="None" if lazy else "numel") + \
             body(["numel = t.numel()" if lazy else "pass"])
     ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
@@ -312,8 +315,6 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
 
 
 PENDING_TIMINGS = (T_FUTURE, T_DEVICE, T_NCCL)
-
-
 
 
 def _issue_stack(limit: int = 24) -> tuple:
