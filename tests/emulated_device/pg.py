@@ -11,8 +11,11 @@ once with a Work whose future is device-aware and already completed; ``work.wait
 current stream wait for the collective (not the host), and ``get_future().then(cb)`` runs ``cb``
 on a stream that waits for it, as with NCCL. Only ``barrier()``'s wait blocks the host (as NCCL's does).
 
-Keep all of a group's collectives on one stream per rank (or in the same order on every rank):
-like NCCL, gloo matches calls by order.
+gloo matches calls by order, and a group's collectives may sit on several streams (FSDP2 issues
+all-gathers and reduce-scatters on streams of their own): each stream worker therefore waits for
+the group's earlier-issued collectives to have run before it runs its own, so every rank runs them
+in issue order, as one NCCL communicator does. (No cycle: a collective only ever waits, through its
+stream or through events, for work issued before it.)
 
 Two options, read when a group is created (``COMM_STREAM_ENV`` / ``NCCL_LIKE_ENV`` set to 1):
 - comm stream: the group runs its collectives on a stream of its own that first waits for the
@@ -26,6 +29,7 @@ Two options, read when a group is created (``COMM_STREAM_ENV`` / ``NCCL_LIKE_ENV
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 
 import torch
@@ -92,6 +96,9 @@ class StreamCollectives:
         self.size = size
         self.comm_streams = {} if comm_stream else None     # device -> the group's own stream
         self.nccl_like = nccl_like
+        self._issued = 0                            # tickets handed out at issue time ...
+        self._ran = 0                               # ... and the next one allowed to run
+        self._turn = threading.Condition()
 
     def _launch(self, device, job, result, blocking=False):
         device = torch.device(BACKEND, device.index if device.index is not None else ext().current_device())
@@ -110,8 +117,11 @@ class StreamCollectives:
             start.record(stream)
         event = torch.Event(device=device, enable_timing=self.nccl_like)
         holder = {}
+        ticket, self._issued = self._issued, self._issued + 1
 
         def run():
+            with self._turn:
+                self._turn.wait_for(lambda: self._ran == ticket)
             try:
                 job()
             except BaseException as e:  # noqa: BLE001 - a failed collective must not kill the worker
@@ -120,6 +130,10 @@ class StreamCollectives:
                 print(f"emustream: collective failed on rank {self.rank}:\n{traceback.format_exc()}",
                       file=sys.stderr)
                 raise
+            finally:
+                with self._turn:
+                    self._ran += 1
+                    self._turn.notify_all()
 
         enqueue(run, stream)
         event.record(stream)
