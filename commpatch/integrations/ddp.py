@@ -111,9 +111,46 @@ def measured(log, ddp, hook, timing=None):
     syncs = log.syncs
     done = log.done
 
+    def noted(ddp, bucket, lo, hi, timed_seq, start):
+        """The bucket's span of rows; after the last bucket, DDP's finalize timed (for the CPU row
+        ``timed_seq``, if any) and find_unused_parameters' bitmap all-reduce recorded."""
+        buckets.append((lo, hi, bucket.index(), len(bucket.parameters())))
+        if bucket.is_last():
+            # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
+            if timed_seq is not None and graph_task() >= 0:
+                _time_finalize(engine, syncs, timed_seq, start)
+            if ddp is not None and ddp.find_unused_parameters and not ddp.static_graph:
+                _unused_map_allreduce(log, ddp)
+
+    def default_bucket(slot, bucket, buf, ddp):
+        """The reducer's own arithmetic on a CPU bucket: its row, timed by the one callback that
+        also hands the reducer its tensor (a second Python callback per bucket on gloo's thread
+        costs a GIL hand-off)."""
+        where = state.where
+        state.where = modules.where(ddp, P_BACKWARD)
+        try:
+            seq = next(SEQ)
+            start = _pc()
+            fut = _default_hook(slot, bucket, buf, (done, seq, start))
+            end = _pc()
+            try:
+                record(log, "ddp_bucket_allreduce", ddp.process_group, buf, buf.numel(), start, end, True, T_FUTURE,
+                       seq=seq)
+                noted(ddp, bucket, seq, seq + 1, seq, start)
+            except Exception as exc:  # noqa: BLE001
+                _runtime.fail("ddp.hook", exc)
+            return fut
+        finally:
+            state.where = where
+
     def hook_wrapper(hook_state, bucket):
         if not state.recording:
             return hook(hook_state, bucket)
+        if hook is _dispatch and hook_state.hook is _default_hook:
+            buf = bucket.buffer()
+            ddp = ddp_ref()
+            if buf.is_cpu and ddp is not None:
+                return default_bucket(hook_state, bucket, buf, ddp)
         where = state.where
         ddp = ddp_ref()
         state.where = modules.where(ddp, P_BACKWARD) if ddp is not None else where
@@ -130,6 +167,7 @@ def measured(log, ddp, hook, timing=None):
             fut = hook(hook_state, bucket)
             end = _pc()
             try:
+                timed_seq = None
                 if _peek_seq(SEQ) == lo:         # nothing visible from Python: the C++ all-reduce ran
                     buf, group = bucket.buffer(), ddp.process_group if ddp else None
                     seq = next(SEQ)
@@ -139,14 +177,11 @@ def measured(log, ddp, hook, timing=None):
                         fut.then(lambda _f, seq=seq, start=start: done.__setitem__(seq, _pc() - start))
                         tcode = T_FUTURE
                     record(log, "ddp_bucket_allreduce", group, buf, buf.numel(), start, end, True, tcode, seq=seq)
-                    # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
-                    if started is None and buf.is_cpu and bucket.is_last() and graph_task() >= 0:
-                        _time_finalize(engine, syncs, seq, start)
+                    if started is None and buf.is_cpu:
+                        timed_seq = seq
                 elif started is not None:        # the rows inside timed themselves
                     timing.cancel(started)
-                buckets.append((lo, _peek_seq(SEQ), bucket.index(), len(bucket.parameters())))
-                if bucket.is_last() and ddp is not None and ddp.find_unused_parameters and not ddp.static_graph:
-                    _unused_map_allreduce(log, ddp)
+                noted(ddp, bucket, lo, _peek_seq(SEQ), timed_seq, start)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("ddp.hook", exc)
             return fut
@@ -214,12 +249,16 @@ def _pow2(d: int) -> bool:
     return d > 0 and d & (d - 1) == 0
 
 
-def _default_hook(slot, bucket):
+def _default_hook(slot, bucket, buf=None, timed=None):
     """What the reducer does without a hook (reducer.cpp, mark_variable_ready_*): scale into the
-    bucket with the divisor and the operation it would use, then its C++ all-reduce (SUM)."""
-    buf = bucket.buffer()
+    bucket with the divisor and the operation it would use, then its C++ all-reduce (SUM).
+    ``timed`` = (done, seq, start): the completion callback also notes ``done[seq]``."""
+    if buf is None:
+        buf = bucket.buffer()
     d = slot.divisor()
-    if buf.is_sparse:
+    if d == 1:
+        pass                                 # x * 1.0 and x / 1 are x: no pass over the bucket
+    elif buf.is_sparse:
         buf.div_(d)                          # mark_variable_ready_sparse: div_ in place
     elif slot.track is None or _pow2(d):
         buf.mul_(1.0 / d)                    # mul_out(bucket_view, grad, 1/d); x/d is the same bits
@@ -228,12 +267,18 @@ def _default_hook(slot, bucket):
     if slot.track is not None and bucket.is_last():
         slot.track.ptr.clear()
     # the hook must return a future whose value is a Python object: then(), not the C++ future
-    return slot.ddp().reducer._run_allreduce_hook(bucket).then(_bucket_tensor)
+    fut = slot.ddp().reducer._run_allreduce_hook(bucket)
+    return fut.then(_bucket_tensor if timed is None else functools.partial(_timed_bucket_tensor, *timed))
 
 
 def _bucket_tensor(fut):
     value = fut.value()
     return value[0] if isinstance(value, list) else value
+
+
+def _timed_bucket_tensor(done, seq, start, fut):
+    done[seq] = _pc() - start                # the log's completion time, as the rows' own callbacks note it
+    return _bucket_tensor(fut)
 
 
 class _AliasTrack:
