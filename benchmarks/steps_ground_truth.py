@@ -10,7 +10,11 @@ comm_share (communication under way, DDP's finalize included: the figure the iss
 here), exposed_share (printed) and ddp_finalize of the steady-state steps, and
 analysis.scaling's efficiency.
 
-    python benchmarks/steps_ground_truth.py [--sizes 1,2,4] [--rounds 8] [--k 6] [--hidden 512]
+    python benchmarks/steps_ground_truth.py [--sizes 1,2,4] [--rounds 8] [--k 6] [--hidden 512] [--plain]
+
+--plain also runs each size without commpatch, right after: the job's own truth (what the user's
+job costs without the tool; a separate launch, so it carries launch-to-launch noise) beside the
+truth under commpatch, which is what the bounds judge.
 
 Prints one line per world size and the differences; exits 1 when a difference exceeds the
 issue's bounds (5 percentage points for comm_share, 0.05 for the efficiency).
@@ -74,9 +78,10 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def run_size(n: int, args, out: str) -> None:
+def run_size(n: int, args, out: str, instrumented: bool = True) -> None:
     os.makedirs(out, exist_ok=True)
-    cmd = [sys.executable, "-m", "commpatch", "run", "--output", os.path.join(out, "rank{rank}.csv"), "--",
+    prefix = [sys.executable, "-m", "commpatch", "run", "--output", os.path.join(out, "rank{rank}.csv"), "--"]
+    cmd = (prefix if instrumented else []) + [
            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.abspath(__file__), "--worker", "--out", out, "--rounds", str(args.rounds), "--k", str(args.k),
            "--hidden", str(args.hidden), "--batch", str(args.batch)]
@@ -95,19 +100,28 @@ def measure(args) -> list[dict]:
 
     base = args.dir or tempfile.mkdtemp(prefix="commpatch_truth_")
     runs, rows = {}, []
+    def truth_of(out, n):
+        truth = [json.load(open(os.path.join(out, f"truth_rank{r}.json"))) for r in range(n)]
+        return (float(np.mean([np.median(t["normal"]) for t in truth])),
+                float(np.mean([np.median(t["no_sync"]) for t in truth])))
+
     for n in args.sizes:
         out = os.path.join(base, f"w{n}")
         run_size(n, args, out)
-        truth = [json.load(open(os.path.join(out, f"truth_rank{r}.json"))) for r in range(n)]
-        t_normal = float(np.mean([np.median(t["normal"]) for t in truth]))
-        t_nosync = float(np.mean([np.median(t["no_sync"]) for t in truth]))
+        t_normal, t_nosync = truth_of(out, n)
+        plain_normal, plain_nosync = t_normal, t_nosync
+        if args.plain:                  # the same job without commpatch, right after
+            run_size(n, args, os.path.join(base, f"plain_w{n}"), instrumented=False)
+            plain_normal, plain_nosync = truth_of(os.path.join(base, f"plain_w{n}"), n)
         df = commpatch.read_csv(out)
         runs[n] = df
         ps = analysis.per_step(df, by_rank=False)
         synced = ps[(ps["stage"] == "steady") & (ps["calls"] > 0)]
         st = analysis.steady_state(synced)
         rows.append(dict(world_size=n, truth_step_ms=t_normal * 1e3, truth_nosync_ms=t_nosync * 1e3,
-                         truth_share=(t_normal - t_nosync) / t_normal, log_step_ms=st["step_p50_us"] / 1e3,
+                         truth_share=(t_normal - t_nosync) / t_normal,
+                         plain_step_ms=plain_normal * 1e3, plain_share=(plain_normal - plain_nosync) / plain_normal,
+                         log_step_ms=st["step_p50_us"] / 1e3,
                          exposed_share=st["exposed_share"], comm_share=st["comm_share"], steps=st["steps"],
                          finalize_us=st["ddp_finalize_us"],
                          source=",".join(sorted(set(df["step_source"].astype(str)) - {"none"}))))
@@ -130,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--plain", action="store_true",
+                        help="also run each size without commpatch: the job's own truth, and what commpatch adds")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -140,7 +156,7 @@ def main(argv=None) -> int:
           f"steps, hidden {args.hidden}, batch {args.batch} per rank")
     print("world  truth step  no_sync  truth share  log step  exposed_share  comm_share  finalize  truth eff  log eff  "
           "steps  source")
-    worst_share = worst_eff = 0.0
+    worst_share = worst_eff = worst_plain = 0.0
     for r in rows:
         print(f"{r['world_size']:5d}  {r['truth_step_ms']:8.2f}ms  {r['truth_nosync_ms']:6.2f}ms  "
               f"{100 * r['truth_share']:10.1f}%  {r['log_step_ms']:6.2f}ms  {100 * r['exposed_share']:12.1f}%  "
@@ -148,6 +164,14 @@ def main(argv=None) -> int:
               f"{r['log_efficiency']:7.3f}  {r['steps']:5d}  {r['source']}")
         worst_share = max(worst_share, abs(r["comm_share"] - r["truth_share"]))
         worst_eff = max(worst_eff, abs(r["log_efficiency"] - r["truth_efficiency"]))
+        worst_plain = max(worst_plain, abs(r["comm_share"] - r["plain_share"]))
+    if args.plain:
+        print("without commpatch (same job, run after each size):")
+        for r in rows:
+            print(f"{r['world_size']:5d}  step {r['plain_step_ms']:6.2f}ms  truth share {100 * r['plain_share']:5.1f}%  "
+                  f"comm_share - it {100 * (r['comm_share'] - r['plain_share']):+5.1f} points  "
+                  f"commpatch's step / plain step {r['truth_step_ms'] / r['plain_step_ms']:.3f}")
+        print(f"largest difference to the job's own truth: {100 * worst_plain:.1f} points")
     ok = worst_share <= 0.05 and worst_eff <= 0.05
     print(f"largest differences: comm_share {100 * worst_share:.1f} points (bound 5), efficiency {worst_eff:.3f} "
           f"(bound 0.05): {'within' if ok else 'OUTSIDE'} the bounds")
