@@ -83,7 +83,7 @@ def test_ground_truth_benchmark_runs(tmp_path):
     finally:
         sys.path.pop(0)
     args = bench.argparse.Namespace(sizes=[1, 2], rounds=3, k=3, hidden=128, batch=16, timeout=150,
-                                    dir=str(tmp_path))
+                                    dir=str(tmp_path), plain=False)
     rows = bench.measure(args)
     assert [r["world_size"] for r in rows] == [1, 2]
     for r in rows:
