@@ -96,6 +96,9 @@ def test_ground_truth_benchmark_runs(tmp_path):
     # counted in the step's figures (finalize after the last all-reduce <= exposed <= under way)
     for n in (1, 2):
         df = commpatch.read_csv(str(tmp_path / f"w{n}"))
+        # the findings say what the figures leave out of DDP's synchronisation
+        overhead = [f.text for f in analysis.findings.findings(df, analysis.per_step(df, by_rank=False)) if f.kind == "overhead"]
+        assert len(overhead) == 1 and "DDP's copy of each gradient into its bucket" in overhead[0]
         buckets = df[df["op"] == "ddp_bucket_allreduce"]
         noted = buckets[buckets["sync_end_us"].notna()]
         assert df.loc[df["op"] != "ddp_bucket_allreduce", "sync_end_us"].isna().all()

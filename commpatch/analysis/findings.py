@@ -75,7 +75,13 @@ def findings(df, steps_table, cross=None) -> list:
             text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
         elif overlapped > 0:
             text += "; the rest overlaps compute"
-        out.append(Finding("overhead", text + ".", "steps"))
+        text += "."
+        if _has_ddp_buckets(df, st):
+            text += (" Not in these figures: DDP's copy of each gradient into its bucket (per parameter, during the "
+                     "backward), the compute slowed by communication competing for the CPU or memory, and what "
+                     "the Python comm hook commpatch sees the buckets through costs outside their windows; comparing "
+                     "with a no_sync() step measures them.")
+        out.append(Finding("overhead", text, "steps"))
     setup = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
         top = setup["by_op"].head(2)
@@ -96,6 +102,12 @@ def findings(df, steps_table, cross=None) -> list:
     if slow is not None:
         out.append(slow)
     return out
+
+
+def _has_ddp_buckets(df, st) -> bool:
+    if df is not None:
+        return bool((df["op"].astype(str) == "ddp_bucket_allreduce").any())
+    return st.get("ddp_finalize_us", 0) > 0      # the report at scale: DDP's finalize was timed
 
 
 def _periods(found, steps_table) -> str:
