@@ -122,6 +122,42 @@ def ddp_default(rank, world_size):
                 params=[p.numel() * p.element_size() for p in ddp.parameters()], installs=dict(installs))
 
 
+def ddp_c_and_python_paths(rank, world_size):
+    """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
+    then through the Python one (``bucket_hook`` made to decline); the seq ranges of each, how often
+    the Python default hook ran in each, and whether the gradients agree."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+    from commpatch.integrations import ddp as cp_ddp
+    from commpatch.record import rows
+
+    calls, phase = Counter(), ["c"]
+    default_hook, bucket_hook = cp_ddp._default_hook, cp_ddp.bucket_hook
+
+    def counting(*args, **kwargs):
+        calls[phase[0]] += 1
+        return default_hook(*args, **kwargs)
+
+    commpatch.enable(output="none")
+    cp_ddp._default_hook = counting
+    try:
+        lo = rows.peek_seq()
+        grads_c = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
+        mid = rows.peek_seq()
+        phase[0] = "python"
+        cp_ddp.bucket_hook = lambda *args, **kwargs: None
+        grads_py = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
+        hi = rows.peek_seq()
+    finally:
+        cp_ddp._default_hook, cp_ddp.bucket_hook = default_hook, bucket_hook
+    df = commpatch.log()
+    commpatch.disable()
+    identical = all(torch.equal(a, b) for ga, gb in zip(grads_c, grads_py) for a, b in zip(ga, gb))
+    return dict(df=df, lo=lo, mid=mid, hi=hi, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical)
+
+
 @contextlib.contextmanager
 def _counting_installs():
     """How many times DDP's dispatcher kernels were put in place, per kind (each costs ~150 us)."""

@@ -59,6 +59,32 @@ def test_find_unused_parameters_bitmap_allreduce_matches_profiler(unused_run):
         assert "rebuild_buckets" not in res["installs"] and res["installs"]["unused_parameters"] == 5
 
 
+def test_c_and_python_bucket_hooks_write_the_same_rows():
+    """The C comm hook (record/_hot.c: BucketHook) takes the common case when built, and writes
+    what the Python hook writes: the same rows field for field (times aside), the same finalize
+    timings, the same gradients."""
+    for res in run_ranks(w.ddp_c_and_python_paths, 2, timeout=120):
+        df = res["df"]
+        buckets = df[df["op"] == "ddp_bucket_allreduce"]
+        c = buckets[(buckets["seq"] >= res["lo"]) & (buckets["seq"] < res["mid"])].reset_index(drop=True)
+        py = buckets[(buckets["seq"] >= res["mid"]) & (buckets["seq"] < res["hi"])].reset_index(drop=True)
+        assert len(c) == len(py) > 4
+        cols = ["collective", "api", "source", "rank", "group", "group_size", "backend", "device", "dtype", "numel",
+                "bytes", "peer", "async_op", "timing", "status", "tag", "module", "phase", "bucket", "bucket_params"]
+        assert c[cols].astype(str).equals(py[cols].astype(str))
+        # steps: the second training's optimizer is not the one whose steps are counted; the first's are
+        assert (c["step"].diff().dropna() >= 0).all() and c["step"].nunique() == 4
+        assert c["sync_end_us"].notna().tolist() == py["sync_end_us"].notna().tolist()
+        assert c["sync_end_us"].notna().sum() == 4                   # one finalize per synchronised backward
+        assert (c["duration_us"] > 0).all() and (c["host_us"] > 0).all()
+        assert res["identical"]
+        assert res["calls"].get("python", 0) == len(py)
+        if res["c_rows"]:                                           # the C path took every bucket
+            assert res["calls"].get("c", 0) == 0
+        else:
+            assert res["calls"].get("c", 0) == len(c)
+
+
 def test_one_row_per_bucket_per_step(default_run):
     for res in default_run:
         df = res["df"]

@@ -59,7 +59,7 @@ import weakref
 from ..data.schema import P_BACKWARD, T_FUTURE
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from ..record.rows import SEQ, on_device
+from ..record.rows import SEQ, bucket_hook, on_device
 from ..record.rows import peek_seq as _peek_seq
 from . import base, modules
 from .base import Integration, record, when_imported
@@ -111,16 +111,20 @@ def measured(log, ddp, hook, timing=None):
     syncs = log.syncs
     done = log.done
 
+    def last_bucket(ddp, _bucket, timed_seq, start):
+        """After the last bucket of a backward: DDP's finalize timed (for the CPU row ``timed_seq``,
+        if any) and find_unused_parameters' bitmap all-reduce recorded."""
+        # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
+        if timed_seq is not None and graph_task() >= 0:
+            _time_finalize(engine, syncs, timed_seq, start)
+        if ddp is not None and ddp.find_unused_parameters and not ddp.static_graph:
+            _unused_map_allreduce(log, ddp)
+
     def noted(ddp, bucket, lo, hi, timed_seq, start):
-        """The bucket's span of rows; after the last bucket, DDP's finalize timed (for the CPU row
-        ``timed_seq``, if any) and find_unused_parameters' bitmap all-reduce recorded."""
+        """The bucket's span of rows, then ``last_bucket`` after the last one."""
         buckets.append((lo, hi, bucket.index(), len(bucket.parameters())))
         if bucket.is_last():
-            # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
-            if timed_seq is not None and graph_task() >= 0:
-                _time_finalize(engine, syncs, timed_seq, start)
-            if ddp is not None and ddp.find_unused_parameters and not ddp.static_graph:
-                _unused_map_allreduce(log, ddp)
+            last_bucket(ddp, bucket, timed_seq, start)
 
     def default_bucket(slot, bucket, buf, ddp):
         """The reducer's own arithmetic on a CPU bucket: its row, timed by the one callback that
@@ -190,6 +194,11 @@ def measured(log, ddp, hook, timing=None):
 
     hook_wrapper.__wrapped__ = hook
     hook_wrapper.__qualname__ = getattr(hook, "__qualname__", "hook")
+    if hook is _dispatch:       # the common case in C when built (the same row, span and timing)
+        fast = bucket_hook(log, hook_wrapper, _default_hook, functools.partial(modules.where, phase=P_BACKWARD),
+                           last_bucket, torch.Tensor)
+        if fast is not None:
+            return fast
     return hook_wrapper
 
 

@@ -14,7 +14,7 @@ import time
 from typing import NamedTuple
 
 from ..data.ops import OP_CODE
-from ..data.schema import ROW, T_HOST, T_SHIFT, pack_flags
+from ..data.schema import ROW, T_FUTURE, T_HOST, T_SHIFT, pack_flags
 from .state import STATE, fail
 
 try:
@@ -44,6 +44,19 @@ def hot_call(log, mask: int, code: int, orig, maintain, coalescing: dict, tensor
 
 
 SLOW = _hot.SLOW if _hot is not None else object()
+
+
+def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type):
+    """The C comm hook for DDP's buckets (record/_hot.c: BucketHook) bound to ``log``, or None when
+    the C module is not available: ``hook(slot, bucket)`` takes the reducer's own arithmetic on a
+    dense CPU bucket (``slot.hook is default_hook``) and writes the bucket's row, span and timing;
+    ``fallback(slot, bucket)`` takes anything else. ``where(ddp)``: the row's module/phase code;
+    ``on_last(ddp, bucket, seq, start)``: after the last bucket of a backward."""
+    if not C_ROWS:
+        return None
+    return _hot.BucketHook(fallback, default_hook, STATE.__dict__, SEQ, log.buf, log.dtype_ids, log.dtype_id,
+                           log.group_ids, log.group_id, log.done, log.buckets, where, on_last, fail, tensor_type,
+                           OP_CODE["ddp_bucket_allreduce"], pack_flags(True, False, False, T_FUTURE))
 
 
 def peek_seq(counter=SEQ) -> int:
