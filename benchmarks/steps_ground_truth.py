@@ -23,6 +23,7 @@ issue's bounds (5 percentage points for comm_share, 0.05 for the efficiency).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -75,6 +76,11 @@ def worker(args) -> None:
                     times[kind].append(dt)
     with open(os.path.join(args.out, f"truth_rank{rank}.json"), "w") as f:
         json.dump(times, f)
+    # DDP sits in reference cycles: collected only at interpreter exit, its reducer would release the
+    # gloo group then, whose threads can abort the process ("terminate called without an active
+    # exception", seen once in a CI run here). Release it now, then destroy the group.
+    del ddp, opt, model, one_step
+    gc.collect()
     dist.destroy_process_group()
 
 
