@@ -79,7 +79,7 @@ def findings(df, steps_table, cross=None) -> list:
         if _has_ddp_buckets(df, st):
             text += (" Not in these figures: DDP's copy of each gradient into its bucket (per parameter, during the "
                      "backward), the compute slowed by communication competing for the CPU or memory, and what "
-                     "the Python comm hook commpatch sees the buckets through costs outside their windows; comparing "
+                     "the comm hook commpatch sees the buckets through costs outside their windows; comparing "
                      "with a no_sync() step measures them.")
         out.append(Finding("overhead", text, "steps"))
     setup = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
