@@ -125,7 +125,8 @@ def ddp_default(rank, world_size):
 def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
     then through the Python one (``bucket_hook`` made to decline); the seq ranges of each, how often
-    the Python default hook ran in each, and whether the gradients agree."""
+    the Python default hook ran in each, and whether the gradients agree (also with commpatch's own
+    error injected after each last bucket: its internal error counts)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -152,10 +153,23 @@ def ddp_c_and_python_paths(rank, world_size):
         hi = rows.peek_seq()
     finally:
         cp_ddp._default_hook, cp_ddp.bucket_hook = default_hook, bucket_hook
+    # commpatch's own error inside the hook (after the last bucket): counted, never the user's
+    time_finalize = cp_ddp._time_finalize
+
+    def broken(*args):
+        raise RuntimeError("injected")
+
+    cp_ddp._time_finalize = broken
+    try:
+        grads_fault = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
+    finally:
+        cp_ddp._time_finalize = time_finalize
     df = commpatch.log()
     commpatch.disable()
-    identical = all(torch.equal(a, b) for ga, gb in zip(grads_c, grads_py) for a, b in zip(ga, gb))
-    return dict(df=df, lo=lo, mid=mid, hi=hi, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical)
+    identical = all(torch.equal(a, b) for runs in (grads_py, grads_fault) for ga, gb in zip(grads_c, runs)
+                    for a, b in zip(ga, gb))
+    return dict(df=df, lo=lo, mid=mid, hi=hi, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical,
+                errors=commpatch.internal_errors())
 
 
 @contextlib.contextmanager

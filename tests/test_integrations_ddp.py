@@ -62,7 +62,7 @@ def test_find_unused_parameters_bitmap_allreduce_matches_profiler(unused_run):
 def test_c_and_python_bucket_hooks_write_the_same_rows():
     """The C comm hook (record/_hot.c: BucketHook) takes the common case when built, and writes
     what the Python hook writes: the same rows field for field (times aside), the same finalize
-    timings, the same gradients."""
+    timings, the same gradients; commpatch's own error inside it is counted, never raised."""
     for res in run_ranks(w.ddp_c_and_python_paths, 2, timeout=120):
         df = res["df"]
         buckets = df[df["op"] == "ddp_bucket_allreduce"]
@@ -78,6 +78,7 @@ def test_c_and_python_bucket_hooks_write_the_same_rows():
         assert c["sync_end_us"].notna().sum() == 4                   # one finalize per synchronised backward
         assert (c["duration_us"] > 0).all() and (c["host_us"] > 0).all()
         assert res["identical"]
+        assert res["errors"].get("ddp.hook") == 4                   # the injected fault, once per backward
         assert res["calls"].get("python", 0) == len(py)
         if res["c_rows"]:                                           # the C path took every bucket
             assert res["calls"].get("c", 0) == 0
