@@ -449,11 +449,9 @@ Done_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
         return NULL;
     }
     PyObject *d = PyLong_FromLongLong(end - self->start);
-    if (d == NULL || PyDict_SetItem(self->done, self->seq, d) < 0) {
-        Py_XDECREF(d);
-        return NULL;
-    }
-    Py_DECREF(d);
+    if (d == NULL || PyDict_SetItem(self->done, self->seq, d) < 0)
+        PyErr_Clear();                  /* the duration is lost, never the reducer's result */
+    Py_XDECREF(d);
     PyObject *value = PyObject_CallMethodNoArgs(args[0], s_value);   /* raises as the all-reduce did */
     if (value == NULL || !PyList_Check(value))
         return value;
