@@ -634,18 +634,20 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     long long where = PyLong_AsLongLong(w);
     if (where == -1 && PyErr_Occurred())
         goto slow;
+    if ((seqobj = Py_TYPE(self->seq)->tp_iternext(self->seq)) == NULL)
+        goto slow;
+    long long seq = PyLong_AsLongLong(seqobj);
+    if ((seq == -1 && PyErr_Occurred()) || (cb = PyObject_GC_New(Done, &DoneType)) == NULL)
+        goto slow;
+    Py_INCREF(self->done); cb->done = self->done;
+    Py_INCREF(seqobj); cb->seq = seqobj;
+    cb->vectorcall = Done_vectorcall;
+    PyObject_GC_Track(cb);
     fast = 1;
 
     /* the reducer's arithmetic and its all-reduce: torch's errors propagate, as from the Python hook */
-    if ((seqobj = Py_TYPE(self->seq)->tp_iternext(self->seq)) == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "sequence counter exhausted");
-        goto error;
-    }
-    long long seq = PyLong_AsLongLong(seqobj);
-    if (seq == -1 && PyErr_Occurred())
-        goto error;
     long long start = now_ns();
+    cb->start = start;
     if (d != 1) {                       /* x * (1/d), as the reducer's copy into the bucket */
         PyObject *f = PyFloat_FromDouble(1.0 / (double)d);
         scaled = f ? PyObject_CallMethodOneArg(tensor, s_mul_, f) : NULL;
@@ -656,13 +658,6 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     if ((fut = PyObject_CallMethodOneArg(reducer, s_run, bucket)) == NULL)
         goto error;
     long long end = now_ns();
-    if ((cb = PyObject_GC_New(Done, &DoneType)) == NULL)
-        goto error;
-    Py_INCREF(self->done); cb->done = self->done;
-    Py_INCREF(seqobj); cb->seq = seqobj;
-    cb->start = start;
-    cb->vectorcall = Done_vectorcall;
-    PyObject_GC_Track(cb);
     if ((out = PyObject_CallMethodOneArg(fut, s_then, (PyObject *)cb)) == NULL)
         goto error;
     bucket_books(self, ddp, bucket, tensor, seqobj, seq, start, end, where);
