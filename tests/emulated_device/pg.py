@@ -117,7 +117,8 @@ class StreamCollectives:
             start.record(stream)
         event = torch.Event(device=device, enable_timing=self.nccl_like)
         holder = {}
-        ticket, self._issued = self._issued, self._issued + 1
+        with self._turn:
+            ticket, self._issued = self._issued, self._issued + 1
 
         def run():
             with self._turn:
