@@ -1,0 +1,178 @@
+"""What seeing DDP's buckets costs a training step, by the kind of comm hook: one gloo process,
+the ground truth's model (hidden 512, 3 buckets of 1 MB, 3 ms steps), the normal step's extra time
+over a ``no_sync()`` step (what DDP's synchronisation costs), each way in processes of its own,
+alternating, the median over the processes.
+
+- ``plain``: DDP as it comes (the reducer's C++ all-reduce, no hook);
+- ``python_hook``: a minimal Python comm hook (the reducer's all-reduce, one ``then()``);
+- ``commpatch``: commpatch recording (its C comm hook when the extension is built);
+- ``commpatch_python``: commpatch with its Python comm hook (as without the extension);
+- ``cpp_hook`` (``--cpp``): a C++ comm hook built now with torch.utils.cpp_extension (~20 s, cached),
+  timing each bucket into a C++ vector with no Python in the backward: the floor a hook can reach.
+
+    python benchmarks/ddp_hook_cost.py [--processes 5] [--steps 400] [--cpp]
+
+docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAYS = ("plain", "python_hook", "commpatch", "commpatch_python")
+
+CPP_HOOK = r"""
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <chrono>
+#include <mutex>
+
+static int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Rows { std::mutex mu; std::vector<std::array<int64_t, 4>> rows; };  // start, end, done, numel
+static auto ROWS = std::make_shared<Rows>();
+
+struct TimedAllreduce : c10d::CommHookInterface {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  explicit TimedAllreduce(c10::intrusive_ptr<c10d::ProcessGroup> p) : pg(std::move(p)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    int64_t start = now_ns();
+    auto t = bucket.getBufferRef();
+    if (pg->getSize() != 1) t.mul_(1.0 / pg->getSize());
+    std::vector<at::Tensor> ts = {t};
+    auto fut = pg->allreduce(ts)->getFuture();
+    size_t slot;
+    {
+      std::lock_guard<std::mutex> g(ROWS->mu);
+      slot = ROWS->rows.size();
+      ROWS->rows.push_back({start, now_ns(), 0, t.numel()});
+    }
+    auto rows = ROWS;
+    return fut->then([rows, slot](c10::ivalue::Future& f) {
+      int64_t done = now_ns();
+      { std::lock_guard<std::mutex> g(rows->mu); rows->rows[slot][2] = done; }
+      return f.value();
+    }, fut->elementType());
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensorVector()[0]; }
+};
+
+void register_hook(py::object reducer, py::object pg) {
+  reducer.cast<std::shared_ptr<c10d::Reducer>>()->register_comm_hook(
+      std::make_unique<TimedAllreduce>(pg.cast<c10::intrusive_ptr<c10d::ProcessGroup>>()));
+}
+
+int64_t rows() { std::lock_guard<std::mutex> g(ROWS->mu); return ROWS->rows.size(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_hook", &register_hook);
+  m.def("rows", &rows);
+}
+"""
+
+
+def cpp_module():
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name="commpatch_bench_cpp_hook", cpp_sources=[CPP_HOOK], extra_cflags=["-O2"])
+
+
+def worker(way: str, steps: int) -> None:
+    """One process, one way: prints the median normal and no_sync step times (us)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    if way.startswith("commpatch"):
+        import commpatch
+        from commpatch.integrations import ddp as cp_ddp
+
+        if way == "commpatch_python":
+            cp_ddp.bucket_hook = lambda *args, **kwargs: None
+        commpatch.enable(output="none")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    h = 512
+    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+    ddp = DDP(model, bucket_cap_mb=1.0)
+    if way == "python_hook":
+        reducer = ddp.reducer
+        ddp.register_comm_hook(None, lambda state, bucket: reducer._run_allreduce_hook(bucket).then(
+            lambda fut: fut.value()[0]))
+    elif way == "cpp_hook":
+        cpp_module().register_hook(ddp.reducer, ddp.process_group)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(64, 64)
+    y = x.sum(1, keepdim=True)
+
+    def step(sync: bool) -> float:
+        t = time.perf_counter()
+        opt.zero_grad()
+        if sync:
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+        else:
+            with ddp.no_sync():
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t
+
+    for _ in range(10):
+        step(True)
+        step(False)
+    times = {True: [], False: []}
+    for r in range(steps):
+        for sync in ((True, False) if r % 2 else (False, True)):
+            times[sync].append(step(sync))
+    print(f"{statistics.median(times[True]) * 1e6:.1f} {statistics.median(times[False]) * 1e6:.1f}")
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker")
+    parser.add_argument("--processes", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--cpp", action="store_true", help="also a C++ comm hook (torch extension, built now)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.steps)
+        return 0
+    ways = WAYS + (("cpp_hook",) if args.cpp else ())
+    if args.cpp:
+        cpp_module()                     # build once, before the timed processes
+    diffs: dict = {w: [] for w in ways}
+    normal: dict = {w: [] for w in ways}
+    for _ in range(args.processes):
+        for way in ways:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", way, "--steps",
+                                  str(args.steps)], check=True, capture_output=True, text=True,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600).stdout.split()
+            n, s = float(out[-2]), float(out[-1])
+            diffs[way].append(n - s)
+            normal[way].append(n)
+    print(f"load {os.getloadavg()[0]:.2f}; {args.processes} processes per way, {args.steps} normal + {args.steps} "
+          "no_sync steps each, alternating")
+    print("way                normal step   normal - no_sync (median, range)")
+    for way in ways:
+        d = diffs[way]
+        print(f"{way:17s}  {statistics.median(normal[way]):8.0f} us   {statistics.median(d):6.0f} us "
+              f"({min(d):.0f}-{max(d):.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
