@@ -114,7 +114,7 @@ def measured(log, ddp, hook, timing=None):
     syncs = log.syncs
     done = log.done
 
-    def last_bucket(ddp, _bucket, timed_seq, start):
+    def last_bucket(ddp, timed_seq, start):
         """After the last bucket of a backward: DDP's finalize timed (for the CPU row ``timed_seq``,
         if any) and find_unused_parameters' bitmap all-reduce recorded."""
         # a joined rank's hooks run outside any backward (DDP.join): no finalize follows
@@ -127,7 +127,7 @@ def measured(log, ddp, hook, timing=None):
         """The bucket's span of rows, then ``last_bucket`` after the last one."""
         buckets.append((lo, hi, bucket.index(), len(bucket.parameters())))
         if bucket.is_last():
-            last_bucket(ddp, bucket, timed_seq, start)
+            last_bucket(ddp, timed_seq, start)
 
     def default_bucket(slot, bucket, buf, ddp):
         """The reducer's own arithmetic on a CPU bucket: its row, timed by the one callback that

@@ -423,8 +423,8 @@ static PyTypeObject RecorderType = {
  * one completion callback (``Done``: notes the duration, hands the reducer the tensor), the
  * bucket's row and span; ``on_last`` (Python) after the last bucket of a backward. Anything else,
  * and recording off, goes to ``fallback`` (the Python hook) before anything is called.
- * Why: the same work in Python made the synchronized step ~150 us slower at 1 rank (3 buckets,
- * 3 ms steps) than the same hook with the bookkeeping left out (docs/design-notes.md). */
+ * Why: the same work as Python bytecode inside the backward made the synchronized step ~80-120 us
+ * slower at 1 rank (3 buckets, 3 ms steps; benchmarks/ddp_hook_cost.py, docs/design-notes.md). */
 
 typedef struct {
     PyObject_HEAD
@@ -514,7 +514,7 @@ typedef struct {
     PyObject *done;       /* dict: Log.done */
     PyObject *buckets;    /* list: Log.buckets */
     PyObject *where;      /* where(ddp) -> the row's module/phase code */
-    PyObject *on_last;    /* on_last(ddp, bucket, seq, start) after the last bucket */
+    PyObject *on_last;    /* on_last(ddp, seq, start) after the last bucket */
     PyObject *fail;       /* record.state.fail */
     PyObject *tensor;     /* torch.Tensor */
     long code;            /* op code of ddp_bucket_allreduce */
@@ -522,7 +522,7 @@ typedef struct {
     vectorcallfunc vectorcall;
 } BucketHook;
 
-/* o.name is None (borrowed result not kept); -1 on error. */
+/* Whether o.name is what (1 or 0); -1 with an exception set on error. */
 static int
 attr_is(PyObject *o, PyObject *name, PyObject *what)
 {
@@ -579,7 +579,7 @@ bucket_books(BucketHook *self, PyObject *ddp, PyObject *bucket, PyObject *tensor
         goto fail;
     if (is_last) {
         PyObject *st = PyLong_FromLongLong(start);
-        PyObject *r = st ? PyObject_CallFunctionObjArgs(self->on_last, ddp, bucket, seqobj, st, NULL) : NULL;
+        PyObject *r = st ? PyObject_CallFunctionObjArgs(self->on_last, ddp, seqobj, st, NULL) : NULL;
         Py_XDECREF(st);
         if (r == NULL)
             goto fail;
@@ -605,7 +605,6 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     PyObject *tensor = NULL, *ddp = NULL, *wr = NULL, *w = NULL, *size = NULL, *reducer = NULL, *fut = NULL;
     PyObject *out = NULL, *seqobj = NULL, *scaled = NULL;
     Done *cb = NULL;
-    int fast = 0;
 
     /* the common case? decided before anything is called */
     PyObject *rec = PyDict_GetItemWithError(self->state, s_recording);   /* borrowed */
@@ -643,7 +642,6 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     Py_INCREF(seqobj); cb->seq = seqobj;
     cb->vectorcall = Done_vectorcall;
     PyObject_GC_Track(cb);
-    fast = 1;
 
     /* the reducer's arithmetic and its all-reduce: torch's errors propagate, as from the Python hook */
     long long start = now_ns();
@@ -663,13 +661,11 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     bucket_books(self, ddp, bucket, tensor, seqobj, seq, start, end, where);
     goto cleanup;
 
-slow:
+slow:                                   /* nothing called yet: the Python hook takes the bucket */
     PyErr_Clear();
-error:
-    if (!fast) {
-        PyErr_Clear();
-        out = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
-    }
+    out = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    goto cleanup;
+error:                                  /* torch raised after the launch began: out is NULL, its error set */
 cleanup:
     Py_XDECREF(tensor); Py_XDECREF(wr); Py_XDECREF(ddp); Py_XDECREF(w); Py_XDECREF(size);
     Py_XDECREF(reducer); Py_XDECREF(fut); Py_XDECREF(seqobj); Py_XDECREF(scaled); Py_XDECREF(cb);
@@ -759,17 +755,9 @@ PyInit__hot(void)
 #endif
     if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&DoneType) < 0 || PyType_Ready(&BucketHookType) < 0)
         return NULL;
-    s_step = PyUnicode_InternFromString("step");
-    s_tag = PyUnicode_InternFromString("tag");
-    s_where = PyUnicode_InternFromString("where");
-    s_dtype = PyUnicode_InternFromString("dtype");
-    s_nbytes = PyUnicode_InternFromString("nbytes");
-    s_numel = PyUnicode_InternFromString("numel");
-    s_record = PyUnicode_InternFromString("record");
-    s_devices = PyUnicode_InternFromString("devices");
-    if (!s_step || !s_tag || !s_where || !s_dtype || !s_nbytes || !s_numel || !s_record || !s_devices)
-        return NULL;
 #define INTERN(v, text) if ((v = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_step, "step"); INTERN(s_tag, "tag"); INTERN(s_where, "where"); INTERN(s_dtype, "dtype");
+    INTERN(s_nbytes, "nbytes"); INTERN(s_numel, "numel"); INTERN(s_record, "record"); INTERN(s_devices, "devices");
     INTERN(s_value, "value"); INTERN(s_recording, "recording"); INTERN(s_hook, "hook"); INTERN(s_track, "track");
     INTERN(s_work, "work"); INTERN(s_static, "static"); INTERN(s_ddp, "ddp"); INTERN(s_size, "size");
     INTERN(s_buffer, "buffer"); INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_sparse, "is_sparse"); INTERN(s_mul_, "mul_");

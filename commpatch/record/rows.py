@@ -51,7 +51,7 @@ def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type):
     the C module is not available: ``hook(slot, bucket)`` takes the reducer's own arithmetic on a
     dense CPU bucket (``slot.hook is default_hook``) and writes the bucket's row, span and timing;
     ``fallback(slot, bucket)`` takes anything else. ``where(ddp)``: the row's module/phase code;
-    ``on_last(ddp, bucket, seq, start)``: after the last bucket of a backward."""
+    ``on_last(ddp, seq, start)``: after the last bucket of a backward."""
     if not C_ROWS:
         return None
     return _hot.BucketHook(fallback, default_hook, STATE.__dict__, SEQ, log.buf, log.dtype_ids, log.dtype_id,
