@@ -7,10 +7,16 @@ alternating, the median over the processes.
 - ``python_hook``: a minimal Python comm hook (the reducer's all-reduce, one ``then()``);
 - ``commpatch``: commpatch recording (its C comm hook when the extension is built);
 - ``commpatch_python``: commpatch with its Python comm hook (as without the extension);
+- ``commpatch_no_packing``: commpatch without its two hooks per parameter that time DDP's packing
+  of gradients into buckets (``ddp_pack_us``): what those hooks cost is the difference to
+  ``commpatch`` in both step columns (they run in no_sync() steps too);
 - ``cpp_hook`` (``--cpp``): a C++ comm hook built now with torch.utils.cpp_extension (~20 s, cached),
   timing each bucket into a C++ vector with no Python in the backward: the floor a hook can reach.
 
-    python benchmarks/ddp_hook_cost.py [--processes 5] [--steps 400] [--cpp]
+    python benchmarks/ddp_hook_cost.py [--processes 5] [--steps 400] [--cpp] [--layers N] [--ways a,b]
+
+``--layers N``: a model of N Linear(64, 64) layers instead (2N parameters, 1 bucket): the cost per
+parameter of what runs per parameter.
 
 docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
 """
@@ -25,7 +31,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WAYS = ("plain", "python_hook", "commpatch", "commpatch_python")
+WAYS = ("plain", "python_hook", "commpatch", "commpatch_python", "commpatch_no_packing")
 
 CPP_HOOK = r"""
 #include <torch/extension.h>
@@ -87,7 +93,7 @@ def cpp_module():
     return load_inline(name="commpatch_bench_cpp_hook", cpp_sources=[CPP_HOOK], extra_cflags=["-O2"])
 
 
-def worker(way: str, steps: int) -> None:
+def worker(way: str, steps: int, layers: int) -> None:
     """One process, one way: prints the median normal and no_sync step times (us)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
     sys.path.insert(0, ROOT)
@@ -102,12 +108,16 @@ def worker(way: str, steps: int) -> None:
 
         if way == "commpatch_python":
             cp_ddp.bucket_hook = lambda *args, **kwargs: None
+        elif way == "commpatch_no_packing":
+            cp_ddp._packing = lambda *args: None
         commpatch.enable(output="none")
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     h = 512
     model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
                                 torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+    if layers:
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1))
     ddp = DDP(model, bucket_cap_mb=1.0)
     if way == "python_hook":
         reducer = ddp.reducer
@@ -147,30 +157,34 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--cpp", action="store_true", help="also a C++ comm hook (torch extension, built now)")
+    parser.add_argument("--layers", type=int, default=0, help="a model of N Linear(64, 64) layers instead")
+    parser.add_argument("--ways", help=f"comma-separated, of {', '.join(WAYS)} (default: all)")
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps)
+        worker(args.worker, args.steps, args.layers)
         return 0
-    ways = WAYS + (("cpp_hook",) if args.cpp else ())
+    ways = (tuple(args.ways.split(",")) if args.ways else WAYS) + (("cpp_hook",) if args.cpp else ())
     if args.cpp:
         cpp_module()                     # build once, before the timed processes
     diffs: dict = {w: [] for w in ways}
     normal: dict = {w: [] for w in ways}
+    nosync: dict = {w: [] for w in ways}
     for _ in range(args.processes):
         for way in ways:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", way, "--steps",
-                                  str(args.steps)], check=True, capture_output=True, text=True,
+                                  str(args.steps), "--layers", str(args.layers)], check=True, capture_output=True, text=True,
                                  env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600).stdout.split()
             n, s = float(out[-2]), float(out[-1])
             diffs[way].append(n - s)
             normal[way].append(n)
+            nosync[way].append(s)
     print(f"load {os.getloadavg()[0]:.2f}; {args.processes} processes per way, {args.steps} normal + {args.steps} "
-          "no_sync steps each, alternating")
-    print("way                normal step   normal - no_sync (median, range)")
+          f"no_sync steps each, alternating; model: {f'{args.layers} layers' if args.layers else 'hidden 512'}")
+    print("way                   normal step  no_sync step   normal - no_sync (median, range)")
     for way in ways:
         d = diffs[way]
-        print(f"{way:17s}  {statistics.median(normal[way]):8.0f} us   {statistics.median(d):6.0f} us "
-              f"({min(d):.0f}-{max(d):.0f})")
+        print(f"{way:20s}  {statistics.median(normal[way]):8.0f} us  {statistics.median(nosync[way]):8.0f} us   "
+              f"{statistics.median(d):6.0f} us ({min(d):.0f}-{max(d):.0f})")
     return 0
 
 

@@ -6,8 +6,9 @@ alternate K normal steps and K ``no_sync()`` steps (compute only: no gradient al
 - communication overhead = (T_normal - T_no_sync) / T_normal, medians over the rounds after the first;
 - scaling efficiency (weak scaling) = T_normal(1) / T_normal(N).
 commpatch's figures come from the logs alone: steps found automatically (optimizer.step()),
-comm_share (communication under way, DDP's finalize included: the figure the issue names, judged
-here), exposed_share (printed) and ddp_finalize of the steady-state steps, and
+comm_share (communication under way, DDP's finalize and its packing of gradients into buckets
+included: the figure the issue names, judged here), exposed_share (printed), ddp_finalize and
+ddp_pack of the steady-state steps, and
 analysis.scaling's efficiency.
 
     python benchmarks/steps_ground_truth.py [--sizes 1,2,4] [--rounds 8] [--k 6] [--hidden 512] [--plain]
@@ -129,7 +130,7 @@ def measure(args) -> list[dict]:
                          plain_step_ms=plain_normal * 1e3, plain_share=(plain_normal - plain_nosync) / plain_normal,
                          log_step_ms=st["step_p50_us"] / 1e3,
                          exposed_share=st["exposed_share"], comm_share=st["comm_share"], steps=st["steps"],
-                         finalize_us=st["ddp_finalize_us"],
+                         finalize_us=st["ddp_finalize_us"], pack_us=st["ddp_pack_us"],
                          source=",".join(sorted(set(df["step_source"].astype(str)) - {"none"}))))
     table = analysis.scaling(runs)
     t1 = rows[0]["truth_step_ms"]
@@ -160,13 +161,13 @@ def main(argv=None) -> int:
     rows = measure(args)
     print(f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} rounds x ({args.k} normal + {args.k} no_sync) "
           f"steps, hidden {args.hidden}, batch {args.batch} per rank")
-    print("world  truth step  no_sync  truth share  log step  exposed_share  comm_share  finalize  truth eff  log eff  "
-          "steps  source")
+    print("world  truth step  no_sync  truth share  log step  exposed_share  comm_share  finalize  packing  truth eff  "
+          "log eff  steps  source")
     worst_share = worst_eff = worst_plain = 0.0
     for r in rows:
         print(f"{r['world_size']:5d}  {r['truth_step_ms']:8.2f}ms  {r['truth_nosync_ms']:6.2f}ms  "
               f"{100 * r['truth_share']:10.1f}%  {r['log_step_ms']:6.2f}ms  {100 * r['exposed_share']:12.1f}%  "
-              f"{100 * r['comm_share']:9.1f}%  {r['finalize_us']:6.0f}us  {r['truth_efficiency']:9.3f}  "
+              f"{100 * r['comm_share']:9.1f}%  {r['finalize_us']:6.0f}us  {r['pack_us']:5.0f}us  {r['truth_efficiency']:9.3f}  "
               f"{r['log_efficiency']:7.3f}  {r['steps']:5d}  {r['source']}")
         worst_share = max(worst_share, abs(r["comm_share"] - r["truth_share"]))
         worst_eff = max(worst_eff, abs(r["log_efficiency"] - r["truth_efficiency"]))

@@ -124,7 +124,7 @@ def ddp_default(rank, world_size):
 
 def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
-    then through the Python one (``bucket_hook`` made to decline); the seq ranges of each, how often
+    then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often
     the Python default hook ran in each, and whether the gradients agree (also with commpatch's own
     error injected after each last bucket: its internal error counts)."""
     import torch
@@ -135,7 +135,7 @@ def ddp_c_and_python_paths(rank, world_size):
     from commpatch.record import rows
 
     calls, phase = Counter(), ["c"]
-    default_hook, bucket_hook = cp_ddp._default_hook, cp_ddp.bucket_hook
+    default_hook, bucket_hook, packing = cp_ddp._default_hook, cp_ddp.bucket_hook, cp_ddp.packing
 
     def counting(*args, **kwargs):
         calls[phase[0]] += 1
@@ -149,10 +149,11 @@ def ddp_c_and_python_paths(rank, world_size):
         mid = rows.peek_seq()
         phase[0] = "python"
         cp_ddp.bucket_hook = lambda *args, **kwargs: None
+        cp_ddp.packing = lambda log: rows.Packing(log.packs, rows.STATE)
         grads_py = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
         hi = rows.peek_seq()
     finally:
-        cp_ddp._default_hook, cp_ddp.bucket_hook = default_hook, bucket_hook
+        cp_ddp._default_hook, cp_ddp.bucket_hook, cp_ddp.packing = default_hook, bucket_hook, packing
     # commpatch's own error inside the hook (after the last bucket): counted, never the user's
     time_finalize = cp_ddp._time_finalize
 

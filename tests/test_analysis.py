@@ -190,3 +190,24 @@ def test_steps_stages_setup_and_ddp_exposure():
     setup = analysis.setup_cost(frame(rows), ps)
     assert setup["setup_comm_us"] == pytest.approx(80.0) and setup["by_op"]["ddp_verify_params"] == 50.0
     assert setup["setup_us"] == pytest.approx(1000.0)      # step 0's first call to step 1's first call
+
+
+def test_ddp_packing_is_exposed_and_busy_where_alone():
+    """DDP's packing of gradients into buckets (pack_us on the bucket rows): the training thread's
+    own time, so exposed; busy for the part with no bucket in flight (pack_alone_us)."""
+    t0 = 1_700_000_000_000_000_000
+    us = 1000
+    rows = []
+    for step in range(3):
+        base = t0 + step * 1000 * us
+        rows += [  # as above: busy 400 us, exposed 200 us without the packing
+            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 100 * us, duration_us=250.0,
+                 async_op=True, timing="future", bucket=1, group_size=2, bytes=4000, pack_us=60.0, pack_alone_us=60.0),
+            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 300 * us, duration_us=200.0,
+                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000, pack_us=40.0, pack_alone_us=10.0)]
+    one = analysis.per_step(frame(rows), by_rank=False).set_index("step").loc[1]
+    assert one["ddp_pack_us"] == pytest.approx(100.0)
+    assert one["busy_us"] == pytest.approx(470.0) and one["exposed_us"] == pytest.approx(300.0)
+    assert one["overlapped_us"] == pytest.approx(170.0) and one["comm_us"] == pytest.approx(450.0)
+    assert one["comm_share"] == pytest.approx(0.47) and one["exposed_share"] == pytest.approx(0.3)
+    assert analysis.steady_state(analysis.per_step(frame(rows)))["ddp_pack_us"] == pytest.approx(100.0)

@@ -76,6 +76,7 @@ def test_c_and_python_bucket_hooks_write_the_same_rows():
         assert (c["step"].diff().dropna() >= 0).all() and c["step"].nunique() == 4
         assert c["sync_end_us"].notna().tolist() == py["sync_end_us"].notna().tolist()
         assert c["sync_end_us"].notna().sum() == 4                   # one finalize per synchronised backward
+        assert c["pack_us"].notna().all() and py["pack_us"].notna().all()    # C and Python packing books
         assert (c["duration_us"] > 0).all() and (c["host_us"] > 0).all()
         assert res["identical"]
         assert res["errors"].get("ddp.hook") == 4                   # the injected fault, once per backward
@@ -84,6 +85,64 @@ def test_c_and_python_bucket_hooks_write_the_same_rows():
             assert res["calls"].get("c", 0) == 0
         else:
             assert res["calls"].get("c", 0) == len(c)
+
+
+@pytest.mark.parametrize("kind", ["python", "c"])
+def test_packing_books(kind):
+    """rows.Packing and its C twin: windows from a gradient's accumulation to the end of the
+    reducer's hook or to the next launch, noted at that launch with their part alone (no bucket of
+    the model in flight); nothing noted for windows a reset dropped, or while not recording."""
+    import time
+    from types import SimpleNamespace
+
+    from commpatch.record import rows
+
+    if kind == "c" and rows._hot is None:
+        pytest.skip("the C extension is not built")
+    out = []
+    if kind == "c":
+        state = {"recording": True}
+        pack = rows._hot.Packing(out, state)
+        stop = lambda: state.update(recording=False)     # noqa: E731
+    else:
+        state = SimpleNamespace(recording=True)
+        pack = rows.Packing(out, state)
+        stop = lambda: setattr(state, "recording", False)    # noqa: E731
+    pc = time.perf_counter_ns
+
+    def window(between=None):
+        pack.acc(None)
+        time.sleep(0.002)
+        if between:
+            between()
+            time.sleep(0.002)
+        pack.post((), ())
+
+    window()
+    pack.reset()                        # a new forward: the no_sync() window is gone
+    pack.launch(1, pc())
+    assert out == [] and pack.inflight == 1
+    pack.done()
+    window()
+    pack.launch(2, pc())                # nothing in flight: all of it alone
+    seq, total, alone = out[-1]
+    assert seq == 2 and total >= 2e6 and alone == total
+    window()                            # bucket 2 in flight throughout
+    pack.launch(3, pc())
+    assert out[-1][0] == 3 and out[-1][1] >= 2e6 and out[-1][2] == 0
+    window(between=lambda: (pack.done(), pack.completed(None)))     # both complete halfway
+    pack.launch(4, pc())
+    assert pack.inflight == 1 and 2e6 <= out[-1][2] < out[-1][1]
+    pack.acc(None)                      # the window of the gradient that completes bucket 5
+    time.sleep(0.001)
+    pack.launch(5, pc())
+    pack.post((), ())                   # its hook returns after the launch: closed already
+    pack.launch(6, pc())
+    assert [o[0] for o in out] == [2, 3, 4, 5] and out[-1][1] >= 1e6
+    stop()
+    window()
+    pack.launch(7, pc())
+    assert len(out) == 4
 
 
 def test_one_row_per_bucket_per_step(default_run):
@@ -99,6 +158,11 @@ def test_one_row_per_bucket_per_step(default_run):
         assert (buckets["phase"] == "backward").all()
         assert (buckets["module"] == "DistributedDataParallel").all()
         assert (buckets["timing"] == "future").all() and (buckets["duration_us"] > 0).all()
+        # DDP's packing, noted at each bucket's launch (each bucket's gradients are ready after the
+        # previous bucket's launch); none on other rows
+        assert buckets["pack_us"].notna().all() and (buckets["pack_us"] > 0).all()
+        assert (buckets["pack_alone_us"] >= 0).all() and (buckets["pack_alone_us"] <= buckets["pack_us"]).all()
+        assert df.loc[df["op"] != "ddp_bucket_allreduce", ["pack_us", "pack_alone_us"]].isna().all().all()
         ctor = df[df["op"] == "ddp_broadcast_coalesced"]
         assert len(ctor) == 1 and ctor.iloc[0]["bytes"] == sum(res["params"])
         assert (df["op"] == "ddp_verify_params_allgather").sum() == (df["op"] == "ddp_verify_params_broadcast").sum() == 1

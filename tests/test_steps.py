@@ -88,9 +88,10 @@ def test_ground_truth_benchmark_runs(tmp_path):
     assert [r["world_size"] for r in rows] == [1, 2]
     for r in rows:
         assert r["source"] == "optimizer" and r["steps"] >= 4
-        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms", "finalize_us"):
+        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms", "finalize_us",
+                    "pack_us"):
             assert r[key] == r[key], key                        # a number, not NaN
-        assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1 and r["finalize_us"] >= 0
+        assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1 and r["finalize_us"] >= 0 and r["pack_us"] > 0
     assert rows[0]["log_efficiency"] == pytest.approx(1.0) and rows[0]["truth_efficiency"] == pytest.approx(1.0)
     # DDP's finalize: its end noted once per synchronised backward, on the row of its last bucket, and
     # counted in the step's figures (finalize after the last all-reduce <= exposed <= under way)
@@ -98,7 +99,8 @@ def test_ground_truth_benchmark_runs(tmp_path):
         df = commpatch.read_csv(str(tmp_path / f"w{n}"))
         # the findings say what the figures leave out of DDP's synchronisation
         overhead = [f.text for f in analysis.findings.findings(df, analysis.per_step(df, by_rank=False)) if f.kind == "overhead"]
-        assert len(overhead) == 1 and "DDP's copy of each gradient into its bucket" in overhead[0]
+        assert len(overhead) == 1 and "DDP's packing of gradients into its buckets" in overhead[0]
+        assert "DDP's forward bookkeeping" in overhead[0]
         buckets = df[df["op"] == "ddp_bucket_allreduce"]
         noted = buckets[buckets["sync_end_us"].notna()]
         assert df.loc[df["op"] != "ddp_bucket_allreduce", "sync_end_us"].isna().all()

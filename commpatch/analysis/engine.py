@@ -404,7 +404,7 @@ class Engine:
                    max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
                    avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
                    avg(setup_comm_us) AS setup_comm_us, avg(ddp_finalize_us) AS ddp_finalize_us,
-                   avg(step_us) AS step_us,
+                   avg(ddp_pack_us) AS ddp_pack_us, avg(step_us) AS step_us,
                    arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
                    avg(exposed_share) AS exposed_share,
                    (-max({'c': comm_us, 'r': -rank}).r)::BIGINT AS max_rank

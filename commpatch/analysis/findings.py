@@ -77,10 +77,15 @@ def findings(df, steps_table, cross=None) -> list:
             text += "; the rest overlaps compute"
         text += "."
         if _has_ddp_buckets(df, st):
-            text += (" Not in these figures: DDP's copy of each gradient into its bucket (per parameter, during the "
-                     "backward), the compute slowed by communication competing for the CPU or memory, and what "
-                     "the comm hook commpatch sees the buckets through costs outside their windows; comparing "
-                     "with a no_sync() step measures them.")
+            packed = st.get("ddp_pack_us", 0) > 0
+            if packed:
+                text += (f" DDP's packing of gradients into its buckets during the backward is in them "
+                         f"({_ms(st['ddp_pack_us'])} per step).")
+            text += (" Not in these figures: " + ("" if packed else "DDP's copy of each gradient into its bucket "
+                                                  "(per parameter, during the backward), ")
+                     + "DDP's forward bookkeeping, the compute slowed by communication competing for the CPU or "
+                     "memory, and what the comm hook commpatch sees the buckets through costs outside their "
+                     "windows; comparing with a no_sync() step measures them.")
         out.append(Finding("overhead", text, "steps"))
     setup = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:

@@ -8,20 +8,27 @@ which ``per_step`` and ``scaling`` apply first):
 - ``comm_us``: sum of the calls' measured durations.
 - ``busy_us``: wall time with communication under way: the union of the calls' windows [start,
   start + duration], where a DDP bucket's window runs on to the end of the reducer's finalize
-  noted on it (``sync_end_us``, see ``ddp_finalize_us``).
-- ``exposed_us``: wall time the training thread waited for communication, union of
+  noted on it (``sync_end_us``, see ``ddp_finalize_us``); plus DDP's packing with none of its
+  buckets in flight (``pack_alone_us``, see ``ddp_pack_us``).
+- ``exposed_us``: wall time the training thread spent on communication or waited for it, union of
   - blocking calls (timing ``host``, not async): the thread was inside the call throughout;
   - DDP's gradient buckets (async, timed by their future): the thread waits for them at the end
     of backward, from the issue of the last bucket (the backward's compute is over then) to the
     end of the reducer's finalize where it is measured (``sync_end_us``), else to the completion
-    of the last bucket. The buckets' time before that ran under the backward: overlapped.
+    of the last bucket. The buckets' time before that ran under the backward: overlapped;
+  - DDP's packing (``ddp_pack_us``): the training thread's own time, before each bucket's issue.
 - ``ddp_finalize_us``: DDP's synchronisation after its communication: the end of the reducer's
   finalize minus the completion of the step's last bucket all-reduce (0 where not measured). The
   finalize waits for every bucket, then copies the averaged gradients from the buckets into
   ``.grad``; commpatch times its end once per backward (an autograd-engine callback queued after
   it, CPU buckets only: on an accelerator the host only enqueues the copies). Counted in busy_us
-  and exposed_us. Not measured (spread through the step, per parameter): the copies of each
-  gradient into its bucket during the backward, DDP's forward bookkeeping.
+  and exposed_us.
+- ``ddp_pack_us``: DDP's packing of the gradients into its buckets during the backward, on the
+  training thread: per parameter, from the accumulation of its gradient to the end of the
+  reducer's hook on it (which copies it into its bucket view) or to the issue of the bucket it
+  completes (``pack_us`` on the bucket rows; CPU models). Counted in exposed_us, and in busy_us
+  for the part with none of the model's buckets in flight. Not measured: DDP's forward
+  bookkeeping (prepare_for_forward / prepare_for_backward).
 - ``overlapped_us``: busy time of those calls that is not exposed (hidden behind compute).
 - ``overlap_unknown_us``: durations of the other async / device-timed calls (a user's
   ``async_op=True`` call, functional collectives, CUDA): the log does not say when the thread
@@ -80,7 +87,7 @@ def per_step(df, steps=None, by_rank: bool = True):
 
     Columns (by_rank): rank, step, stage, step_source, calls, bytes, comm_us, busy_us, exposed_us,
     overlapped_us, overlap_unknown_us, setup_comm_us (set-up calls in the step), ddp_finalize_us,
-    step_us, step_time_from, comm_share, exposed_share (definitions in the module docstring).
+    ddp_pack_us, step_us, step_time_from, comm_share, exposed_share (definitions in the module docstring).
 
     Step time comes from ``steps`` when given: a DataFrame with ``step`` (and optionally
     ``rank``) and either ``duration_us`` or ``start_ns`` and ``end_ns`` ('user'); otherwise from
@@ -105,6 +112,10 @@ def per_step(df, steps=None, by_rank: bool = True):
     sync_end = df["sync_end_us"].to_numpy(np.float64)[order] if "sync_end_us" in df.columns else np.full(len(rank), np.nan)
     synced = bucket & ~np.isnan(sync_end)
     end_sync = np.where(synced, np.fmax(end, start + np.nan_to_num(sync_end)), end)
+    def noted(name):
+        return np.nan_to_num(df[name].to_numpy(np.float64)[order]) if name in df.columns else np.zeros(len(rank))
+
+    pack, pack_alone = noted("pack_us"), noted("pack_alone_us")
     setup_op = df["op"].isin(SETUP_OPS).to_numpy()[order]
     new_run = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])] if len(rank) else np.zeros(0, bool)
     first = np.flatnonzero(new_run)
@@ -123,23 +134,26 @@ def per_step(df, steps=None, by_rank: bool = True):
     tail_lo[has_tail] = lo[has_tail]
     tails = np.flatnonzero(has_tail)
     wg = np.r_[gid[blocking], tails]
-    exposed = _union(wg, np.r_[start[blocking], tail_lo[tails]], np.r_[end[blocking], tail_hi[tails]], n)
-    known = blocking | bucket
-    known_busy = _union(gid[known], start[known], end_sync[known], n)
-
     def total(values):
         return np.add.reduceat(values, first) if n else np.zeros(0)
+
+    # packing: the training thread's own time, disjoint from its other exposed windows (it ends at a
+    # bucket's issue); in flight under a bucket's window for the part that is not alone
+    packed, alone = total(pack), total(pack_alone)
+    exposed = _union(wg, np.r_[start[blocking], tail_lo[tails]], np.r_[end[blocking], tail_hi[tails]], n) + packed
+    known = blocking | bucket
+    known_busy = _union(gid[known], start[known], end_sync[known], n) + alone
 
     source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
     out = pd.DataFrame({
         "rank": rank[first], "step": step[first], "step_source": _step_source(source, gid, n),
         "calls": np.diff(np.append(first, len(rank))),
         "bytes": total(df["bytes"].to_numpy()[order]),
-        "comm_us": total(dur0), "busy_us": _union(gid, start, end_sync, n), "exposed_us": exposed,
+        "comm_us": total(dur0), "busy_us": _union(gid, start, end_sync, n) + alone, "exposed_us": exposed,
         "overlapped_us": np.clip(known_busy - exposed, 0, None),
         "overlap_unknown_us": total(np.where(known, 0.0, dur0)),
         "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
-        "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail),
+        "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail), "ddp_pack_us": packed,
         "first_ns": start_ns[first] - t0})   # small: exact as float
     out = _step_time(out, steps)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -157,7 +171,7 @@ def per_step(df, steps=None, by_rank: bool = True):
         calls=("calls", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
         busy_us=("busy_us", "mean"), exposed_us=("exposed_us", "mean"), overlapped_us=("overlapped_us", "mean"),
         overlap_unknown_us=("overlap_unknown_us", "mean"), setup_comm_us=("setup_comm_us", "mean"),
-        ddp_finalize_us=("ddp_finalize_us", "mean"),
+        ddp_finalize_us=("ddp_finalize_us", "mean"), ddp_pack_us=("ddp_pack_us", "mean"),
         step_us=("step_us", "mean"), step_time_from=("step_time_from", "first"),
         comm_share=("comm_share", "mean"), exposed_share=("exposed_share", "mean"))
     means["max_rank"] = out.loc[out.groupby("step")["comm_us"].idxmax(), ["step", "rank"]].set_index("step")["rank"]
@@ -216,7 +230,7 @@ def steady_state(steps_table) -> dict:
                 step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
                 calls=median("calls"), comm_us=median("comm_us"), busy_us=median("busy_us"),
                 exposed_us=median("exposed_us"), overlap_unknown_us=median("overlap_unknown_us"),
-                ddp_finalize_us=median("ddp_finalize_us"),
+                ddp_finalize_us=median("ddp_finalize_us"), ddp_pack_us=median("ddp_pack_us"),
                 comm_share=median("comm_share"), exposed_share=median("exposed_share"))
 
 

@@ -141,6 +141,8 @@ def columns(parsed, names=None) -> dict:
         **{name: (lambda name=name: bucket_columns()[name]) for name in ("bucket", "bucket_params", "tensors")},
         "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
         "sync_end_us": lambda: _sync_ends(np, raw["seq"], parsed.syncs),
+        "pack_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 1),
+        "pack_alone_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 2),
     }
     wanted = [name for name in COLUMNS if names is None or name in names]
     return _build(out, wanted, n)
@@ -333,10 +335,15 @@ def _step_sources(np, seqs, marks):
 
 def _sync_ends(np, seqs, syncs):
     """Per row, the end of DDP's finalize in us after the row's start (``sync`` records), else NaN."""
+    return _noted_us(np, seqs, syncs, 1)
+
+
+def _noted_us(np, seqs, notes, field: int):
+    """Per row, field ``field`` (ns) of the note ``(seq, ...)`` on it, in us; NaN on rows with none."""
     out = np.full(len(seqs), np.nan)
-    if syncs:
-        keys = np.array([s[0] for s in syncs], np.int64)
-        ns = _by_seq(np, seqs, keys, np.array([s[1] for s in syncs], np.int64))
+    if notes:
+        keys = np.array([s[0] for s in notes], np.int64)
+        ns = _by_seq(np, seqs, keys, np.array([s[field] for s in notes], np.int64))
         out[ns >= 0] = ns[ns >= 0] / 1e3
     return out
 

@@ -62,6 +62,7 @@ class Parsed:
         self.buckets: list[tuple[int, int, int, int]] = []
         self.step_sources: list[tuple[int, int]] = []   # (first seq, data.schema.STEP_SOURCES code)
         self.syncs: list[tuple[int, int]] = []          # (seq of a last bucket's row, finalize end ns after its start)
+        self.packs: list[tuple[int, int, int]] = []     # (seq of a bucket's first row, packing ns, of which alone)
         self.torn = 0            # frames (or rows) cut short by a crash, skipped
 
 
@@ -146,3 +147,5 @@ def _meta(out: Parsed, m: dict) -> None:
         out.buckets.append((m["lo"], m["hi"], m["index"], m["params"]))
     elif kind == "sync":
         out.syncs.append((m["seq"], m["end"]))
+    elif kind == "pack":
+        out.packs.append((m["seq"], m["ns"], m["alone"]))

@@ -69,6 +69,8 @@ SCHEMA: tuple[Column, ...] = (
     Column("tensors", "int64", "", "calls coalesced into this row by _coalescing_manager (coalesced.* rows); 1 for every other row"),
     Column("step_source", "category", "", "what counted the step: optimizer (optimizer.step), forward (a DDP / FSDP root module's forward), user (commpatch.step()), none (no step boundary seen yet), pattern (no step boundary in the rank's log: the analysis found the period of its calls, keyed by op, group and bytes, and numbered its iterations; never recorded)"),
     Column("sync_end_us", "float64", "us", "DDP on CPU, on the ddp_bucket_allreduce row of a backward's last bucket: when the reducer's finalize after that backward ended (it waits for every bucket's all-reduce, then copies the averaged gradients into .grad), in us after the row's start_ns; NaN on other rows"),
+    Column("pack_us", "float64", "us", "DDP on CPU, on a gradient bucket's (first) row: host time the training thread spent in the reducer's hooks on the gradients ready since the previous bucket's launch (copying each into its bucket), each timed from its accumulation to the end of the reducer's hook or to this bucket's launch; NaN on other rows"),
+    Column("pack_alone_us", "float64", "us", "the part of pack_us with none of the model's buckets in flight: what the packing adds to the wall time with communication under way (busy_us); NaN where pack_us is"),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 
@@ -76,10 +78,11 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # removed). ADDED_IN names the version that added a column (the others are in version 1).
 # Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
 # header is its schema: readers go by column names, and fill columns a file predates.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
 ADDED_IN = {"module": 2, "phase": 2, "bucket": 2, "bucket_params": 2, "collective": 3, "api": 3, "source": 3, "tensors": 3,
-            "own_us": 4, "step_source": 4, "sync_end_us": 5}
+            "own_us": 4, "step_source": 4, "sync_end_us": 5, "pack_us": 6,
+            "pack_alone_us": 6}
 DERIVED_FROM_OP = ("collective", "api", "source")   # a file that predates them gets them from op
 
 

@@ -62,7 +62,7 @@ import weakref
 from ..data.schema import P_BACKWARD, T_FUTURE
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from ..record.rows import SEQ, bucket_hook, on_device
+from ..record.rows import SEQ, bucket_hook, on_device, packing
 from ..record.rows import peek_seq as _peek_seq
 from . import base, modules
 from .base import Integration, record, when_imported
@@ -102,9 +102,10 @@ def _patch_ddp_class(ctx, module) -> None:
 
 
 # ---- the bucket hook ---------------------------------------------------------------------
-def measured(log, ddp, hook, timing=None):
+def measured(log, ddp, hook, timing=None, pack=None):
     """Wrap a comm hook: bucket spans for the rows inside it, a row when none is visible (timed
-    with device events on an accelerator, by the hook's future on CPU)."""
+    with device events on an accelerator, by the hook's future on CPU). ``pack``: the model's
+    ``rows.Packing`` (CPU models), told of each bucket's launch and completion."""
     import torch
 
     ddp_ref = weakref.ref(ddp)
@@ -138,7 +139,9 @@ def measured(log, ddp, hook, timing=None):
         try:
             seq = next(SEQ)
             start = _pc()
-            fut = _default_hook(slot, bucket, buf, (done, seq, start))
+            if pack is not None:
+                pack.launch(seq, start)
+            fut = _default_hook(slot, bucket, buf, (done, seq, start, pack))
             end = _pc()
             try:
                 record(log, "ddp_bucket_allreduce", ddp.process_group, buf, buf.numel(), start, end, True, T_FUTURE,
@@ -171,9 +174,13 @@ def measured(log, ddp, hook, timing=None):
                 except Exception as exc:  # noqa: BLE001 - device events unusable: timed by the future
                     _runtime.fail("timing", exc)
             start = _pc()
+            if pack is not None:
+                pack.launch(lo, start)
             fut = hook(hook_state, bucket)
             end = _pc()
             try:
+                if pack is not None:
+                    fut.then(pack.completed)
                 timed_seq = None
                 if _peek_seq(SEQ) == lo:         # nothing visible from Python: the C++ all-reduce ran
                     buf, group = bucket.buffer(), ddp.process_group if ddp else None
@@ -199,7 +206,7 @@ def measured(log, ddp, hook, timing=None):
     hook_wrapper.__qualname__ = getattr(hook, "__qualname__", "hook")
     if hook is _dispatch:       # the common case in C when built (the same row, span and timing)
         fast = bucket_hook(log, hook_wrapper, _default_hook, functools.partial(modules.where, phase=P_BACKWARD),
-                           last_bucket, torch.Tensor)
+                           last_bucket, torch.Tensor, pack)
         if fast is not None:
             return fast
     return hook_wrapper
@@ -228,7 +235,7 @@ class _Dispatch:
     """The hook commpatch registered on one reducer: runs ``hook(state, bucket)``, which is the
     reducer's own arithmetic (``_default_hook``, state = self) until a hook is registered."""
 
-    __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "__weakref__")
+    __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "pack", "__weakref__")
 
     def __init__(self, ddp) -> None:
         self.ddp = weakref.ref(ddp)          # the reducer holds this object: no cycle through it
@@ -236,6 +243,7 @@ class _Dispatch:
         self.hook, self.state, self.user = _default_hook, self, False
         self.work, self.static = None, True  # the reducer's forward work handle (join), if any
         self.track = None                    # _AliasTrack, when the reducer's operation must be known
+        self.pack = None                     # rows.Packing of a CPU model (_packing)
         if ddp.gradient_as_bucket_view and not _pow2(self.size):
             self.track = _AliasTrack(ddp)
 
@@ -264,7 +272,8 @@ def _pow2(d: int) -> bool:
 def _default_hook(slot, bucket, buf=None, timed=None):
     """What the reducer does without a hook (reducer.cpp, mark_variable_ready_*): scale into the
     bucket with the divisor and the operation it would use, then its C++ all-reduce (SUM).
-    ``timed`` = (done, seq, start): the completion callback also notes ``done[seq]``."""
+    ``timed`` = (done, seq, start, pack): the completion callback also notes ``done[seq]`` and tells
+    ``pack`` (a ``rows.Packing`` or None)."""
     if buf is None:
         buf = bucket.buffer()
     d = slot.divisor()
@@ -288,8 +297,10 @@ def _bucket_tensor(fut):
     return value[0] if isinstance(value, list) else value
 
 
-def _timed_bucket_tensor(done, seq, start, fut):
+def _timed_bucket_tensor(done, seq, start, pack, fut):
     done[seq] = _pc() - start                # the log's completion time, as the rows' own callbacks note it
+    if pack is not None:
+        pack.done()
     return _bucket_tensor(fut)
 
 
@@ -352,6 +363,27 @@ def _graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _packing(log, slot, ddp):
+    """A CPU model's ``rows.Packing``, its two hooks on each parameter's gradient accumulator in
+    place while ``slot`` lives (after disable() they return at once), or None (a model on an
+    accelerator: the reducer's copies are device kernels, which the host does not wait for)."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not params or not all(p.is_cpu for p in params):
+        return None
+    pack = packing(log)
+    handles = []
+    try:
+        for p in params:
+            handles.append(p.register_post_accumulate_grad_hook(pack.acc))
+            # the accumulator the reducer hooked (torch caches it per parameter; the reducer keeps it)
+            handles.append(p.view_as(p).grad_fn.next_functions[0][0].register_hook(pack.post))
+    except Exception:
+        _remove(handles)
+        raise
+    weakref.finalize(slot, _remove, handles)
+    return pack
+
+
 def _remove(handles) -> None:
     for handle in handles:
         handle.remove()
@@ -368,10 +400,14 @@ def _installing(log, orig, active):
     def installing(self, *args, **kwargs):
         if active():
             reducer = self.__dict__.get("reducer")
-            if reducer is not None and reducer not in _SLOTS:
-                _install(log, self, reducer)
-                if getattr(self, "find_unused_parameters", False) and not getattr(self, "static_graph", False):
-                    _NO_REBUILD.add(reducer)     # torch's should_rebuild_buckets() is false for good
+            if reducer is not None:
+                slot = _SLOTS.get(reducer, _install)
+                if slot is _install:
+                    _install(log, self, reducer)
+                    if getattr(self, "find_unused_parameters", False) and not getattr(self, "static_graph", False):
+                        _NO_REBUILD.add(reducer)     # torch's should_rebuild_buckets() is false for good
+                elif slot is not None and slot.pack is not None:
+                    slot.pack.reset()            # a new forward: packing no launch followed is forgotten
         return orig(self, *args, **kwargs)
 
     return _eager(installing)
@@ -400,8 +436,10 @@ def _install(log, ddp, reducer) -> None:
             return
         _persist()
         slot = _Dispatch(ddp)
+        slot.pack = _packing(log, slot, ddp)
         ctx = base.CURRENT
-        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None))
+        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None,
+                                                   slot.pack))
         _SLOTS[reducer] = slot
     except Exception as exc:  # noqa: BLE001
         _runtime.fail("ddp.install", exc)

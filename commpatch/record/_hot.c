@@ -25,6 +25,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stddef.h>
 #include <string.h>
 #include <time.h>
@@ -426,15 +427,201 @@ static PyTypeObject RecorderType = {
  * Why: the same work as Python bytecode inside the backward made the synchronized step ~80-120 us
  * slower at 1 rank (3 buckets, 3 ms steps; benchmarks/ddp_hook_cost.py, docs/design-notes.md). */
 
+/* ``Packing(out, state)``: DDP's packing of one model's gradients into its buckets, timed on the
+ * training thread; the books of record/rows.py's ``Packing`` (its docstring says what they mean),
+ * kept here because its two hooks run once per parameter per backward. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *out;        /* list: Log.packs, (seq, pack_ns, alone_ns) per launch */
+    PyObject *state;      /* dict: STATE.__dict__ */
+    long long pre, pre_busy, inflight, last_done, total, alone;
+    int seen;
+} Packing;
+
+static PyObject *s_recording;
+static PyTypeObject PackingType;
+
+static void
+packing_reset(Packing *self)
+{
+    self->pre = self->pre_busy = self->inflight = self->last_done = self->total = self->alone = 0;
+    self->seen = 0;
+}
+
+static void
+packing_close(Packing *self, long long end)
+{
+    long long pre = self->pre;
+    self->pre = 0;
+    self->total += end - pre;
+    self->seen = 1;
+    if (!self->pre_busy)
+        self->alone += end - pre;
+    else if (!self->inflight)
+        self->alone += end - (pre > self->last_done ? pre : self->last_done);
+}
+
+/* A bucket's launch at ``start``: the windows since the previous one noted for row ``seq``. */
+static int
+packing_launch(Packing *self, long long seq, long long start)
+{
+    int rc = 0;
+    if (self->pre)
+        packing_close(self, start);
+    if (self->seen) {
+        PyObject *note = Py_BuildValue("(LLL)", seq, self->total, self->alone);
+        rc = note == NULL ? -1 : PyList_Append(self->out, note);
+        Py_XDECREF(note);
+        self->total = self->alone = 0;
+        self->seen = 0;
+    }
+    self->inflight++;
+    return rc;
+}
+
+static void
+packing_done(Packing *self)
+{
+    if (self->inflight > 0)
+        self->inflight--;
+    self->last_done = now_ns();
+}
+
+/* acc(param): the post-accumulate-grad hook */
+static PyObject *
+Packing_acc(Packing *self, PyObject *param)
+{
+    PyObject *rec = PyDict_GetItemWithError(self->state, s_recording);   /* borrowed */
+    if (rec == Py_True) {
+        self->pre = now_ns();
+        self->pre_busy = self->inflight;
+    }
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+/* post(grad_inputs, grad_outputs): the gradient accumulator's post hook, after the reducer's */
+static PyObject *
+Packing_post(Packing *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (self->pre)
+        packing_close(self, now_ns());
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Packing_launch(Packing *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long long seq, start;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "launch(seq, start)");
+        return NULL;
+    }
+    if (((seq = PyLong_AsLongLong(args[0])) == -1 || (start = PyLong_AsLongLong(args[1])) == -1) && PyErr_Occurred())
+        return NULL;
+    if (packing_launch(self, seq, start) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Packing_done(Packing *self, PyObject *unused)
+{
+    packing_done(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Packing_completed(Packing *self, PyObject *fut)
+{
+    packing_done(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Packing_reset(Packing *self, PyObject *unused)
+{
+    packing_reset(self);
+    Py_RETURN_NONE;
+}
+
+static int
+Packing_init(Packing *self, PyObject *args, PyObject *kwds)
+{
+    PyObject *out, *state;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &out, &PyDict_Type, &state))
+        return -1;
+    Py_INCREF(out); Py_XSETREF(self->out, out);
+    Py_INCREF(state); Py_XSETREF(self->state, state);
+    packing_reset(self);
+    return 0;
+}
+
+static int
+Packing_traverse(Packing *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->out); Py_VISIT(self->state);
+    return 0;
+}
+
+static int
+Packing_clear(Packing *self)
+{
+    Py_CLEAR(self->out); Py_CLEAR(self->state);
+    return 0;
+}
+
+static void
+Packing_dealloc(Packing *self)
+{
+    PyObject_GC_UnTrack(self);
+    Packing_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Packing_methods[] = {
+    {"acc", (PyCFunction)Packing_acc, METH_O, "acc(param): a gradient accumulated (post-accumulate-grad hook)"},
+    {"post", (PyCFunction)(void (*)(void))Packing_post, METH_FASTCALL,
+     "post(grad_inputs, grad_outputs): the reducer's hook on it returned"},
+    {"launch", (PyCFunction)(void (*)(void))Packing_launch, METH_FASTCALL, "launch(seq, start): a bucket issued"},
+    {"done", (PyCFunction)Packing_done, METH_NOARGS, "done(): a bucket completed"},
+    {"completed", (PyCFunction)Packing_completed, METH_O, "completed(future): done() as a future's callback"},
+    {"reset", (PyCFunction)Packing_reset, METH_NOARGS, "reset(): a new forward"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Packing_members[] = {
+    {"inflight", T_LONGLONG, offsetof(Packing, inflight), READONLY, "buckets launched, not completed"},
+    {"total", T_LONGLONG, offsetof(Packing, total), READONLY, "ns of packing since the last launch"},
+    {"alone", T_LONGLONG, offsetof(Packing, alone), READONLY, "of which with no bucket in flight"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject PackingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "commpatch.record._hot.Packing",
+    .tp_basicsize = sizeof(Packing),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "DDP's gradient packing into buckets, timed (see commpatch/record/rows.py: Packing).",
+    .tp_methods = Packing_methods,
+    .tp_members = Packing_members,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Packing_init,
+    .tp_dealloc = (destructor)Packing_dealloc,
+    .tp_traverse = (traverseproc)Packing_traverse,
+    .tp_clear = (inquiry)Packing_clear,
+};
+
 typedef struct {
     PyObject_HEAD
     PyObject *done;       /* dict: seq -> duration_ns (Log.done) */
     PyObject *seq;        /* int */
+    Packing *pack;        /* the model's packing books, or NULL */
     long long start;
     vectorcallfunc vectorcall;
 } Done;
 
-static PyObject *s_value, *s_recording, *s_hook, *s_track, *s_work, *s_static, *s_ddp, *s_size, *s_buffer;
+static PyObject *s_value, *s_hook, *s_track, *s_work, *s_static, *s_ddp, *s_size, *s_buffer;
 static PyObject *s_is_cpu, *s_is_sparse, *s_mul_, *s_reducer, *s_run, *s_then, *s_pg, *s_index, *s_params;
 static PyObject *s_is_last, *s_bucket;
 static PyTypeObject DoneType;
@@ -452,6 +639,8 @@ Done_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     if (d == NULL || PyDict_SetItem(self->done, self->seq, d) < 0)
         PyErr_Clear();                  /* the duration is lost, never the reducer's result */
     Py_XDECREF(d);
+    if (self->pack != NULL)
+        packing_done(self->pack);
     PyObject *value = PyObject_CallMethodNoArgs(args[0], s_value);   /* raises as the all-reduce did */
     if (value == NULL || !PyList_Check(value))
         return value;
@@ -469,14 +658,14 @@ Done_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
 static int
 Done_traverse(Done *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->done); Py_VISIT(self->seq);
+    Py_VISIT(self->done); Py_VISIT(self->seq); Py_VISIT(self->pack);
     return 0;
 }
 
 static int
 Done_clear(Done *self)
 {
-    Py_CLEAR(self->done); Py_CLEAR(self->seq);
+    Py_CLEAR(self->done); Py_CLEAR(self->seq); Py_CLEAR(self->pack);
     return 0;
 }
 
@@ -517,6 +706,7 @@ typedef struct {
     PyObject *on_last;    /* on_last(ddp, seq, start) after the last bucket */
     PyObject *fail;       /* record.state.fail */
     PyObject *tensor;     /* torch.Tensor */
+    PyObject *pack;       /* Packing, or None */
     long code;            /* op code of ddp_bucket_allreduce */
     unsigned char flags;  /* flags byte: async, future-timed */
     vectorcallfunc vectorcall;
@@ -640,12 +830,18 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         goto slow;
     Py_INCREF(self->done); cb->done = self->done;
     Py_INCREF(seqobj); cb->seq = seqobj;
+    cb->pack = NULL;
+    if (self->pack != Py_None) {
+        Py_INCREF(self->pack); cb->pack = (Packing *)self->pack;
+    }
     cb->vectorcall = Done_vectorcall;
     PyObject_GC_Track(cb);
 
     /* the reducer's arithmetic and its all-reduce: torch's errors propagate, as from the Python hook */
     long long start = now_ns();
     cb->start = start;
+    if (cb->pack != NULL && packing_launch(cb->pack, seq, start) < 0)
+        report_failure(self->fail, s_bucket);
     if (d != 1) {                       /* x * (1/d), as the reducer's copy into the bucket */
         PyObject *f = PyFloat_FromDouble(1.0 / (double)d);
         scaled = f ? PyObject_CallMethodOneArg(tensor, s_mul_, f) : NULL;
@@ -676,14 +872,18 @@ static int
 BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
 {
     PyObject *fallback, *default_hook, *state, *seq, *buf, *dtype_ids, *dtype_id, *group_ids, *group_id, *done;
-    PyObject *buckets, *where, *on_last, *fail, *tensor;
+    PyObject *buckets, *where, *on_last, *fail, *tensor, *pack;
     long code;
     int flags;
-    if (!PyArg_ParseTuple(args, "OOO!OO!O!OO!OO!O!OOOO!li", &fallback, &default_hook, &PyDict_Type, &state, &seq,
+    if (!PyArg_ParseTuple(args, "OOO!OO!O!OO!OO!O!OOOO!liO", &fallback, &default_hook, &PyDict_Type, &state, &seq,
                           &PyByteArray_Type, &buf, &PyDict_Type, &dtype_ids, &dtype_id, &PyDict_Type, &group_ids,
                           &group_id, &PyDict_Type, &done, &PyList_Type, &buckets, &where, &on_last, &fail,
-                          &PyType_Type, &tensor, &code, &flags))
+                          &PyType_Type, &tensor, &code, &flags, &pack))
         return -1;
+    if (pack != Py_None && !Py_IS_TYPE(pack, &PackingType)) {
+        PyErr_SetString(PyExc_TypeError, "pack must be a Packing or None");
+        return -1;
+    }
     if (Py_TYPE(seq)->tp_iternext == NULL) {
         PyErr_SetString(PyExc_TypeError, "seq must be an iterator");
         return -1;
@@ -691,6 +891,7 @@ BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
 #define KEEP(f) do { Py_INCREF(f); Py_XSETREF(self->f, f); } while (0)
     KEEP(fallback); KEEP(default_hook); KEEP(state); KEEP(seq); KEEP(buf); KEEP(dtype_ids); KEEP(dtype_id);
     KEEP(group_ids); KEEP(group_id); KEEP(done); KEEP(buckets); KEEP(where); KEEP(on_last); KEEP(fail); KEEP(tensor);
+    KEEP(pack);
 #undef KEEP
     self->code = code;
     self->flags = (unsigned char)flags;
@@ -699,7 +900,7 @@ BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
 }
 
 #define BUCKET_FIELDS(F) F(fallback); F(default_hook); F(state); F(seq); F(buf); F(dtype_ids); F(dtype_id); \
-    F(group_ids); F(group_id); F(done); F(buckets); F(where); F(on_last); F(fail); F(tensor)
+    F(group_ids); F(group_id); F(done); F(buckets); F(where); F(on_last); F(fail); F(tensor); F(pack)
 
 static int
 BucketHook_traverse(BucketHook *self, visitproc visit, void *arg)
@@ -753,7 +954,8 @@ PyInit__hot(void)
     PyErr_SetString(PyExc_ImportError, "commpatch's packed rows are little-endian");
     return NULL;
 #endif
-    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&DoneType) < 0 || PyType_Ready(&BucketHookType) < 0)
+    if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&DoneType) < 0 || PyType_Ready(&BucketHookType) < 0
+            || PyType_Ready(&PackingType) < 0)
         return NULL;
 #define INTERN(v, text) if ((v = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_step, "step"); INTERN(s_tag, "tag"); INTERN(s_where, "where"); INTERN(s_dtype, "dtype");
@@ -774,8 +976,10 @@ PyInit__hot(void)
     Py_INCREF(&RecorderType);
     Py_INCREF(SLOW);
     Py_INCREF(&BucketHookType);
+    Py_INCREF(&PackingType);
     if (PyModule_AddObject(m, "SLOW", SLOW) < 0 || PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0
-            || PyModule_AddObject(m, "BucketHook", (PyObject *)&BucketHookType) < 0) {
+            || PyModule_AddObject(m, "BucketHook", (PyObject *)&BucketHookType) < 0
+            || PyModule_AddObject(m, "Packing", (PyObject *)&PackingType) < 0) {
         Py_DECREF(&RecorderType);
         Py_DECREF(m);
         return NULL;

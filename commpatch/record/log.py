@@ -81,6 +81,7 @@ class Log:
         self.pid = os.getpid()
         self.buckets: list[tuple] = []       # (first_seq, end_seq, bucket, params): DDP hook spans
         self.syncs: list[tuple] = []         # (seq, ns after its start): end of DDP's finalize (integrations.ddp)
+        self.packs: list[tuple] = []         # (seq, pack ns, alone ns): DDP's gradient packing before a bucket (rows.Packing)
         self.output = ""                     # path template ('' : frames kept in memory)
         self.max_rows = 0                    # with no output: rows kept in memory (0: no limit)
         self.on_open = None                  # called with (log) before a file is opened: e.g. start the flusher
@@ -268,6 +269,11 @@ class Log:
             k = len(syncs)
             out.extend(logfile.meta("sync", seq=seq, end=end) for seq, end in syncs[:k])
             del syncs[:k]
+        packs = self.packs
+        if packs:
+            k = len(packs)
+            out.extend(logfile.meta("pack", seq=seq, ns=ns, alone=alone) for seq, ns, alone in packs[:k])
+            del packs[:k]
         return b"".join(out)
 
     def sinks(self) -> list:
@@ -316,6 +322,7 @@ class Log:
         self.pending.clear()
         self.buckets.clear()
         self.syncs.clear()
+        self.packs.clear()
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""

@@ -46,17 +46,87 @@ def hot_call(log, mask: int, code: int, orig, maintain, coalescing: dict, tensor
 SLOW = _hot.SLOW if _hot is not None else object()
 
 
-def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type):
+def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type, packing=None):
     """The C comm hook for DDP's buckets (record/_hot.c: BucketHook) bound to ``log``, or None when
     the C module is not available: ``hook(slot, bucket)`` takes the reducer's own arithmetic on a
     dense CPU bucket (``slot.hook is default_hook``) and writes the bucket's row, span and timing;
     ``fallback(slot, bucket)`` takes anything else. ``where(ddp)``: the row's module/phase code;
-    ``on_last(ddp, seq, start)``: after the last bucket of a backward."""
-    if not C_ROWS:
+    ``on_last(ddp, seq, start)``: after the last bucket of a backward. ``packing``: the model's
+    ``packing(log)`` (its buckets' launches and completions), or None; a Python ``Packing`` leaves
+    the buckets to the Python hook."""
+    if not C_ROWS or not (packing is None or isinstance(packing, _hot.Packing)):
         return None
     return _hot.BucketHook(fallback, default_hook, STATE.__dict__, SEQ, log.buf, log.dtype_ids, log.dtype_id,
                            log.group_ids, log.group_id, log.done, log.buckets, where, on_last, fail, tensor_type,
-                           OP_CODE["ddp_bucket_allreduce"], pack_flags(True, False, False, T_FUTURE))
+                           OP_CODE["ddp_bucket_allreduce"], pack_flags(True, False, False, T_FUTURE), packing)
+
+
+class Packing:
+    """DDP's packing of one model's gradients into its buckets (CPU), timed on the training thread.
+
+    Per parameter, a window from the accumulation of its gradient (``acc``: a post-accumulate-grad
+    hook, so the accumulation itself is not in it) to the end of the hooks on its gradient
+    accumulator that run before commpatch's (``post``, registered after them: the reducer's, which
+    copies the gradient into its bucket view), or to the launch of the bucket it completes, which
+    runs inside the reducer's hook. ``launch(seq, start)`` (commpatch's bucket hook, at a bucket's
+    issue) closes the windows since the previous launch into ``out`` as ``(seq, pack_ns, alone_ns)``:
+    their total and the part of it with none of this model's buckets in flight (``done()``: one
+    completed; a window that began with buckets in flight is alone from the last completion on,
+    if they all completed before it ended). ``reset()`` at each forward drops windows no launch
+    followed (a no_sync() backward). The C twin (record/_hot.c: ``Packing``) keeps the same books.
+    """
+
+    __slots__ = ("out", "state", "pre", "pre_busy", "inflight", "last_done", "total", "alone", "seen")
+
+    def __init__(self, out: list, state) -> None:
+        self.out, self.state = out, state
+        self.reset()
+
+    def reset(self) -> None:
+        self.pre = self.pre_busy = self.inflight = self.last_done = self.total = self.alone = 0
+        self.seen = False
+
+    def acc(self, param) -> None:
+        if self.state.recording:
+            self.pre, self.pre_busy = time.perf_counter_ns(), self.inflight
+
+    def post(self, grad_inputs, grad_outputs) -> None:
+        if self.pre:
+            self._close(time.perf_counter_ns())
+
+    def _close(self, end: int) -> None:
+        pre, self.pre = self.pre, 0
+        self.total += end - pre
+        self.seen = True
+        if not self.pre_busy:
+            self.alone += end - pre
+        elif not self.inflight:
+            self.alone += end - max(pre, self.last_done)
+
+    def launch(self, seq: int, start: int) -> None:
+        if self.pre:
+            self._close(start)
+        if self.seen:
+            self.out.append((seq, self.total, self.alone))
+            self.total = self.alone = 0
+            self.seen = False
+        self.inflight += 1
+
+    def done(self) -> None:
+        if self.inflight > 0:
+            self.inflight -= 1
+        self.last_done = time.perf_counter_ns()
+
+    def completed(self, fut) -> None:
+        """``done()`` as a future's callback."""
+        self.done()
+
+
+def packing(log):
+    """The books of one DDP model's gradient packing, in C when built (see ``Packing``)."""
+    if C_ROWS:
+        return _hot.Packing(log.packs, STATE.__dict__)
+    return Packing(log.packs, STATE)
 
 
 def peek_seq(counter=SEQ) -> int:
