@@ -18,6 +18,11 @@ alternating, the median over the processes.
 ``--layers N``: a model of N Linear(64, 64) layers instead (2N parameters, 1 bucket): the cost per
 parameter of what runs per parameter.
 
+``--packing-cost``: the two hooks per parameter alone, in one process (separate processes differ by
+more than they cost): two identical DDP models of ``--layers`` layers (default 100) under
+commpatch, one without the packing hooks, stepped in alternating rounds; the difference of the
+median steps per parameter.
+
 docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
 """
 
@@ -151,6 +156,56 @@ def worker(way: str, steps: int, layers: int) -> None:
     dist.destroy_process_group()
 
 
+def packing_cost(layers: int, rounds: int, steps: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
+    sys.path.insert(0, ROOT)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+    from commpatch.integrations import ddp as cp_ddp
+
+    torch.set_num_threads(1)
+    commpatch.enable(output="none")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    x = torch.randn(64, 64)
+    y = x.sum(1, keepdim=True)
+    models, packing = {}, cp_ddp._packing
+    for way in ("hooks", "no_hooks"):
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1)))
+        cp_ddp._packing = packing if way == "hooks" or os.environ.get("AA") else (lambda *args: None)
+        try:
+            ddp(x)                       # commpatch installs at the first forward
+        finally:
+            cp_ddp._packing = packing
+        models[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    params = sum(1 for p in models["hooks"][0].parameters())
+
+    def step(ddp, opt) -> float:
+        t = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t
+
+    times: dict = {way: [] for way in models}
+    for r in range(rounds):
+        for way in (("hooks", "no_hooks") if r % 2 else ("no_hooks", "hooks")):
+            for i in range(steps):
+                dt = step(*models[way])
+                if r > 0:
+                    times[way].append(dt)
+    on, off = statistics.median(times["hooks"]) * 1e6, statistics.median(times["no_hooks"]) * 1e6
+    packed = commpatch.log()["pack_us"].dropna()
+    print(f"load {os.getloadavg()[0]:.2f}; {layers} layers ({params} parameters), {rounds} alternating rounds of "
+          f"{steps} steps")
+    print(f"step with the packing hooks {on:.0f} us, without {off:.0f} us: {(on - off) / params:+.3f} us per "
+          f"parameter per step; packing measured {packed.median():.0f} us per bucket (median)")
+    dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
@@ -159,7 +214,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpp", action="store_true", help="also a C++ comm hook (torch extension, built now)")
     parser.add_argument("--layers", type=int, default=0, help="a model of N Linear(64, 64) layers instead")
     parser.add_argument("--ways", help=f"comma-separated, of {', '.join(WAYS)} (default: all)")
+    parser.add_argument("--packing-cost", action="store_true", help="the packing hooks' cost, in one process")
     args = parser.parse_args(argv)
+    if args.packing_cost:
+        packing_cost(args.layers or 100, max(3, args.processes * 4), max(10, args.steps // 20))
+        return 0
     if args.worker:
         worker(args.worker, args.steps, args.layers)
         return 0

@@ -126,7 +126,8 @@ def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
     then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often
     the Python default hook ran in each, and whether the gradients agree (also with commpatch's own
-    error injected after each last bucket: its internal error counts)."""
+    error injected after each last bucket: its internal error counts; that model's first forward
+runs under inference_mode())."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -162,14 +163,21 @@ def ddp_c_and_python_paths(rank, world_size):
 
     cp_ddp._time_finalize = broken
     try:
-        grads_fault = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
+        model = DDP(_model(), bucket_cap_mb=0.0002)
+        with torch.inference_mode():         # commpatch installs at this first forward: packing timed anyway
+            model(torch.randn(4, 8))
+        grads_fault = _train(model, rank)
     finally:
         cp_ddp._time_finalize = time_finalize
+    unpacked = rows.peek_seq()
+    commpatch.disable()
+    commpatch.enable(output="none", ddp_packing=False)      # COMMPATCH_DDP_PACKING=0: no packing timed
+    _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     df = commpatch.log()
     commpatch.disable()
     identical = all(torch.equal(a, b) for runs in (grads_py, grads_fault) for ga, gb in zip(grads_c, runs)
                     for a, b in zip(ga, gb))
-    return dict(df=df, lo=lo, mid=mid, hi=hi, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical,
+    return dict(df=df, lo=lo, mid=mid, hi=hi, unpacked=unpacked, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical,
                 errors=commpatch.internal_errors())
 
 

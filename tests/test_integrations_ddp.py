@@ -77,6 +77,10 @@ def test_c_and_python_bucket_hooks_write_the_same_rows():
         assert c["sync_end_us"].notna().tolist() == py["sync_end_us"].notna().tolist()
         assert c["sync_end_us"].notna().sum() == 4                   # one finalize per synchronised backward
         assert c["pack_us"].notna().all() and py["pack_us"].notna().all()    # C and Python packing books
+        after = buckets[(buckets["seq"] >= res["hi"]) & (buckets["seq"] < res["unpacked"])]
+        assert len(after) == len(c) and after["pack_us"].notna().all() and "ddp.packing" not in res["errors"]
+        off = buckets[buckets["seq"] >= res["unpacked"]]    # installed with ddp_packing=False
+        assert len(off) == len(c) and off["pack_us"].isna().all()
         assert (c["duration_us"] > 0).all() and (c["host_us"] > 0).all()
         assert res["identical"]
         assert res["errors"].get("ddp.hook") == 4                   # the injected fault, once per backward

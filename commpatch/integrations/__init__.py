@@ -30,7 +30,7 @@ ALL: tuple[Integration, ...] = (ddp.INTEGRATION, functional.INTEGRATION, modules
 
 
 def apply(log, timing, settings: dict) -> Context:
-    ctx = base.CURRENT = Context(log, timing)
+    ctx = base.CURRENT = Context(log, timing, settings)
     for integration in ALL:
         if integration.wanted(settings):
             try:

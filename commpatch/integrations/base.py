@@ -33,9 +33,10 @@ class Integration:
 class Context:
     """What an integration needs from the session: the log, the timing state, its patches."""
 
-    def __init__(self, log, timing) -> None:
+    def __init__(self, log, timing, settings: dict | None = None) -> None:
         self.log = log
         self.timing = timing
+        self.settings = settings or {}
         self.patches = Patches()
 
 

@@ -367,19 +367,24 @@ def _packing(log, slot, ddp):
     """A CPU model's ``rows.Packing``, its two hooks on each parameter's gradient accumulator in
     place while ``slot`` lives (after disable() they return at once), or None (a model on an
     accelerator: the reducer's copies are device kernels, which the host does not wait for)."""
+    import torch
+
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     if not params or not all(p.is_cpu for p in params):
         return None
     pack = packing(log)
     handles = []
     try:
-        for p in params:
-            handles.append(p.register_post_accumulate_grad_hook(pack.acc))
-            # the accumulator the reducer hooked (torch caches it per parameter; the reducer keeps it)
-            handles.append(p.view_as(p).grad_fn.next_functions[0][0].register_hook(pack.post))
-    except Exception:
+        # the first forward may run under no_grad() or inference_mode(): the accumulators exist anyway
+        with torch.inference_mode(False), torch.enable_grad():
+            for p in params:
+                handles.append(p.register_post_accumulate_grad_hook(pack.acc))
+                # the accumulator the reducer hooked (torch caches it per parameter; the reducer keeps it)
+                handles.append(p.view_as(p).grad_fn.next_functions[0][0].register_hook(pack.post))
+    except Exception as exc:  # noqa: BLE001 - the buckets are still recorded, without their packing
         _remove(handles)
-        raise
+        _runtime.fail("ddp.packing", exc)
+        return None
     weakref.finalize(slot, _remove, handles)
     return pack
 
@@ -436,8 +441,9 @@ def _install(log, ddp, reducer) -> None:
             return
         _persist()
         slot = _Dispatch(ddp)
-        slot.pack = _packing(log, slot, ddp)
         ctx = base.CURRENT
+        if ctx is None or ctx.settings.get("ddp_packing", True):
+            slot.pack = _packing(log, slot, ddp)
         _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None,
                                                    slot.pack))
         _SLOTS[reducer] = slot
