@@ -73,7 +73,9 @@ class Packing:
     their total and the part of it with none of this model's buckets in flight (``done()``: one
     completed; a window that began with buckets in flight is alone from the last completion on,
     if they all completed before it ended). ``reset()`` at each forward drops windows no launch
-    followed (a no_sync() backward). The C twin (record/_hot.c: ``Packing``) keeps the same books.
+    followed (a no_sync() backward). The C twin (record/_hot.c: ``Packing``) keeps the same books;
+    here ``done()`` runs on the backend's thread and an update of ``inflight`` lost between
+    bytecodes would skew the split until that reset (the C twin's updates hold the GIL throughout).
     """
 
     __slots__ = ("out", "state", "pre", "pre_busy", "inflight", "last_done", "total", "alone", "seen")

@@ -50,7 +50,7 @@ def comm_per_step(steps):
     ax = fig.add_subplot()
     x = steps["step"].to_numpy()
     bottom = np.zeros(len(steps))
-    parts = (("exposed_us", "exposed (the thread waited)", "tab:red"),
+    parts = (("exposed_us", "exposed (the training thread's)", "tab:red"),
              ("overlapped_us", "overlapped with compute", "tab:green"),
              ("overlap_unknown_us", "async / device-timed (overlap unknown)", "tab:orange"))
     for col, label, color in parts:

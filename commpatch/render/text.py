@@ -172,10 +172,11 @@ def _step_notes(per_step) -> list:
                      "(the last step has none); steady-state figures are medians over the steady steps.")
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
-    notes.append("comm_share: communication under way (busy_us, DDP's finalize included) / step time. exposed_share: "
-                 "time the training thread waited for communication / step time (the overhead): blocking calls for "
-                 "their whole duration, DDP gradient buckets from the issue of the last bucket to the end of DDP's "
-                 "finalize (its wait for the buckets and copy into .grad). overlap_unknown_us: "
+    notes.append("comm_share: communication under way (busy_us, DDP's finalize and packing included) / step time. "
+                 "exposed_share: time the training thread spent on communication or waited for it / step time (the "
+                 "overhead): blocking calls for their whole duration, DDP gradient buckets from the issue of the last "
+                 "bucket to the end of DDP's finalize (its wait for the buckets and copy into .grad), DDP's packing "
+                 "of gradients into its buckets (ddp_pack_us, CPU models). overlap_unknown_us: "
                  "other async or device-timed calls, whose wait the log does not show.")
     return notes
 
