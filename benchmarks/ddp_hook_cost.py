@@ -21,7 +21,11 @@ parameter of what runs per parameter.
 ``--packing-cost``: the two hooks per parameter alone, in one process (separate processes differ by
 more than they cost): two identical DDP models of ``--layers`` layers (default 100) under
 commpatch, one without the packing hooks, stepped in alternating rounds; the difference of the
-median steps per parameter.
+median steps per parameter (``--control``: both models hooked, the A/A control of that difference).
+
+``--phases``: where plain DDP's no_sync() difference sits (one process, the ground truth's model, no
+commpatch): per phase the median of synchronized and no_sync() steps, DDP's own forward bookkeeping
+(``_pre_forward`` / ``_post_forward``) timed apart.
 
 docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
 """
@@ -156,7 +160,7 @@ def worker(way: str, steps: int, layers: int) -> None:
     dist.destroy_process_group()
 
 
-def packing_cost(layers: int, rounds: int, steps: int) -> None:
+def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
     sys.path.insert(0, ROOT)
     import torch
@@ -175,7 +179,7 @@ def packing_cost(layers: int, rounds: int, steps: int) -> None:
     for way in ("hooks", "no_hooks"):
         torch.manual_seed(0)
         ddp = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1)))
-        cp_ddp._packing = packing if way == "hooks" or os.environ.get("AA") else (lambda *args: None)
+        cp_ddp._packing = packing if way == "hooks" or control else (lambda *args: None)
         try:
             ddp(x)                       # commpatch installs at the first forward
         finally:
@@ -206,6 +210,67 @@ def packing_cost(layers: int, rounds: int, steps: int) -> None:
     dist.destroy_process_group()
 
 
+def phases(steps: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    h = 512
+    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+    ddp = DDP(model, bucket_cap_mb=1.0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(64, 64)
+    y = x.sum(1, keepdim=True)
+    pc, inner = time.perf_counter_ns, {}
+
+    def timed(name):
+        orig = getattr(DDP, name)
+
+        def run(*args, **kwargs):
+            t = pc()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                inner[name] = pc() - t
+        setattr(DDP, name, run)
+
+    timed("_pre_forward")
+    timed("_post_forward")
+    names = ("forward", "backward", "optimizer", "step", "_pre_forward", "_post_forward")
+    out: dict = {True: [], False: []}
+    for i in range(2 * steps + 40):
+        sync = i % 2 == 0
+        opt.zero_grad()
+        t0 = pc()
+        if sync:
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            t1 = pc()
+            loss.backward()
+        else:
+            with ddp.no_sync():
+                loss = torch.nn.functional.mse_loss(ddp(x), y)
+                t1 = pc()
+                loss.backward()
+        t2 = pc()
+        opt.step()
+        t3 = pc()
+        if i >= 40:
+            out[sync].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, inner["_pre_forward"], inner["_post_forward"]))
+    print(f"load {os.getloadavg()[0]:.2f}; plain DDP, 1 process, {steps} synchronized and {steps} no_sync() steps, "
+          "interleaved (us, medians)")
+    print("phase            sync   no_sync   difference")
+    for k, name in enumerate(names):
+        a = statistics.median(v[k] for v in out[True]) / 1e3
+        b = statistics.median(v[k] for v in out[False]) / 1e3
+        print(f"{name:14s} {a:6.0f}    {b:6.0f}    {a - b:+6.0f}")
+    dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
@@ -215,9 +280,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=0, help="a model of N Linear(64, 64) layers instead")
     parser.add_argument("--ways", help=f"comma-separated, of {', '.join(WAYS)} (default: all)")
     parser.add_argument("--packing-cost", action="store_true", help="the packing hooks' cost, in one process")
+    parser.add_argument("--control", action="store_true", help="with --packing-cost: both models hooked (A/A)")
+    parser.add_argument("--phases", action="store_true", help="plain DDP's no_sync() difference, by phase")
     args = parser.parse_args(argv)
+    if args.phases:
+        phases(args.steps)
+        return 0
     if args.packing_cost:
-        packing_cost(args.layers or 100, max(3, args.processes * 4), max(10, args.steps // 20))
+        packing_cost(args.layers or 100, max(3, args.processes * 4), max(10, args.steps // 20), args.control)
         return 0
     if args.worker:
         worker(args.worker, args.steps, args.layers)
