@@ -517,7 +517,11 @@ Packing_launch(Packing *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "launch(seq, start)");
         return NULL;
     }
-    if (((seq = PyLong_AsLongLong(args[0])) == -1 || (start = PyLong_AsLongLong(args[1])) == -1) && PyErr_Occurred())
+    seq = PyLong_AsLongLong(args[0]);
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    start = PyLong_AsLongLong(args[1]);
+    if (start == -1 && PyErr_Occurred())
         return NULL;
     if (packing_launch(self, seq, start) < 0)
         return NULL;
