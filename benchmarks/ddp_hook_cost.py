@@ -102,15 +102,37 @@ def cpp_module():
     return load_inline(name="commpatch_bench_cpp_hook", cpp_sources=[CPP_HOOK], extra_cflags=["-O2"])
 
 
+def model_of(layers: int = 0):
+    """The ground truth's model (hidden 512, 557k parameters in 8 tensors), or ``layers`` Linear(64, 64)."""
+    import torch
+
+    torch.manual_seed(0)
+    if layers:
+        return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1))
+    h = 512
+    return torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
+                               torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+
+
+def one_process_group():
+    """A gloo group of this one process, one intra-op thread; the batch (x, y)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    x = torch.randn(64, 64)
+    return x, x.sum(1, keepdim=True)
+
+
 def worker(way: str, steps: int, layers: int) -> None:
     """One process, one way: prints the median normal and no_sync step times (us)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
     sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
     if way.startswith("commpatch"):
         import commpatch
         from commpatch.integrations import ddp as cp_ddp
@@ -120,14 +142,8 @@ def worker(way: str, steps: int, layers: int) -> None:
         elif way == "commpatch_no_packing":
             cp_ddp._packing = lambda *args: None
         commpatch.enable(output="none")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    h = 512
-    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
-    if layers:
-        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1))
-    ddp = DDP(model, bucket_cap_mb=1.0)
+    x, y = one_process_group()
+    ddp = DDP(model_of(layers), bucket_cap_mb=1.0)
     if way == "python_hook":
         reducer = ddp.reducer
         ddp.register_comm_hook(None, lambda state, bucket: reducer._run_allreduce_hook(bucket).then(
@@ -135,8 +151,6 @@ def worker(way: str, steps: int, layers: int) -> None:
     elif way == "cpp_hook":
         cpp_module().register_hook(ddp.reducer, ddp.process_group)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x = torch.randn(64, 64)
-    y = x.sum(1, keepdim=True)
 
     def step(sync: bool) -> float:
         t = time.perf_counter()
@@ -161,7 +175,6 @@ def worker(way: str, steps: int, layers: int) -> None:
 
 
 def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
     sys.path.insert(0, ROOT)
     import torch
     import torch.distributed as dist
@@ -170,15 +183,11 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
     import commpatch
     from commpatch.integrations import ddp as cp_ddp
 
-    torch.set_num_threads(1)
     commpatch.enable(output="none")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    x = torch.randn(64, 64)
-    y = x.sum(1, keepdim=True)
+    x, y = one_process_group()
     models, packing = {}, cp_ddp._packing
     for way in ("hooks", "no_hooks"):
-        torch.manual_seed(0)
-        ddp = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1)))
+        ddp = DDP(model_of(layers))
         cp_ddp._packing = packing if way == "hooks" or control else (lambda *args: None)
         try:
             ddp(x)                       # commpatch installs at the first forward
@@ -211,21 +220,13 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
 
 
 def phases(steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 2000))
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
-    h = 512
-    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
-    ddp = DDP(model, bucket_cap_mb=1.0)
+    x, y = one_process_group()
+    ddp = DDP(model_of(), bucket_cap_mb=1.0)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    x = torch.randn(64, 64)
-    y = x.sum(1, keepdim=True)
     pc, inner = time.perf_counter_ns, {}
 
     def timed(name):

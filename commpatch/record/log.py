@@ -258,22 +258,15 @@ class Log:
             start, stop = w.get(key, 0), len(items)
             out.extend(make(i, items[i]) for i in range(start, stop))
             w[key] = stop
-        buckets = self.buckets
-        if buckets:
-            k = len(buckets)
-            out.extend(logfile.meta("bucket", lo=lo, hi=hi, index=index, params=params)
-                       for lo, hi, index, params in buckets[:k])
-            del buckets[:k]
-        syncs = self.syncs
-        if syncs:
-            k = len(syncs)
-            out.extend(logfile.meta("sync", seq=seq, end=end) for seq, end in syncs[:k])
-            del syncs[:k]
-        packs = self.packs
-        if packs:
-            k = len(packs)
-            out.extend(logfile.meta("pack", seq=seq, ns=ns, alone=alone) for seq, ns, alone in packs[:k])
-            del packs[:k]
+        # notes taken since the last flush, each once (appended to by other threads meanwhile: the
+        # first k are taken, the rest wait for the next flush)
+        for kind, notes, fields in (("bucket", self.buckets, ("lo", "hi", "index", "params")),
+                                    ("sync", self.syncs, ("seq", "end")),
+                                    ("pack", self.packs, ("seq", "ns", "alone"))):
+            if notes:
+                k = len(notes)
+                out.extend(logfile.meta(kind, **dict(zip(fields, note))) for note in notes[:k])
+                del notes[:k]
         return b"".join(out)
 
     def sinks(self) -> list:
