@@ -79,8 +79,8 @@ def findings(df, steps_table, cross=None) -> list:
         if _has_ddp_buckets(df, st):
             packed = st.get("ddp_pack_us", 0) > 0
             if packed:
-                text += (f" DDP's packing of gradients into its buckets during the backward is in them "
-                         f"({_ms(st['ddp_pack_us'])} per step).")
+                text += (f" DDP's packing of gradients into its buckets ({_ms(st['ddp_pack_us'])} per step, "
+                         "work of the training thread during the backward) is in both.")
             text += (" Not in these figures: " + ("" if packed else "DDP's copy of each gradient into its bucket "
                                                   "(per parameter, during the backward), ")
                      + "DDP's forward bookkeeping, the compute slowed by communication competing for the CPU or "
