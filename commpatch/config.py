@@ -121,7 +121,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,
             "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call)."),
     Setting("ddp_packing", "COMMPATCH_DDP_PACKING", True, _parse_bool,
-            "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.2-2.1 us per parameter per step. 0: not timed, and not in the shares."),
+            "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.6-2.1 us per parameter per step. 0: not timed, and not in the shares."),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
