@@ -112,6 +112,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     sync_end = df["sync_end_us"].to_numpy(np.float64)[order] if "sync_end_us" in df.columns else np.full(len(rank), np.nan)
     synced = bucket & ~np.isnan(sync_end)
     end_sync = np.where(synced, np.fmax(end, start + np.nan_to_num(sync_end)), end)
+
     def noted(name):
         return np.nan_to_num(df[name].to_numpy(np.float64)[order]) if name in df.columns else np.zeros(len(rank))
 
@@ -134,6 +135,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     tail_lo[has_tail] = lo[has_tail]
     tails = np.flatnonzero(has_tail)
     wg = np.r_[gid[blocking], tails]
+
     def total(values):
         return np.add.reduceat(values, first) if n else np.zeros(0)
 

@@ -140,7 +140,7 @@ def columns(parsed, names=None) -> dict:
         "phase": lambda: _cat(np, phase, list(PHASES)),
         **{name: (lambda name=name: bucket_columns()[name]) for name in ("bucket", "bucket_params", "tensors")},
         "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
-        "sync_end_us": lambda: _sync_ends(np, raw["seq"], parsed.syncs),
+        "sync_end_us": lambda: _noted_us(np, raw["seq"], parsed.syncs, 1),   # end of DDP's finalize
         "pack_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 1),
         "pack_alone_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 2),
     }
@@ -331,11 +331,6 @@ def _step_sources(np, seqs, marks):
     at = np.array([m[0] for m in marks], np.int64)
     codes = np.array([0] + [m[1] for m in marks], np.int64)
     return codes[np.searchsorted(at, seqs, side="right")]
-
-
-def _sync_ends(np, seqs, syncs):
-    """Per row, the end of DDP's finalize in us after the row's start (``sync`` records), else NaN."""
-    return _noted_us(np, seqs, syncs, 1)
 
 
 def _noted_us(np, seqs, notes, field: int):
