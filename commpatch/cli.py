@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import time
@@ -504,7 +505,26 @@ def cmd_env(args) -> int:
             print(f"{' ' * width}    !! {problem}")
     print(f"\nzero-code hook (.pth): {hook_path()} {'installed' if os.path.exists(hook_path()) else 'not installed'}")
     print(f"hot path: {_recorder_status()}")
+    _integrations_status()
     return 0
+
+
+def _integrations_status() -> None:
+    """Each integration active / partial / unavailable on this torch (``python -m
+    commpatch.integrations``, in a child process: cli is on the offline side, and a torch that
+    fails to import must not take this command down)."""
+    env = {k: v for k, v in os.environ.items() if k != "COMMPATCH"}
+    try:
+        out = subprocess.run([sys.executable, "-m", "commpatch.integrations"], env=env, capture_output=True,
+                             text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"integrations: not checked ({exc})")
+        return
+    if out.returncode == 0:
+        print(out.stdout, end="")
+    else:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"integrations: not checked (torch failed to import: {last})")
 
 
 def _recorder_status() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from . import base, coalescing, compiled, ddp, fsdp, functional, modules, steps
 from ..record import state as _runtime
-from .base import Context, Integration  # noqa: F401 - the contract, for integrations and their readers
+from .base import Context, Integration, Needs  # noqa: F401 - the contract, for integrations and their readers
 
 # in the order they are applied
 ALL: tuple[Integration, ...] = (ddp.INTEGRATION, functional.INTEGRATION, modules.INTEGRATION, fsdp.INTEGRATION,
@@ -34,9 +34,16 @@ def apply(log, timing, settings: dict) -> Context:
     for integration in ALL:
         if integration.wanted(settings):
             try:
+                # what can be told now (modules imported already); the rest when they are imported
+                gaps = base.missing(integration, load=False)
+                if gaps and base.say_missing(integration, gaps):
+                    continue
+                ctx.integration = integration
                 integration.apply(ctx)
             except Exception as exc:  # noqa: BLE001 - an integration never breaks enable()
                 _runtime.fail(f"integrations.{integration.name}", exc)
+            finally:
+                ctx.integration = None
     return ctx
 
 

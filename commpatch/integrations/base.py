@@ -1,10 +1,19 @@
 """The integration contract (``Integration``), the context an integration gets, and its helpers:
 ``when_imported`` (with the current context), ``record`` (``record.rows``: the one row writer)
-and ``Waits`` (rows timed to the wait on their result)."""
+and ``Waits`` (rows timed to the wait on their result).
+
+What an integration relies on in torch is declared as ``Needs``: dotted names resolved against the
+installed torch (``resolve``), by a test on every torch of the CI matrix, by ``commpatch env``, and
+at run time before anything is patched: a missing name makes the integration record less (or
+nothing) and say so once, naming the torch version and what is not recorded."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,15 +28,130 @@ _ADAPTERS: dict = {}
 
 
 @dataclass(frozen=True)
+class Needs:
+    """One torch name an integration relies on: a dotted path (modules, then attributes) that
+    ``resolve`` finds in the installed torch. ``loses``: what is not recorded without it; empty
+    when the integration cannot work at all without it."""
+
+    name: str          # alternatives (torch moved it between versions) separated by "|"
+    loses: str = ""
+
+    @property
+    def required(self) -> bool:
+        return not self.loses
+
+    @property
+    def names(self) -> list[str]:
+        return self.name.split("|")
+
+
+@dataclass(frozen=True)
 class Integration:
     """What one integration patches and relies on, and how it is switched on and off."""
 
     name: str
     patches: str                   # what it replaces (for the docs and for a reader of a traceback)
-    relies_on: tuple[str, ...]     # torch internals it depends on (checked by nothing: read them on upgrades)
+    relies_on: tuple[Needs, ...]   # torch names it depends on (resolved by tests, `commpatch env` and apply)
     wanted: Callable[[dict], bool]
     apply: Callable[["Context"], None]
     remove: Callable[["Context"], None] = lambda ctx: None
+    records: str = ""              # what its rows are, for the warning when it is unavailable
+
+
+_MISSING = object()
+
+
+def resolve(name: str, load: bool = True):
+    """The object a dotted name stands for in the installed torch: the longest prefix that is a
+    module, then attributes. With ``load=False`` a module not imported yet is not imported:
+    ``_MISSING`` is returned for it (not known yet). Raises ``LookupError`` naming what is missing."""
+    parts = name.split(".")
+    obj, i = None, len(parts)
+    while i > 0:
+        modname = ".".join(parts[:i])
+        obj = sys.modules.get(modname)
+        if obj is None and load:
+            try:
+                obj = importlib.import_module(modname)
+            except ModuleNotFoundError as exc:
+                if exc.name is None or not modname.startswith(exc.name):
+                    raise LookupError(f"{name}: importing {modname} failed: {exc}") from None
+                obj = None
+            except Exception as exc:  # noqa: BLE001 - a module that fails to import is missing
+                raise LookupError(f"{name}: importing {modname} failed: {type(exc).__name__}: {exc}") from None
+        if obj is not None:
+            break
+        i -= 1
+    if obj is None:
+        if not load:
+            return _MISSING
+        raise LookupError(f"no module {parts[0]}")
+    if not load and i < len(parts) and _submodule_not_imported(obj, parts[i]):
+        return _MISSING
+    for j, attr in enumerate(parts[i:], start=i):
+        try:
+            obj = getattr(obj, attr)
+        except Exception:  # noqa: BLE001 - torch.ops namespaces raise AttributeError or RuntimeError
+            raise LookupError(f"{'.'.join(parts[:j])} has no {attr}") from None
+    return obj
+
+
+def _submodule_not_imported(module, attr: str) -> bool:
+    """``attr`` is a submodule of the package ``module`` that is not imported yet (found on disk
+    without importing it: the package itself is imported already)."""
+    if not hasattr(module, "__path__") or hasattr(module, attr):
+        return False
+    try:
+        return importlib.util.find_spec(f"{module.__name__}.{attr}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing(integration: Integration, load: bool = True, under: str = "") -> list[tuple[Needs, str]]:
+    """The integration's needs the installed torch lacks, each with why; with ``load=False`` only
+    what can be told without importing anything; with ``under``, only names in that module."""
+    out = []
+    for need in integration.relies_on:
+        names = [n for n in need.names if not under or n == under or n.startswith(under + ".")]
+        whys = []
+        for name in names:
+            try:
+                resolve(name, load=load)
+                break
+            except LookupError as exc:
+                whys.append(str(exc))
+        else:
+            if names:
+                out.append((need, "; ".join(whys)))
+    return out
+
+
+def status(integration: Integration) -> tuple[str, str]:
+    """('active' | 'partial' | 'unavailable', why) on the installed torch (imports what it names)."""
+    gaps = missing(integration)
+    if not gaps:
+        return "active", ""
+    state = "unavailable" if any(need.required for need, _ in gaps) else "partial"
+    return state, "; ".join(why for _, why in gaps)
+
+
+_SAID: set = set()
+
+
+def say_missing(integration: Integration, gaps: list) -> bool:
+    """Warn once per integration and missing name what is not recorded on this torch; True when
+    the integration cannot work at all (a required name is missing)."""
+    import torch
+
+    fatal = any(need.required for need, _ in gaps)
+    for need, why in gaps:
+        if (integration.name, need.name) in _SAID:
+            continue
+        _SAID.add((integration.name, need.name))
+        lost = need.loses or integration.records or f"the {integration.name} integration's rows"
+        warnings.warn(f"commpatch: torch {torch.__version__} has no {' or '.join(need.names)} ({why}): {lost} "
+                      f"{'are' if lost.endswith('s') else 'is'} not recorded", RuntimeWarning, stacklevel=2)
+    return fatal
 
 
 class Context:
@@ -38,16 +162,24 @@ class Context:
         self.timing = timing
         self.settings = settings or {}
         self.patches = Patches()
+        self.integration: Integration | None = None    # the one being applied
 
 
 def when_imported(modname: str, fn) -> None:
     """Run ``fn(ctx, module)`` now if imported, and at every later import while an integration
-    context is active (``patch.hooks.when_imported``, with the current context)."""
+    context is active (``patch.hooks.when_imported``, with the current context). The integration
+    being applied is checked first for what it needs from that module: where a required name
+    is missing, ``fn`` does not run (said once)."""
+    integration = CURRENT.integration if CURRENT is not None else None
     adapter = _ADAPTERS.get((modname, fn))
     if adapter is None:
         def adapter(module):
-            if CURRENT is not None:
-                fn(CURRENT, module)
+            if CURRENT is None:
+                return
+            gaps = missing(integration, under=modname) if integration is not None else []
+            if gaps and say_missing(integration, gaps):
+                return
+            fn(CURRENT, module)
 
         _ADAPTERS[(modname, fn)] = adapter
     _when_imported(modname, adapter, error_kind=f"integrations.import:{modname}")

@@ -33,7 +33,7 @@ from ..data.ops import OP_CODE
 from ..data.schema import T_HOST, T_NONE
 from ..record import state as _runtime
 from ..record.rows import SEQ
-from .base import Integration, record, when_imported
+from .base import Integration, Needs, record, when_imported
 
 C10D = "torch.distributed.distributed_c10d"
 _pc = time.perf_counter_ns
@@ -109,6 +109,7 @@ def _record(ctx, pg, queue, span, end, cm, err) -> None:
 INTEGRATION = Integration(
     name="coalescing",
     patches="distributed_c10d._coalescing_manager (in distributed_c10d and torch.distributed)",
-    relies_on=("distributed_c10d._coalescing_manager", "_world.pg_coalesce_state (the queued _CollOp list)",
-               "_IllegalWork"),
+    relies_on=(Needs(f"{C10D}._coalescing_manager"), Needs(f"{C10D}._world.pg_coalesce_state"),
+               Needs(f"{C10D}._IllegalWork"), Needs(f"{C10D}._get_default_group")),
+    records="_coalescing_manager's coalesced collectives",
     wanted=wanted, apply=apply)

@@ -37,7 +37,7 @@ import time
 from ..data.schema import T_WAIT
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from .base import Integration, Waits, error_row, record, when_imported
+from .base import Integration, Needs, Waits, error_row, record, when_imported
 
 _pc = time.perf_counter_ns
 
@@ -118,8 +118,10 @@ def _install(ctx) -> None:
     node = torch._C._current_autograd_node
     makers = {}                          # OpOverload -> make(call), also for the first invocation below
     for name, (compiled_op, formula_op, many) in OPS.items():
-        makers[getattr(torch.ops._c10d_functional, name).default] = \
-            lambda call, c=compiled_op, f=formula_op, m=many: _kernel(log, call, c, f, m, waits, groups, node)
+        packet = getattr(torch.ops._c10d_functional, name, None)     # older torch lacks some (said at apply)
+        if packet is not None:
+            makers[packet.default] = \
+                lambda call, c=compiled_op, f=formula_op, m=many: _kernel(log, call, c, f, m, waits, groups, node)
     makers[torch.ops._c10d_functional.wait_tensor.default] = lambda call: _wait_kernel(call, waits)
     for op, make in makers.items():
         _KERNELS.wrap(op._opname, make)
@@ -218,8 +220,17 @@ INTEGRATION = Integration(
     patches="Python kernels (torch.library, ADInplaceOrView key) on the way to torch's kernels of the "
             "_c10d_functional collectives and wait_tensor, while a compiled graph or a functional collective's "
             "autograd formula may issue them",
-    relies_on=("Library.impl(with_keyset=True) at ADInplaceOrView, OpOverload.redispatch", "torch._dynamo.callback_handler.run_start_callbacks",
-               "torch._dynamo.utils.counters['stats']['unique_graphs']", "torch._C._current_autograd_node",
-               "_c10d_functional op schemas (group name last positional argument)",
-               "torch._functorch._aot_autograd.runtime_wrappers._AnalyzeCustomOpInputOutputMode (first call)"),
+    relies_on=(Needs("torch.library.Library.impl"), Needs("torch._ops.OpOverload.redispatch"),
+               Needs("torch._C._current_autograd_node"),
+               Needs("torch._C._distributed_c10d._resolve_process_group"),
+               Needs("torch._C._distributed_c10d.ProcessGroup.unbox"),
+               Needs("torch.ops._c10d_functional.wait_tensor"),
+               Needs("torch._dynamo.callback_handler.run_start_callbacks",
+                     "collectives of graphs compiled after enable() (until a functional collective's autograd "
+                     "formula runs)"),
+               Needs("torch._dynamo.utils.counters", "collectives of graphs compiled before enable()"),
+               # runtime_wrappers._AnalyzeCustomOpInputOutputMode (torch >= 2.5) is wrapped where it exists:
+               # an older torch runs a graph's first call through the kernels like the others
+               Needs("torch.ops._c10d_functional.all_reduce")),   # ops an older torch lacks: it issues none
+    records="collectives inside compiled graphs and functional collectives' autograd formulas",
     wanted=wanted, apply=apply, remove=remove)

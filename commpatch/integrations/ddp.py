@@ -65,7 +65,7 @@ from ..record import state as _runtime
 from ..record.rows import SEQ, bucket_hook, on_device, packing
 from ..record.rows import peek_seq as _peek_seq
 from . import base, modules
-from .base import Integration, record, when_imported
+from .base import Integration, Needs, record, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
 _pc = time.perf_counter_ns
@@ -643,7 +643,21 @@ INTEGRATION = Integration(
     patches="DistributedDataParallel: __init__, forward pre-hook, register_comm_hook, _register_builtin_comm_hook, "
             "_rebuild_buckets, join; dist._register_comm_hook while a registration runs; dispatcher kernels for "
             "c10d::allgather_ / broadcast_ / allreduce_ around the constructor's and reducer's C++ collectives",
-    relies_on=("torch.nn.parallel.distributed.DistributedDataParallel.reducer", "dist._register_comm_hook",
-               "Reducer._run_allreduce_hook", "GradBucket (index, parameters, buffer, is_last)",
-               "DistributedDataParallel._set_forward_pass_work_handle / _pre_forward"),
+    relies_on=(Needs(f"{DDP_MODULE}.DistributedDataParallel._pre_forward"),
+               Needs(f"{DDP_MODULE}.DistributedDataParallel.register_comm_hook"),
+               Needs(f"{DDP_MODULE}.DistributedDataParallel._register_builtin_comm_hook"),
+               Needs("torch.distributed._register_comm_hook"), Needs("torch.distributed._register_builtin_comm_hook"),
+               Needs("torch.distributed.BuiltinCommHookType"),
+               Needs("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"),
+               Needs("torch._C._distributed_c10d.Reducer._run_allreduce_hook"),
+               Needs("torch._C._distributed_c10d.GradBucket.is_last"),
+               Needs("torch._C._current_graph_task_id"),
+               Needs("torch.autograd.Variable._execution_engine.queue_callback", "DDP's finalize time (sync_end_us)"),
+               Needs("torch._C._distributed_c10d.Reducer._rebuild_buckets", "the bucket-rebuild broadcasts"),
+               Needs("torch._C._distributed_c10d.Reducer._set_forward_pass_work_handle",
+                     "the collectives of DDP.join()'s shadow steps"),
+               Needs("torch.distributed._broadcast_coalesced", "DDP's constructor broadcast"),
+               Needs("torch.distributed._verify_params_across_processes", "DDP's constructor parameter check"),
+               Needs("torch.Tensor.register_post_accumulate_grad_hook", "DDP's gradient packing (pack_us)")),
+    records="DDP's gradient buckets",
     wanted=wanted, apply=apply)

@@ -23,9 +23,11 @@ import weakref
 from ..data.schema import P_BACKWARD
 from ..record import state as _runtime
 from . import modules
-from .base import Integration, when_imported
+from .base import Integration, Needs, when_imported
 
-FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+# FSDP2's package: torch.distributed.fsdp._fully_shard since torch 2.6, _composable.fsdp before
+FSDP2_PACKAGES = ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp")
+FSDP2 = tuple(f"{package}._fsdp_param_group" for package in FSDP2_PACKAGES)
 FSDP1 = "torch.distributed.fsdp._runtime_utils"
 
 
@@ -34,7 +36,8 @@ def wanted(settings: dict) -> bool:
 
 
 def apply(ctx) -> None:
-    when_imported(FSDP2, _patch_fsdp2)
+    for module in FSDP2:
+        when_imported(module, _patch_fsdp2)
     when_imported(FSDP1, _patch_fsdp1)
 
 
@@ -91,6 +94,9 @@ def _attributed(orig, unit_of):
 INTEGRATION = Integration(
     name="fsdp",
     patches="FSDP2 FSDPParamGroup.unshard / post_backward; FSDP1 _runtime_utils._unshard / _reduce_grad",
-    relies_on=(FSDP2 + ".FSDPParamGroup", FSDP1 + " (_unshard, _reduce_grad, handle._fully_sharded_module)",
-               "torch._C._current_graph_task_id"),
+    relies_on=tuple(Needs("|".join(f"{m}.FSDPParamGroup.{a}" for m in FSDP2), "FSDP2's module attribution")
+                    for a in ("unshard", "post_backward")) +
+              tuple(Needs(f"{FSDP1}.{f}", "FSDP1's module attribution") for f in ("_unshard", "_reduce_grad")) +
+              (Needs("torch._C._current_graph_task_id"),),
+    records="FSDP's collectives attributed to their unit (module)",
     wanted=wanted, apply=apply)

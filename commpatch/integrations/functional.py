@@ -20,7 +20,7 @@ from ..data.schema import T_HOST, T_NONE, T_WAIT
 from ..patch import compile_notice as _compile_notice
 from ..record import state as _runtime
 from . import compiled
-from .base import Integration, Waits, error_row, record, when_imported
+from .base import Integration, Needs, Waits, error_row, record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -163,6 +163,10 @@ INTEGRATION = Integration(
     name="functional",
     patches="the leaf functions of torch.distributed._functional_collectives (FUNCTIONS), and the wait of their "
             "AsyncCollectiveTensor results",
-    relies_on=("torch.distributed._functional_collectives (leaf functions, _resolve_group_name / "
-               "c10d._resolve_process_group)", "AsyncCollectiveTensor.wait_tensor", "torch.compiler.is_compiling"),
+    relies_on=(Needs(f"{FUNCOL}.all_reduce"), Needs(f"{FUNCOL}._resolve_group_name"),
+               Needs(f"{FUNCOL}.AsyncCollectiveTensor"), Needs("torch.distributed.distributed_c10d._resolve_process_group"),
+               Needs(f"{FUNCOL}.wait_tensor", "functional collectives' durations (rows are timed to the call only)"),
+               Needs("torch.compiler.is_compiling"), Needs("torch.compiler.is_dynamo_compiling"),
+               Needs("torch._subclasses.fake_tensor.FakeTensor")),
+    records="functional collectives (DTensor, tensor parallel)",
     wanted=wanted, apply=apply)

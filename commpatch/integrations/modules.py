@@ -35,7 +35,7 @@ import weakref
 
 from ..data.schema import P_BACKWARD, P_FORWARD, P_OPTIMIZER, pack_where
 from ..record import state as _runtime
-from .base import Integration, when_imported
+from .base import Integration, Needs, when_imported
 
 
 class _Codes:
@@ -249,7 +249,10 @@ INTEGRATION = Integration(
     name="modules",
     patches="torch.nn.Module._call_impl (a wrapper), global optimizer step pre/post hooks, a grad_fn pre-hook per "
             "root output",
-    relies_on=("torch.nn.Module._call_impl (called by _wrapped_call_impl for every module call)",
-               "torch.optim.optimizer.register_optimizer_step_pre_hook / post_hook",
-               "Variable._execution_engine.queue_callback", "torch.compiler.is_compiling"),
+    relies_on=(Needs("torch.nn.Module._call_impl"), Needs("torch.nn.Module._wrapped_call_impl"),
+               Needs("torch.optim.optimizer.register_optimizer_step_pre_hook", "the optimizer phase"),
+               Needs("torch.optim.optimizer.register_optimizer_step_post_hook", "the optimizer phase"),
+               Needs("torch.autograd.Variable._execution_engine.queue_callback"),
+               Needs("torch.compiler.is_compiling")),
+    records="the module and phase of each call",
     wanted=wanted, apply=apply, remove=remove)

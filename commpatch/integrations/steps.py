@@ -25,11 +25,12 @@ import threading
 from ..data.schema import S_FORWARD, S_OPTIMIZER, S_USER
 from ..record import state as _runtime
 from ..record.rows import SEQ, peek_seq
-from .base import Integration, when_imported
+from .base import Integration, Needs, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
 FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
-FSDP2_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+FSDP2_MODULES = tuple(f"{package}._fsdp_state" for package in ("torch.distributed.fsdp._fully_shard",
+                                                                "torch.distributed._composable.fsdp"))
 
 _handles: list = []
 _driver: list = []            # id() of the optimizer whose steps count
@@ -62,7 +63,8 @@ def apply(ctx) -> None:
     when_imported("torch.optim.optimizer", _install_optimizer_hook)
     when_imported(DDP_MODULE, lambda ctx, m: _wrap_forward(ctx, m.DistributedDataParallel, "forward"))
     when_imported(FSDP1_MODULE, lambda ctx, m: _wrap_forward(ctx, m.FullyShardedDataParallel, "forward"))
-    when_imported(FSDP2_MODULE, _wrap_fsdp2)
+    for module in FSDP2_MODULES:
+        when_imported(module, _wrap_fsdp2)
 
 
 def _install_optimizer_hook(ctx, optim_module) -> None:
@@ -146,6 +148,11 @@ INTEGRATION = Integration(
     name="steps",
     patches="a global optimizer step post-hook; DistributedDataParallel.forward, FullyShardedDataParallel.forward, "
             "FSDP2 FSDPState._root_pre_forward (counting only)",
-    relies_on=("torch.optim.optimizer.register_optimizer_step_post_hook",
-               FSDP2_MODULE + ".FSDPState._root_pre_forward / _state_ctx.iter_forward_root"),
+    relies_on=(Needs("torch.optim.optimizer.register_optimizer_step_post_hook",
+                     "steps counted by optimizer.step() (DDP / FSDP root forwards still count)"),
+               Needs(f"{DDP_MODULE}.DistributedDataParallel.forward", "steps counted by DDP's forwards"),
+               Needs(f"{FSDP1_MODULE}.FullyShardedDataParallel.forward", "steps counted by FSDP1's forwards"),
+               Needs("|".join(f"{m}.FSDPState._root_pre_forward" for m in FSDP2_MODULES),
+                     "steps counted by FSDP2's root forwards")),
+    records="automatic step numbers",
     wanted=wanted, apply=apply, remove=remove)
