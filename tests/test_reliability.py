@@ -339,17 +339,22 @@ def _compile_warnings(record) -> list[str]:
     return [m for m in _warnings_of_commpatch(record) if "torch.compile" in m]
 
 
-def _cuda_graphs_on(monkeypatch):
-    """What commpatch reads to know a compiled graph will be a CUDA graph (none on this machine)."""
+@pytest.fixture
+def cuda_graphs_on(monkeypatch):
+    """What commpatch reads to know a compiled graph will be a CUDA graph (none on this machine).
+    The inductor option is set with torch's own ``config.patch``: monkeypatch's undo of an
+    attribute of a config proxy deletes it (``SubConfigProxy ... has no attribute 'cudagraphs'``
+    in a later test), torch's restores the value."""
     import torch._inductor.config
 
     from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_cuda_available", lambda: True)
-    monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        yield
 
 
-def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monkeypatch):
+def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monkeypatch, cuda_graphs_on):
     """Collectives compiled into a graph replayed as a CUDA graph are the ones commpatch cannot
     see: said once, naming the collective; nothing once disabled."""
     import torch._dynamo
@@ -358,7 +363,6 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
     from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
-    _cuda_graphs_on(monkeypatch)
     before = funcol.traceable_collective_remaps
     torch._dynamo.reset()
     commpatch.enable(output="none")
@@ -412,13 +416,12 @@ def test_torch_compile_without_cuda_graphs_or_collectives_says_nothing(monkeypat
     torch._dynamo.reset()
 
 
-def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd):
+def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd, cuda_graphs_on):
     import torch._dynamo
 
     from commpatch.patch import compile_notice as _compile_notice
 
     monkeypatch.setattr(_compile_notice, "_said", False)
-    _cuda_graphs_on(monkeypatch)
     torch._dynamo.reset()
     commpatch.enable(output="none")
     with warnings.catch_warnings():
