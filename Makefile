@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip --disable-pip-version-check -q
 STAMP = .make-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test matrix bench clean
 
 $(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c
 	$(PIP) install "torch==2.13.0"
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
+
+# the suite on the oldest and newest supported torch / Python (fresh venvs, cached downloads) and
+# with the pure-Python recorder: ci/matrix.sh [oldest|newest|pure]
+matrix: $(STAMP)
+	ci/matrix.sh
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/overhead.py

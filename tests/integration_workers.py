@@ -72,7 +72,9 @@ def python_kernel(op: str) -> bool:
     import torch
 
     line = next(ln for ln in torch._C._dispatch_dump_table(op).splitlines() if ln.startswith("ADInplaceOrView:"))
-    return ".py:" in line
+    # a kernel of its own ("registered at <file>:<line> [kernel]": the Python file on torch >= 2.5,
+    # /dev/null on 2.4), not torch's "fallthrough registered at ... [backend fallback]"
+    return "fallthrough" not in line and line.rstrip().endswith("[kernel]")
 
 
 def _model():
@@ -321,8 +323,10 @@ def functional(rank, world_size):
     import torch
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.debug import CommDebugMode
+    from tests.torch_compat import comm_debug_mode, dtensor
+
+    Replicate, Shard, distribute_tensor = dtensor().Replicate, dtensor().Shard, dtensor().distribute_tensor
+    CommDebugMode = comm_debug_mode()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.profiler import profile
 
@@ -409,9 +413,13 @@ def fsdp(rank, world_size):
     """FSDP2 (fully_shard per Linear and the root) and FSDP1 (one unit per Linear), 2 steps each,
     with the profiler as witness; the unit sizes as FSDP sharded them."""
     import torch
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torch.profiler import profile
+
+    from tests.torch_compat import fully_shard as _fully_shard
+
+    fully_shard = _fully_shard()
 
     import commpatch
 

@@ -9,8 +9,12 @@ def step_sources(rank: int, n: int):
     optimizer does not count again); then by commpatch.step(). Returns, per part, the (step,
     step_source) of its rows in order of first appearance."""
     import torch
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from tests.torch_compat import fully_shard as _fully_shard
+
+    fully_shard = _fully_shard()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commpatch

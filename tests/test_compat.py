@@ -126,3 +126,18 @@ def test_commpatch_env_lists_each_integration_status():
     assert f"integrations on torch {torch.__version__}:" in out.stdout
     for integration in integrations.ALL:
         assert any(line.split()[:2] == [integration.name, "active"] for line in out.stdout.splitlines()), out.stdout
+
+
+def test_checking_at_enable_imports_nothing():
+    """What an integration relies on is checked at enable() without importing anything: asking
+    ``torch`` for ``_dynamo`` would import dynamo (torch's module ``__getattr__``), which changes
+    what a later compile sees."""
+    code = ("import sys, torch, torch.distributed\n"
+            "before = set(sys.modules)\n"
+            "import commpatch\n"
+            "commpatch.enable(output='none')\n"
+            "new = sorted(m for m in set(sys.modules) - before if m.startswith('torch.'))\n"
+            "assert 'torch._dynamo' not in new and 'torch.distributed.fsdp' not in new, new\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -74,7 +74,17 @@ def test_names_imported_before_enable_are_patched_and_restored():
 
 
 def test_collective_utils_binding_is_patched():
-    import torch.distributed.tensor._collective_utils as cu
+    import importlib
+
+    from commpatch.data.ops import COLLECTIVE_UTILS
+
+    for name in COLLECTIVE_UTILS:        # DTensor's: torch.distributed.tensor since 2.5, _tensor before
+        try:
+            cu = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(cu, "broadcast"):
+            break
 
     orig = cu.broadcast
     commpatch.enable(output="none")

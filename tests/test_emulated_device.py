@@ -30,7 +30,7 @@ HOST_MAX_MS = 10      # a host call that queues device work must return well und
 @pytest.fixture(scope="module")
 def built():
     """Build the extension once, in a child process (cold: ~30 s; cached: well under 1 s)."""
-    reason = emu.missing_toolchain()
+    reason = emu.missing_toolchain() or emu.unsupported_torch()
     if reason:
         pytest.skip(reason)
     t0 = time.perf_counter()

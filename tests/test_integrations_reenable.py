@@ -25,7 +25,9 @@ class Synced(torch.nn.Module):
 
 
 def test_integrations_reapplied_on_every_enable():
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from tests.torch_compat import fsdp_param_group
+
+    FSDPParamGroup = fsdp_param_group()
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     originals = (c10d._coalescing_manager, DDP._pre_forward, FSDPParamGroup.unshard)

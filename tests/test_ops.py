@@ -36,9 +36,19 @@ def test_scenarios_cover_every_target():
 
 @pytest.mark.parametrize("scenario", _scenario_names())
 def test_one_row_per_call(ops_run, scenario):
+    import torch
+
     world, results = ops_run
     for rank, per_rank in enumerate(results):
         df, exp, error = per_rank[scenario]
+        if not exp["present"]:
+            pytest.skip(f"torch {torch.__version__} has no torch.distributed.{exp['op']}")
+        if error is not None and "does not support" in error:
+            # gloo in this torch lacks the op (reduce_scatter, all_to_all before 2.6): the user's
+            # error surfaced unchanged (caught in the worker), recorded once as what was called
+            assert exp["participates"] and len(df) == 1, f"rank {rank}: {error}: {len(df)} rows"
+            assert df.iloc[0]["op"] == exp["op"] and df.iloc[0]["status"] == "error"
+            continue
         assert error is None, f"rank {rank}: {error}"
         if not exp["participates"]:
             assert len(df) == 0, f"rank {rank} should record nothing"

@@ -90,8 +90,14 @@ def _stack(*managers):
 
 
 def _event_raises():
-    return _stack(devices_on(), mock.patch.object(torch.accelerator, "current_stream", return_value=_Stream()),
-                  mock.patch.object(torch, "Event", side_effect=injected))
+    """The event constructor commpatch uses raises: torch's device-generic one (torch >= 2.6),
+    CUDA's own on an older torch."""
+    if hasattr(torch, "accelerator") and hasattr(torch, "Event"):
+        stream_owner, event_owner, event = torch.accelerator, torch, "Event"
+    else:
+        stream_owner, event_owner, event = torch.cuda, torch.cuda, "Event"
+    return _stack(devices_on(), mock.patch.object(stream_owner, "current_stream", return_value=_Stream()),
+                  mock.patch.object(event_owner, event, side_effect=injected))
 
 
 def _device_start_raises():

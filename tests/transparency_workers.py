@@ -51,8 +51,9 @@ def _build(kind: str, mesh):
         # its 1 MiB first bucket (several buckets are tested in eager in test_integrations_ddp.py)
         return DDP(model)
     if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from tests.torch_compat import fully_shard as _fully_shard
 
+        fully_shard = _fully_shard()
         for unit in (model[0], model[2], model):
             fully_shard(unit, mesh=mesh)
         return model

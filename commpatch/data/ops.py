@@ -43,6 +43,9 @@ class Target:
 
 
 _T = Target
+# modules that bind broadcast / scatter at import: DTensor's collective utilities (torch.distributed.tensor
+# since torch 2.5, torch.distributed._tensor before; a module torch lacks is skipped)
+COLLECTIVE_UTILS = ("torch.distributed.tensor._collective_utils", "torch.distributed._tensor._collective_utils")
 TARGETS: tuple[Target, ...] = (
     _T("all_reduce", "tensor", ("t", "tensor"), ALLREDUCE),
     _T("all_reduce_coalesced", "tensors", ("list", "tensors"), ALLREDUCE),
@@ -57,7 +60,7 @@ TARGETS: tuple[Target, ...] = (
     _T("reduce_scatter_single", "input", ("t", "input"), REDUCESCATTER),
     _T("_reduce_scatter_base", "input", ("t", "input"), REDUCESCATTER, leaf=False),
     _T("broadcast", "tensor", ("t", "tensor"), ONE, peer=("src", "group_src"),
-       also_in=("torch.distributed.tensor._collective_utils",)),
+       also_in=COLLECTIVE_UTILS),
     _T("broadcast_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
     _T("reduce", "tensor", ("t", "tensor"), ONE, peer=("dst", "group_dst")),
     _T("all_to_all", "input_tensor_list", ("list", "input_tensor_list"), ALLTOALL),
@@ -65,7 +68,7 @@ TARGETS: tuple[Target, ...] = (
     _T("gather", "tensor", ("xn", "tensor"), ROOTED_N, peer=("dst", "group_dst")),
     _T("gather_object", None, ("nested", None), NO_BW, False, peer=("dst", "group_dst"), leaf=False),
     _T("scatter", "tensor", ("xn", "tensor"), ROOTED_N, peer=("src", "group_src"),
-       also_in=("torch.distributed.tensor._collective_utils",)),
+       also_in=COLLECTIVE_UTILS),
     _T("scatter_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
     _T("barrier", None, ("none", None), NO_BW),
     _T("monitored_barrier", None, ("none", None), NO_BW, False),

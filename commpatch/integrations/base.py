@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -86,9 +87,9 @@ def resolve(name: str, load: bool = True):
         if not load:
             return _MISSING
         raise LookupError(f"no module {parts[0]}")
-    if not load and i < len(parts) and _submodule_not_imported(obj, parts[i]):
-        return _MISSING
     for j, attr in enumerate(parts[i:], start=i):
+        if not load and isinstance(obj, types.ModuleType) and attr not in vars(obj) and _not_loaded(obj, attr):
+            return _MISSING
         try:
             obj = getattr(obj, attr)
         except Exception:  # noqa: BLE001 - torch.ops namespaces raise AttributeError or RuntimeError
@@ -96,10 +97,13 @@ def resolve(name: str, load: bool = True):
     return obj
 
 
-def _submodule_not_imported(module, attr: str) -> bool:
-    """``attr`` is a submodule of the package ``module`` that is not imported yet (found on disk
-    without importing it: the package itself is imported already)."""
-    if not hasattr(module, "__path__") or hasattr(module, attr):
+def _not_loaded(module, attr: str) -> bool:
+    """``attr`` of ``module`` may exist but is not loaded yet: a submodule not imported (found on
+    disk without importing it), or a name the module makes on first access (a module-level
+    ``__getattr__``, as torch's own for ``torch._dynamo``: asking would import it)."""
+    if "__getattr__" in vars(module):
+        return True
+    if not hasattr(module, "__path__"):
         return False
     try:
         return importlib.util.find_spec(f"{module.__name__}.{attr}") is not None

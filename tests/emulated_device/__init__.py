@@ -50,6 +50,19 @@ def missing_toolchain() -> str | None:
     return None
 
 
+def unsupported_torch() -> str | None:
+    """Why the installed torch cannot host the emulated device (None when it can): it is driven
+    through torch's device-generic API (``torch.accelerator``, ``torch.Event``, torch >= 2.6)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not hasattr(acc, "current_stream") or not hasattr(torch, "Event"):
+        return (f"torch {torch.__version__} has no device-generic stream / event API (torch.accelerator, "
+                "torch.Event: torch >= 2.6), which the emulated device is driven through; commpatch times "
+                "CUDA there with torch.cuda.Event, and other accelerators not at all")
+    return None
+
+
 def load(verbose: bool = False):
     """Build (first time) and import the extension, rename PrivateUse1 to "emu" and register
     ``torch.emu``. Idempotent; returns the extension module."""

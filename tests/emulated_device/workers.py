@@ -393,7 +393,9 @@ def commpatch_frameworks(rank, world_size):
         out["ddp_internal_rows"] = _rows(df[df["bucket"] < 0], ("op", "device", "timing"))   # constructor, rebuild
         commpatch.reset()
         try:
-            from torch.distributed.fsdp import fully_shard
+            from tests.torch_compat import fully_shard as _fully_shard
+
+            fully_shard = _fully_shard()
 
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).to("emu")

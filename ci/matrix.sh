@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The version matrix, beside `make test` (Python 3.11 + the local torch 2.13 CPU build):
+#   - the oldest supported torch on the oldest supported Python, and the newest torch on the index
+#     with the newest Python, each in a fresh venv (the index's wheels are CUDA builds: run on the
+#     CPU here; their downloads and venvs are cached in $COMMPATCH_MATRIX_CACHE between runs);
+#   - the suite once more with the C recorder not built (the pure-Python hot path).
+# Usage: ci/matrix.sh [cell ...]   cells: oldest newest pure (default: all three)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+CACHE=${COMMPATCH_MATRIX_CACHE:-$HOME/.cache/commpatch-matrix}
+PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
+PIP_FLAGS=(--disable-pip-version-check -q)
+mkdir -p "$CACHE"
+
+# cell name -> "python minor version, torch version": the declared support range's two ends
+declare -A CELLS=([oldest]="3.9 2.4.1" [newest]="3.13 2.15.0")
+
+python_for() {      # the newest installed patch release of a Python minor version (pyenv), or fail
+    local minor=$1 found
+    found=$(ls -d "$PYENV_ROOT"/versions/"$minor".* 2>/dev/null | sort -V | tail -n 1)
+    if [ -z "$found" ] || [ ! -x "$found/bin/python" ]; then
+        found=$(command -v "python$minor" || true)
+        [ -n "$found" ] || { echo "matrix: no Python $minor (pyenv root $PYENV_ROOT)" >&2; return 1; }
+        echo "$found"; return 0
+    fi
+    echo "$found/bin/python"
+}
+
+venv_cell() {       # name: a venv with that Python and torch, commpatch installed editable, then the suite
+    local name=$1 minor torch py tag wheels venv
+    read -r minor torch <<<"${CELLS[$name]}"
+    py=$(python_for "$minor")
+    tag="py$("$py" -c 'import sys; print("%d%d" % sys.version_info[:2])')-torch$torch"
+    wheels="$CACHE/wheels-$tag"
+    venv="$CACHE/venv-$tag"
+    if [ ! -f "$wheels/.complete" ]; then
+        echo "matrix[$name]: downloading torch==$torch for $("$py" --version) into $wheels"
+        "$py" -m pip download "${PIP_FLAGS[@]}" -d "$wheels" "torch==$torch"
+        touch "$wheels/.complete"
+    fi
+    if [ ! -f "$venv/.complete" ]; then
+        rm -rf "$venv"
+        "$py" -m venv "$venv"
+        "$venv/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-index --find-links "$wheels" "torch==$torch"
+        touch "$venv/.complete"
+    fi
+    "$venv/bin/python" -m pip install "${PIP_FLAGS[@]}" -e "$REPO[test]"
+    "$venv/bin/python" -m commpatch install-hook >/dev/null
+    echo "matrix[$name]: $("$venv/bin/python" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+    (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider)
+}
+
+pure_cell() {       # the suite on a copy of the checkout without the compiled C recorder
+    local copy
+    copy=$(mktemp -d)
+    trap 'rm -rf "$copy"' RETURN
+    git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$copy")
+    (cd "$copy" && PYTHONPATH=$copy python3 -c \
+        'from commpatch.record import rows; assert rows._hot is None, "the C recorder is built here"')
+    echo "matrix[pure]: the suite with the pure-Python recorder"
+    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider)
+}
+
+cells=("$@")
+[ ${#cells[@]} -gt 0 ] || cells=(oldest newest pure)
+for cell in "${cells[@]}"; do
+    start=$(date +%s)
+    case "$cell" in
+        pure) pure_cell ;;
+        oldest|newest) venv_cell "$cell" ;;
+        *) echo "matrix: unknown cell '$cell' (oldest, newest, pure)" >&2; exit 2 ;;
+    esac
+    echo "matrix[$cell]: done in $(( $(date +%s) - start )) s"
+done

@@ -1,0 +1,44 @@
+"""Where the torch APIs the tests use live on each supported torch (2.4 to 2.15): the tests
+import them from here, so a scenario runs the same on every torch of the CI matrix."""
+
+from __future__ import annotations
+
+
+def fully_shard():
+    """FSDP2's ``fully_shard``: public in torch.distributed.fsdp since torch 2.6."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard as fn
+    return fn
+
+
+def fsdp_param_group():
+    """FSDP2's ``FSDPParamGroup`` (torch.distributed.fsdp._fully_shard since torch 2.6)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        from torch.distributed._composable.fsdp._fsdp_param_group import FSDPParamGroup
+    return FSDPParamGroup
+
+
+def dtensor():
+    """The DTensor package (``Replicate``, ``Shard``, ``distribute_tensor``, ``debug``):
+    torch.distributed.tensor since torch 2.5, torch.distributed._tensor before."""
+    import importlib
+
+    try:
+        module = importlib.import_module("torch.distributed.tensor")
+        module.distribute_tensor     # noqa: B018 - 2.4 has the package (parallel) without DTensor itself
+    except (ImportError, AttributeError):
+        module = importlib.import_module("torch.distributed._tensor")
+    return module
+
+
+def comm_debug_mode():
+    """``CommDebugMode``: torch.distributed.tensor.debug since torch 2.5, _tensor.debug before."""
+    try:
+        from torch.distributed.tensor.debug import CommDebugMode
+    except ImportError:
+        from torch.distributed._tensor.debug import CommDebugMode
+    return CommDebugMode
