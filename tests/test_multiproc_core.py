@@ -5,6 +5,7 @@ import pytest
 
 from tests import workers
 from tests.multiproc import run_ranks
+from tests.torch_compat import leaf
 
 
 def test_two_threads_on_separate_groups_lose_and_duplicate_nothing():
@@ -27,9 +28,9 @@ def coalescing_run():
 COALESCED = {
     "all_reduce_sync": ([("coalesced.all_reduce", 3 * 16, 3, "host")], {"all_reduce": 1}),
     "all_reduce_async": ([("coalesced.all_reduce", 3 * 16, 3, "future")], {"all_reduce": 1}),
-    "all_gather": ([("coalesced.all_gather_single", 2 * 32, 2, "host")], {"all_gather": 1}),
+    "all_gather": ([(f"coalesced.{leaf('all_gather_into_tensor')}", 2 * 32, 2, "host")], {"all_gather": 1}),
     # gloo runs a coalesced reduce_scatter as one all_reduce per tensor, with no future
-    "reduce_scatter_async": ([("coalesced.reduce_scatter_single", 2 * 32, 2, "none")], {"all_reduce": 2}),
+    "reduce_scatter_async": ([(f"coalesced.{leaf('reduce_scatter_tensor')}", 2 * 32, 2, "none")], {"all_reduce": 2}),
     "with_a_broadcast": ([("broadcast", 8, 1, "host"), ("coalesced.all_reduce", 16, 1, "host")],
                          {"broadcast": 1, "all_reduce": 1}),
 }

@@ -118,6 +118,11 @@ def runs(request):
                                   for name, c in CELLS.items()])
 def test_cell(runs, cell):
     kind, mode, when, modules = CELLS[cell]
+    if kind == "fsdp2":
+        from tests.torch_compat import fsdp2_cpu_unsupported
+
+        if fsdp2_cpu_unsupported():
+            pytest.skip(fsdp2_cpu_unsupported())
     problems, traces = [], []
     for rank, res in enumerate(runs(kind)):
         r = res["cells"][cell]

@@ -42,3 +42,27 @@ def comm_debug_mode():
     except ImportError:
         from torch.distributed._tensor.debug import CommDebugMode
     return CommDebugMode
+
+
+def fsdp2_cpu_unsupported() -> str | None:
+    """Why FSDP2 cannot run on CPU tensors with this torch (None when it can): torch 2.4's
+    ``FSDPCommContext.init`` creates CUDA streams unconditionally; the device-aware ``lazy_init``
+    that replaced it runs on CPU (gloo)."""
+    import importlib
+
+    import torch
+
+    context = importlib.import_module(fsdp_param_group().__module__).FSDPCommContext
+    if hasattr(context, "lazy_init"):
+        return None
+    return f"FSDP2 of torch {torch.__version__} creates CUDA streams unconditionally: it does not run on CPU"
+
+
+def leaf(public: str) -> str:
+    """The function a row of ``public`` is named after: torch >= 2.5 implements
+    all_gather_into_tensor / reduce_scatter_tensor through ``*_single`` functions (the innermost
+    call is recorded), an older torch has no such function."""
+    import torch.distributed as dist
+
+    single = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}[public]
+    return single if hasattr(dist, single) else public

@@ -120,6 +120,9 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("ddp_verify_params_broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
     _T("ddp_rebuild_buckets_broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
     _T("ddp_unused_allreduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
+    # a _coalescing_manager's rows on torch < 2.5, whose queued calls are the public functions
+    _T("coalesced.all_gather_into_tensor", None, ("list", None), ALLGATHER, runs=("all_gather",)),
+    _T("coalesced.reduce_scatter_tensor", None, ("list", None), REDUCESCATTER, runs=("reduce_scatter",)),
 )
 OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
 

@@ -97,7 +97,8 @@ def _record(ctx, pg, queue, span, end, cm, err) -> None:
     start, seq = span[0], next(SEQ)
     name = queue[0].op.__name__          # the wrapper's name: torch's own function name
     # S as the queued calls count it: all_gather the full output (the dst tensors), else the input
-    numel = sum((op.dst_tensor if name == "all_gather_single" else op.tensor).numel() for op in queue)
+    gather = name in ("all_gather_single", "all_gather_into_tensor")     # the latter queued on torch < 2.5
+    numel = sum((op.dst_tensor if gather else op.tensor).numel() for op in queue)
     op = OP_CODE["coalesced." + name]
     tcode = T_HOST
     if cm is not None and not err:
