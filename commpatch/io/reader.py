@@ -988,6 +988,26 @@ def _read_csv_pandas(path, names, schema, fill, size, end, notes):
     return pd.DataFrame(out)
 
 
+def _exact_floats(text):
+    """Text to float64 as Python's ``float`` parses it (round-trip exact, like pyarrow's reader:
+    pandas' ``to_numeric`` before pandas 3 can be off in the last digit); NaN where it is no number."""
+    import numpy as np
+    import pandas as pd
+
+    try:
+        values = text.to_numpy(dtype=object).astype(np.float64)
+    except (ValueError, OverflowError):
+        values = np.array([_float_or_nan(v) for v in text.to_numpy(dtype=object)], dtype=np.float64)
+    return pd.Series(values, index=text.index)
+
+
+def _float_or_nan(value) -> float:
+    try:
+        return float(value)
+    except (ValueError, OverflowError):
+        return float("nan")
+
+
 def _typed_pandas(path, name, s, dtype, fields):
     """A column read as text, converted to ``dtype``; raises on the first value that is not one."""
     import numpy as np
@@ -1005,7 +1025,7 @@ def _typed_pandas(path, name, s, dtype, fields):
         values = lambda: low.isin(("true", "1")).astype(bool)   # noqa: E731
     else:
         nan = low.isin(("", "nan", "-nan", "+nan", "na", "n/a", "null", "none"))
-        number = pd.to_numeric(text.where(~nan, "nan"), errors="coerce").astype(np.float64)
+        number = _exact_floats(text.where(~nan, "nan"))
         ok = nan | number.notna()
         values = lambda: number   # noqa: E731
     ok = ok.to_numpy(bool)
