@@ -274,7 +274,8 @@ def compiled_tp(rank, world_size):
 
     x = torch.ones(4, 3, requires_grad=True)
     with commpatch.capture() as cap, profile(record_shapes=True) as prof:
-        y = funcol.all_gather_single_autograd(x * (rank + 1), 0, mesh)
+        gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd  # < 2.5
+        y = gather(x * (rank + 1), 0, mesh)
         (funcol.wait_tensor(y) * 2).sum().backward()
     out["formula"] = (cap.df, witness_counts(prof), witness_bytes(prof, world_size), x.grad.flatten().tolist())
     commpatch.disable()
@@ -338,8 +339,10 @@ def functional(rank, world_size):
     x = torch.ones(4, 6) * (rank + 1)
     with commpatch.capture() as cap, profile() as prof:
         a = funcol.all_reduce(x, "sum", mesh)
-        b = funcol.all_gather_single(x, 0, mesh)
-        c = funcol.reduce_scatter_single(x, "sum", 0, mesh)
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor    # torch < 2.5
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        b = gather(x, 0, mesh)
+        c = scatter(x, "sum", 0, mesh)
         d = funcol.all_to_all_single(x, None, None, mesh)
         values = [float(r.wait().sum()) for r in (a, b, c, d)]     # every lazy wait completes
     out["funcol"] = (cap.df, witness_counts(prof), values)

@@ -35,6 +35,14 @@ FUNCTIONS = {
     "reduce_scatter_single": ("funcol.reduce_scatter", False),
     "reduce_scatter_single_autograd": ("funcol.reduce_scatter", False),
     "reduce_scatter_single_coalesced": ("funcol.reduce_scatter_coalesced", True),
+    # the same collectives under their torch < 2.5 names (later torch keeps them, calling the above:
+    # the outermost wrapped call is recorded, once)
+    "all_gather_tensor": ("funcol.all_gather", False),
+    "all_gather_tensor_autograd": ("funcol.all_gather", False),
+    "all_gather_into_tensor_coalesced": ("funcol.all_gather_coalesced", True),
+    "reduce_scatter_tensor": ("funcol.reduce_scatter", False),
+    "reduce_scatter_tensor_autograd": ("funcol.reduce_scatter", False),
+    "reduce_scatter_tensor_coalesced": ("funcol.reduce_scatter_coalesced", True),
     "all_to_all_single": ("funcol.all_to_all_single", False),
     "all_to_all_single_autograd": ("funcol.all_to_all_single", False),
     "broadcast": ("funcol.broadcast", False),
