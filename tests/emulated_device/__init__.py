@@ -81,7 +81,8 @@ def load(verbose: bool = False):
     os.makedirs(build_dir, exist_ok=True)
     t0 = time.perf_counter()
     ext = cpp_extension.load(name=EXT_NAME, sources=[SOURCE], build_directory=build_dir,
-                             extra_cflags=["-O1", "-std=c++17"], verbose=verbose)
+                             # no -std: torch's own flags name the standard its headers need (C++20 from 2.15)
+                             extra_cflags=["-O1"], verbose=verbose)
     build_seconds = time.perf_counter() - t0
     if torch._C._get_privateuse1_backend_name() != BACKEND:
         torch.utils.rename_privateuse1_backend(BACKEND)
