@@ -264,10 +264,10 @@ def _report_compare(args) -> int:
         raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
     table, by_op = analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch), analysis.scaling_by_op(runs)
     for run in table.loc[table["steps"] == 0, "run"]:
-        print(f"commpatch report: warning: --compare {run}: no steady-state step (no step boundary in its log, or "
+        print(f"commpatch report: warning: --compare {_safe(run)}: no steady-state step (no step boundary in its log, or "
               "fewer than 3 steps): its per-step figures are unknown", file=sys.stderr)
     if args.format == "csv":
-        sys.stdout.write((by_op if args.section == "by_op" else table).to_csv(index=False))
+        sys.stdout.write(report.render_csv(by_op if args.section == "by_op" else table))
     elif args.format == "json":
         sys.stdout.write(json.dumps({"scaling": json.loads(table.to_json(orient="records")),
                                      "by_op": json.loads(by_op.to_json(orient="records"))}, indent=1) + "\n")

@@ -271,22 +271,24 @@ def _valid_rows(np, out: Parsed, raw: bytes, row_dtype, row_size: int, scan: _Sc
     rows = np.frombuffer(raw, dtype=row_dtype)
     if len(rows) == 0 or rows.dtype.names is None or "seq" not in rows.dtype.names:
         return rows
-    zero = ~np.frombuffer(raw, np.uint8).reshape(len(rows), row_size).any(axis=1)
     f = {name: rows[name] for name in ("seq", "op", "gid", "dtype", "flags", "start", "tag", "where")
          if name in rows.dtype.names}
-    ok = ~zero & (f["seq"] >= 0)
+    ok = f["seq"] >= 0
     for name, hi in (("op", scan.ops), ("gid", 1 << 15), ("dtype", 1 << 15), ("tag", scan.limit)):
         if name in f:
             ok &= (f[name] >= 0) & (f[name] < hi)
     if "flags" in f:
-        ok &= ((f["flags"] & _UNUSED_FLAGS) == 0) & ((f["flags"] >> T_SHIFT) < scan.timings)
+        ok &= ((f["flags"] & _UNUSED_FLAGS) == 0) & (f["flags"] < scan.timings << T_SHIFT)
     if "start" in f:
         ok &= f["start"] > 0
     if "where" in f:
-        ok &= (f["where"] >= 0) & ((f["where"] >> 2) < scan.limit)
-    out.zero_rows += int(zero.sum())
-    out.bad_rows += int((~ok & ~zero).sum())
+        ok &= (f["where"] >= 0) & (f["where"] < scan.limit << 2)
     keep = None if ok.all() else np.flatnonzero(ok)
+    if keep is not None:            # of the rows left out, those of zeros (every row has a start > 0)
+        bad = np.flatnonzero(~ok)
+        zero = int((~np.frombuffer(raw, np.uint8).reshape(len(rows), row_size)[bad].any(axis=1)).sum())
+        out.zero_rows += zero
+        out.bad_rows += len(bad) - zero
     seq = f["seq"] if keep is None else f["seq"][keep]
     if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():       # seq must not repeat: the first row kept
         _, first = np.unique(seq, return_index=True)

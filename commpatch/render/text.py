@@ -35,8 +35,11 @@ def terminal_safe(text) -> str:
 
 def render_csv(df) -> str:
     """A table as CSV text, its strings made ``terminal_safe`` (``commpatch report --format csv``)."""
-    text = [c for c in df.columns if df[c].dtype.kind not in "iufb"]
-    return df.assign(**{c: df[c].map(terminal_safe) for c in text}).to_csv(index=False)
+    def safe(value):
+        return terminal_safe(value) if isinstance(value, str) else value
+
+    text = [c for c in df.columns if df[c].dtype.kind not in "iufbmM"]
+    return df.assign(**{c: df[c].map(safe) for c in text}).to_csv(index=False)
 
 
 def human_bytes(n) -> str:
