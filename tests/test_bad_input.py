@@ -703,3 +703,81 @@ def test_report_never_prints_terminal_escapes_from_a_log(frames, tmp_path, capsy
     assert not any(e in text for e in ESC), [e for e in ESC if e in text]
     assert "\\x1b]0;owned\\x07g" in text and "\\x9b31mtag" in text and "m\\u202eod" in text
     assert "logs\\x1b[2J" in text and "warning" in text
+
+
+# ---- a real fault: a disk that fills up in the middle of a write, then frees space ----------
+SHORT_WRITE_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+/* The write() whose bytes hold MARK writes half of them (a short write: the disk is full), the
+   next write() to that file fails with ENOSPC, then the disk has room again. */
+static int state = 0, fd_hit = -1;
+
+ssize_t write(int fd, const void *buf, size_t n) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    if (state == 0 && n > 16 && memmem(buf, n, "FULLDISK", 8)) {
+        state = 1; fd_hit = fd;
+        return real(fd, buf, n / 2);
+    }
+    if (state == 1 && fd == fd_hit) {
+        state = 2;
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, buf, n);
+}
+"""
+
+FULL_DISK_JOB = r"""
+import os, sys, tempfile, time
+import torch, torch.distributed as dist
+import commpatch
+
+commpatch.enable(output=os.path.join(sys.argv[1], "rank{rank}.csv"))
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+t = torch.ones(8)
+for name in ("before", "FULLDISK", "after", "later"):
+    with commpatch.tag(name):
+        for _ in range(25):
+            dist.all_reduce(t)
+    time.sleep(0.6)          # the flusher writes each phase on its own
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.faults
+def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys):
+    """A real short write then ENOSPC (an LD_PRELOAD shim of write()) in the flush that carries the
+    'FULLDISK' phase; the job goes on writing after it. Every row of the other phases is read
+    back from the .cplog, by read_csv and the report, with no traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the write() shim")
+    (tmp_path / "shim.c").write_text(SHORT_WRITE_SHIM)
+    shim = tmp_path / "shim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"], check=True)
+    out = tmp_path / "run"
+    env = dict(__import__("os").environ, LD_PRELOAD=str(shim), COMMPATCH_OUTPUT="none")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = out / "rank0.cplog"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", LogFileWarning)
+        df = commpatch.read_csv(str(path))
+    said = [str(w.message) for w in record if issubclass(w.category, LogFileWarning)]
+    assert df["seq"].is_unique
+    for name in ("before", "after", "later"):
+        assert (df["tag"] == name).sum() == 25, (name, said, df["tag"].value_counts())
+    if (df["tag"] == "FULLDISK").sum() < 25:      # lost in the failed write: said, never silent
+        assert any("cut short" in m or "hold no frame" in m for m in said), said
+    code, text, err = run_cli(capsys, path, "--by", "tag")
+    assert code == 0 and "Traceback" not in err and "later" in text, err
