@@ -670,7 +670,7 @@ def test_sizes_in_a_binary_log_are_bounded_by_the_file(writer_log, tmp_path, bui
 @pytest.mark.parametrize("column, value, phrase", [
     ("rank", str(2**40), "column 'rank' holds 1099511627776 on line 2: not a rank of a world of 1"),
     ("world_size", str(2**40), "column 'world_size' holds 1099511627776 on line 2: a world size is 1 to"),
-    ("group_ranks", "0-99999999999", "column 'group_ranks' holds '0-99999999999' on line 2, not ranks of a world"),
+    ("group_ranks", "0-99999999999", "column 'group_ranks' holds '0-99999999999' on line 2, not ranks (range notation"),
     ("group_ranks", "0-3:0", "column 'group_ranks' holds '0-3:0' on line 2"),
 ])
 def test_sizes_in_a_csv_beyond_the_world_are_refused(writer_log, tmp_path, capsys, column, value, phrase):

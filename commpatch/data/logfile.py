@@ -59,6 +59,7 @@ def meta(kind: str, **fields) -> bytes:
 # the file can hold before anything is allocated.
 
 MAX_WORLD = 1 << 20          # ranks: a world size (or rank) above this is damage, not a job
+RANKS_NAMED = 4 * MAX_WORLD  # ranks the groups of one file may name in all (the analysis lists them)
 _KINDS = frozenset((ROWS, LATE, META, OWN))
 _PAIR = 16                   # one (seq, ns) pair of an L or Q frame
 _CANDIDATE = re.compile(rb"[RLMQ]")
@@ -94,6 +95,7 @@ class Parsed:
         self.bad_rows = 0        # rows with impossible values (a code out of range, a negative seq ...)
         self.repeated_rows = 0   # rows repeating the seq of an earlier row
         self.unknown_codes = 0   # codes used by rows whose registry record is lost: named "?"
+        self.ranks_named = 0     # ranks named by the groups read so far (bounded: RANKS_NAMED)
 
     def damage(self) -> list[str]:
         """What was left out or guessed, one phrase per kind (none for an undamaged log)."""
@@ -383,11 +385,13 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
                 _strs(m, key, most)
         out.header = m
     elif kind == "group":
-        world = out.header.get("world_size", -1)
+        # within MAX_WORLD, not the header's world size: a log may outlive a process group (a
+        # new init_process_group of another size in the same process)
         ranks = _str(m, "ranks")
         size = _int(m, "size", 0, MAX_WORLD)
-        if ranks and rank_count(ranks, world if world > 0 else MAX_WORLD) != size:
+        if ranks and rank_count(ranks) != size or out.ranks_named + size > RANKS_NAMED:
             raise _Bad("ranks")
+        out.ranks_named += size
         backend = _str(m, "backend")
         backends = _strs(m, "backends", 3) if "backends" in m else [backend] * 3
         if len(backends) != 3:

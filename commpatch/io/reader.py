@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..data.frame import arrow_table, dataframe, own_times, parse_log
-from ..data.logfile import MAX_WORLD, SUFFIX, parse_header, rank_count
+from ..data.logfile import MAX_WORLD, RANKS_NAMED, SUFFIX, parse_header, rank_count
 from ..data.ops import describe_op
 from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
                            SCHEMA_VERSION, SCHEMA_VERSION_KEY, STEPLESS_ATTR, TIMINGS)
@@ -554,7 +554,8 @@ def _note_damage(notes, path, parsed) -> None:
 def _check_sizes(pa, data, path, where) -> None:
     """Refuse the values that size what the analysis builds (a rank, a world, a group's ranks)
     beyond what a job can have: ranks in [0, world_size), world_size at most ``MAX_WORLD``, group
-    ranks in range notation within the world. Checked before anything is built from them."""
+    ranks in range notation below ``MAX_WORLD`` and ``RANKS_NAMED`` in all. Checked before anything
+    is built from them."""
     import numpy as np
 
     names = data.column_names if pa is not None else list(data.columns)
@@ -575,20 +576,21 @@ def _check_sizes(pa, data, path, where) -> None:
                 i = int(bad[0])
                 raise LogFileError(path, f"column 'rank' holds {rank[i]} on {where(i)}: not a rank of a world of "
                                          f"{world[i]}")
-    if "group_ranks" in names:
-        top = int(world.max()) if world is not None and len(world) else MAX_WORLD
-        top = top if top > 0 else MAX_WORLD
+    if "group_ranks" in names:      # within MAX_WORLD (a log may outlive a process group), and in all
         col = data.column("group_ranks") if pa is not None else data["group_ranks"]
-        values = (col.unique().to_pylist() if pa is not None else col.unique().tolist())
-        for value in values:
+        named = 0
+        for value in (col.unique().to_pylist() if pa is not None else col.unique().tolist()):
+            text = str(value)
             try:
-                rank_count(str(value), top)
+                named += rank_count(text)
+                if named > RANKS_NAMED:
+                    raise ValueError("too many")
             except ValueError:
-                text = str(value)
                 i = (col.to_pylist() if pa is not None else col.astype(str).tolist()).index(text)
                 shown = repr(text if len(text) <= 40 else text[:40] + "...")
-                raise LogFileError(path, f"column 'group_ranks' holds {shown} on {where(i)}, not ranks of a world of "
-                                         f"{top} (range notation: '0-7', '0-6:2', '0 3 5')") from None
+                raise LogFileError(path, f"column 'group_ranks' holds {shown} on {where(i)}, not ranks (range "
+                                         f"notation: '0-7', '0-6:2', '0 3 5'; at most {MAX_WORLD:,} ranks, and "
+                                         f"{RANKS_NAMED:,} named by a file's groups in all)") from None
 
 
 def _read_binary(pa, path, schema, notes):
