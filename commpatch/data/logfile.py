@@ -63,7 +63,7 @@ RANKS_NAMED = 4 * MAX_WORLD  # ranks the groups of one file may name in all (the
 _KINDS = frozenset((ROWS, LATE, META, OWN))
 _PAIR = 16                   # one (seq, ns) pair of an L or Q frame
 _CANDIDATE = re.compile(rb"[RLMQ]")
-_RESYNC_TRIES = 1 << 18      # candidate frame starts tried per file: bounded work on any input
+_RESYNC_TRIES = 1 << 18      # candidate frame starts tried per file (and one per 64 bytes of it)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 _UNKNOWN_GROUP = {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3}
 
@@ -170,13 +170,15 @@ class _Scanner:
         # a registry code needs a record of ~30 bytes in the file: a code above this is damage
         self.limit = len(data) // 16 + 16
         self.ops, self.timings = _header_sizes({})
-        self.tries = 0
+        self.tries = _RESYNC_TRIES + len(data) // 64     # bounded work on any input
 
     def frames(self):
         pos, end, out = len(MAGIC), self.end, self.out
+        ahead = None                   # the frame after the last one taken, already looked at
         while pos < end:
-            got = self._whole(pos)
-            if got is not None and (got[2] == end or self._whole(got[2]) is not None):
+            got = ahead if ahead is not None and ahead[1] == pos + _FRAME.size else self._whole(pos)
+            ahead = None
+            if got is not None and (got[2] == end or (ahead := self._whole(got[2])) is not None):
                 yield got
                 pos = got[2]
                 continue
@@ -252,8 +254,8 @@ class _Scanner:
     def _resync(self, start: int) -> int:
         """The first position from ``start`` on where whole frames begin again (the end if none)."""
         for m in _CANDIDATE.finditer(self.data, start):
-            self.tries += 1
-            if self.tries > _RESYNC_TRIES:
+            self.tries -= 1
+            if self.tries < 0:
                 break
             p = m.start()
             got = self._whole(p)
