@@ -499,6 +499,8 @@ def _convert(args, io, suffix) -> int:
                 else io.convert(path, out)
         except ValueError as exc:
             raise _InputError(str(exc)) from None
+        except OSError as exc:          # a full disk, a read-only directory: one line, not a traceback
+            raise _InputError(f"{out}: cannot be written ({exc.strerror or exc})") from None
         print(_safe(out))
         progress(i + 1, len(files))
     return 0

@@ -706,6 +706,19 @@ def test_report_never_prints_terminal_escapes_from_a_log(frames, tmp_path, capsy
 
 
 # ---- a real fault: a disk that fills up in the middle of a write, then frees space ----------
+def build_shim(tmp_path, source):
+    """``source`` (C) built as an LD_PRELOAD library: its path (the test is skipped without gcc)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the write() shim")
+    (tmp_path / "shim.c").write_text(source)
+    shim = tmp_path / "shim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"], check=True)
+    return shim
+
+
 SHORT_WRITE_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -755,15 +768,10 @@ def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys)
     """A real short write then ENOSPC (an LD_PRELOAD shim of write()) in the flush that carries the
     'FULLDISK' phase; the job goes on writing after it. Every row of the other phases is read
     back from the .cplog, by read_csv and the report, with no traceback."""
-    import shutil
     import subprocess
     import sys
 
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc to build the write() shim")
-    (tmp_path / "shim.c").write_text(SHORT_WRITE_SHIM)
-    shim = tmp_path / "shim.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"], check=True)
+    shim = build_shim(tmp_path, SHORT_WRITE_SHIM)
     out = tmp_path / "run"
     env = dict(__import__("os").environ, LD_PRELOAD=str(shim), COMMPATCH_OUTPUT="none")
     done = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(out)], env=env, capture_output=True, text=True,
@@ -781,3 +789,39 @@ def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys)
         assert any("cut short" in m or "hold no frame" in m for m in said), said
     code, text, err = run_cli(capsys, path, "--by", "tag")
     assert code == 0 and "Traceback" not in err and "later" in text, err
+
+
+ENOSPC_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+/* A full disk for the CSV being written: every write() of its header or rows fails with ENOSPC. */
+ssize_t write(int fd, const void *buf, size_t n) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    if (n > 8 && (memmem(buf, n, "seq,op,", 7) || memmem(buf, n, "all_reduce", 10))) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, buf, n);
+}
+"""
+
+
+def test_convert_on_a_full_disk_says_so_in_one_line(writer_log, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shim = build_shim(tmp_path, ENOSPC_SHIM)
+    path = tmp_path / "rank0.cplog"
+    shutil.copy(writer_log[0], path)
+    done = subprocess.run([sys.executable, "-m", "commpatch", "convert", str(path), "--no-progress"],
+                          env=dict(os.environ, LD_PRELOAD=str(shim)), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == f"commpatch convert: {tmp_path / 'rank0.csv'}: cannot be written (No space left on device)"
+    assert sorted(os.listdir(tmp_path)) == ["rank0.cplog", "shim.c", "shim.so"]      # no partial file left
