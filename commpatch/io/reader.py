@@ -546,11 +546,6 @@ def _read_file(pa, path, schema, notes):
     return data, keys, fill
 
 
-def _note_damage(notes, path, parsed) -> None:
-    for problem in parsed.damage():
-        notes.add(path, problem)
-
-
 def _check_sizes(pa, data, path, where) -> None:
     """Refuse the values that size what the analysis builds (a rank, a world, a group's ranks)
     beyond what a job can have: ranks in [0, world_size), world_size at most ``MAX_WORLD``, group
@@ -601,7 +596,8 @@ def _read_binary(pa, path, schema, notes):
         parsed = parse_log(data, name=str(path))
     except ValueError as exc:
         raise LogFileError(path, str(exc).split(": ", 1)[-1]) from None
-    _note_damage(notes, path, parsed)
+    for problem in parsed.damage():
+        notes.add(path, problem)
     names = [c.name for c in schema]
     if pa is not None:
         table = arrow_table(parsed, set(names)).select(names)
