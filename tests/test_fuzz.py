@@ -116,9 +116,10 @@ def child(cases: list[str]) -> dict:
     return {"results": results, "baseline_mb": baseline / 1024, "peak_mb": peak / 1024}
 
 
-def run_child(cases: list[str], timeout: float) -> dict:
+def run_child(cases: list[str], timeout: float, reader: str = "pyarrow") -> dict:
+    """``child(cases)`` in a new process; ``reader`` "pandas": as without pyarrow installed."""
     root = str(Path(__file__).parent.parent)
-    done = subprocess.run([sys.executable, "-m", "tests.test_fuzz", *cases], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tests.test_fuzz", reader, *cases], capture_output=True, text=True,
                           timeout=timeout, cwd=root, env=dict(os.environ, COMMPATCH_OUTPUT="none"))
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -281,8 +282,10 @@ def test_fuzzed_logs_never_crash_hang_or_blow_memory(writer_log, tmp_path):
     assert got["peak_mb"] - got["baseline_mb"] < PEAK_MB, got
 
 
-def test_corpus_replays(tmp_path):
-    """Every input that once crashed a reader (or hung it, or printed escapes): now fine."""
+@pytest.mark.parametrize("reader", ["pyarrow", "pandas"])
+def test_corpus_replays(tmp_path, reader):
+    """Every input that once crashed a reader (or hung it, or printed escapes): now fine, with
+    either reader (pyarrow, or pandas alone)."""
     cases = []
     for f in sorted(CORPUS.iterdir()):
         if f.suffix in (".cplog", ".csv"):
@@ -291,11 +294,15 @@ def test_corpus_replays(tmp_path):
             shutil.copy(f, d / ("rank0" + f.suffix))
             cases.append(str(d / ("rank0" + f.suffix)))
     assert len(cases) >= 10
-    got = run_child(cases, timeout=HANG_S * len(cases) + 120)
+    got = run_child(cases, timeout=HANG_S * len(cases) + 120, reader=reader)
     failed = _report(got["results"], tmp_path)
     assert not failed, "\n".join(failed)
     assert got["peak_mb"] - got["baseline_mb"] < PEAK_MB, got
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(sys.argv[1:])))
+    if sys.argv[1] == "pandas":
+        from commpatch.io import writer
+
+        writer._pyarrow = lambda: None
+    print(json.dumps(child(sys.argv[2:])))
