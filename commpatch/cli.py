@@ -69,7 +69,7 @@ def cmd_report(args) -> int:
         with _plain_warnings():
             return _report_compare(args) if args.compare else _report(args)
     except (LogFileError, _InputError) as exc:
-        print(f"commpatch report: {exc}", file=sys.stderr)
+        print(f"commpatch report: {_safe(exc)}", file=sys.stderr)
         return 2
 
 
@@ -108,7 +108,7 @@ def _report(args) -> int:
         frame = rep.sections.get(args.section)
         if frame is None:
             raise _InputError(f"no '{args.section}' section for this log (available: {', '.join(rep.sections)})")
-        sys.stdout.write(frame.to_csv(index=False))
+        sys.stdout.write(report.render_csv(frame))
     elif args.format == "json":
         sys.stdout.write(report.render_report_json(rep) + "\n")
     elif args.format == "markdown":
@@ -265,10 +265,10 @@ def _report_compare(args) -> int:
         raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
     table, by_op = analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch), analysis.scaling_by_op(runs)
     for run in table.loc[table["steps"] == 0, "run"]:
-        print(f"commpatch report: warning: --compare {run}: no steady-state step (no step boundary in its log, or "
+        print(f"commpatch report: warning: --compare {_safe(run)}: no steady-state step (no step boundary in its log, or "
               "fewer than 3 steps): its per-step figures are unknown", file=sys.stderr)
     if args.format == "csv":
-        sys.stdout.write((by_op if args.section == "by_op" else table).to_csv(index=False))
+        sys.stdout.write(report.render_csv(by_op if args.section == "by_op" else table))
     elif args.format == "json":
         sys.stdout.write(json.dumps({"scaling": json.loads(table.to_json(orient="records")),
                                      "by_op": json.loads(by_op.to_json(orient="records"))}, indent=1) + "\n")
@@ -353,9 +353,16 @@ def _writing(option: str, path: str):
         raise _InputError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
 
 
+def _safe(text) -> str:
+    """``text`` (it may name files and hold names from a log) as it may reach a terminal."""
+    from .render.text import terminal_safe  # lazy: the CLI's other commands never load numpy / pandas
+
+    return terminal_safe(text)
+
+
 @contextlib.contextmanager
-def _plain_warnings():
-    """Warnings about the logs as ``commpatch report: warning: ...`` lines (no source location)."""
+def _plain_warnings(prog: str = "commpatch report"):
+    """Warnings about the logs as ``<prog>: warning: ...`` lines (no source location), ``terminal_safe``."""
     import warnings
 
     from .analysis import StepPatternWarning  # lazy: the CLI's other commands never load numpy / pandas
@@ -369,7 +376,7 @@ def _plain_warnings():
 
         def show(message, category, filename, lineno, file=None, line=None):
             if issubclass(category, plain):
-                print(f"commpatch report: warning: {message}", file=sys.stderr)
+                print(f"{prog}: warning: {_safe(message)}", file=sys.stderr)
             else:
                 shown(message, category, filename, lineno, file, line)
 
@@ -467,31 +474,37 @@ def cmd_convert(args) -> int:
     from .data.logfile import SUFFIX  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
-        with _plain_warnings():
-            files = [f for f in io.expand(args.paths) if f.endswith(SUFFIX)]
-        if not files:
-            raise _InputError(f"no binary rank log (*{SUFFIX}) in {', '.join(args.paths)}")
-        progress = _progress(args, "converting")
-        for i, path in enumerate(files):
-            if args.to == "parquet":     # one rank-partitioned dataset per run directory
-                out = os.path.join(os.path.dirname(path), "parquet", f"rank={io.file_rank(path)}",
-                                   os.path.basename(io.export_path(path, ".parquet")))
-            else:
-                out = io.export_path(path, "." + args.to)
-            if os.path.lexists(out):
-                print(f"commpatch convert: {out} exists: kept as it is", file=sys.stderr)
-                continue
-            try:
-                out = io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out))) if args.to == "parquet" \
-                    else io.convert(path, out)
-            except ValueError as exc:
-                raise _InputError(str(exc)) from None
-            print(out)
-            progress(i + 1, len(files))
-        return 0
+        with _plain_warnings("commpatch convert"):
+            return _convert(args, io, SUFFIX)
     except _InputError as exc:
-        print(f"commpatch convert: {exc}", file=sys.stderr)
+        print(f"commpatch convert: {_safe(exc)}", file=sys.stderr)
         return 2
+
+
+def _convert(args, io, suffix) -> int:
+    files = [f for f in io.expand(args.paths) if f.endswith(suffix)]
+    if not files:
+        raise _InputError(f"no binary rank log (*{suffix}) in {', '.join(args.paths)}")
+    progress = _progress(args, "converting")
+    for i, path in enumerate(files):
+        if args.to == "parquet":     # one rank-partitioned dataset per run directory
+            out = os.path.join(os.path.dirname(path), "parquet", f"rank={io.file_rank(path)}",
+                               os.path.basename(io.export_path(path, ".parquet")))
+        else:
+            out = io.export_path(path, "." + args.to)
+        if os.path.lexists(out):
+            print(f"commpatch convert: {_safe(out)} exists: kept as it is", file=sys.stderr)
+            continue
+        try:
+            out = io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out))) if args.to == "parquet" \
+                else io.convert(path, out)
+        except ValueError as exc:
+            raise _InputError(str(exc)) from None
+        except OSError as exc:          # a full disk, a read-only directory: one line, not a traceback
+            raise _InputError(f"{out}: cannot be written ({exc.strerror or exc})") from None
+        print(_safe(out))
+        progress(i + 1, len(files))
+    return 0
 
 
 def cmd_env(args) -> int:

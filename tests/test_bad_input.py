@@ -9,6 +9,7 @@ The CLI runs in-process; the Python API runs with both readers (pyarrow, and pan
 """
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -499,3 +500,328 @@ def test_parquet_with_the_schema_version_reads_without_a_warning(frames, tmp_pat
         warnings.simplefilter("error", LogFileWarning)
         df = commpatch.read_csv(path)
     assert len(df) == len(frames[0]) and df.attrs["filled_columns"] == []
+
+
+# ---- damaged binary logs: torn frames, zeros, sizes beyond the file (issue 24) ---------------
+@pytest.fixture(scope="module")
+def writer_log(tmp_path_factory):
+    """A real rank log of commpatch's writer (many frames: rows in several chunks) and its CSV."""
+    from tests import writer_logs
+
+    return writer_logs.write(str(tmp_path_factory.mktemp("writer")))
+
+
+def _layout(data):
+    """(kind, frame start, payload start, frame stop) of each frame of an undamaged rank log."""
+    import struct
+
+    from commpatch.data import logfile
+
+    out, pos = [], len(logfile.MAGIC)
+    while pos < len(data):
+        kind, length = struct.unpack_from("<cI", data, pos)
+        out.append((kind, pos, pos + 5, pos + 5 + length))
+        pos += 5 + length
+    return out
+
+
+def _seqs(payload):
+    from commpatch.data.schema import row_dtype
+
+    return np.frombuffer(payload, dtype=row_dtype(np))["seq"].tolist()
+
+
+STABLE = ["seq", "op", "group", "dtype", "bytes", "start_ns", "duration_us", "step", "tag", "status"]
+
+
+def _torn(data, frame, cut):
+    """The file a full disk leaves: ``frame`` written up to ``cut`` bytes of it, and the writer
+    appending the next frames after it (the disk freed again)."""
+    _, lo, _, hi = frame
+    return data[:lo + cut] + data[hi:]
+
+
+@pytest.mark.parametrize("where", ["header", "first row", "mid row", "last row"])
+@pytest.mark.parametrize("which", [0, 2, -1])
+def test_a_torn_frame_mid_file_loses_only_its_cut_rows(writer_log, tmp_path, which, where):
+    data = Path(writer_log[0]).read_bytes()
+    frames = [f for f in _layout(data) if f[0] == b"R"]
+    frame = frames[which]
+    n = (frame[3] - frame[2]) // 59
+    whole = {"header": -1, "first row": 0, "mid row": n // 2, "last row": n - 1}[where]
+    cut = 3 if whole < 0 else 5 + 59 * whole + 30
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(_torn(data, frame, cut))
+    lost = set(_seqs(data[frame[2]:frame[3]])[max(whole, 0):])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LogFileWarning)
+        ref = commpatch.read_csv(writer_log[0])
+    with pytest.warns(LogFileWarning) as record:
+        df = commpatch.read_csv(str(path))
+    said = " ".join(str(w.message) for w in record)
+    assert ("1 frame(s) cut short" if whole >= 0 else "1 stretch(es) of bytes that hold no frame") in said, said
+    expected = ref[~ref["seq"].isin(lost)].reset_index(drop=True)
+    pd.testing.assert_frame_equal(df[STABLE].reset_index(drop=True), expected[STABLE], check_categorical=False)
+
+
+def test_a_torn_frame_mid_file_report_and_convert_go_on(writer_log, tmp_path, capsys):
+    data = Path(writer_log[0]).read_bytes()
+    frame = [f for f in _layout(data) if f[0] == b"R"][2]
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(_torn(data, frame, 5 + 59 + 11))
+    code, out, err = run_cli(capsys, path)
+    assert code == 0 and "Traceback" not in err and "all_reduce" in out, err
+    assert f"commpatch report: warning: {path}: 1 frame(s) cut short" in err, err
+    assert cli.main(["convert", str(path), "--no-progress"]) == 0
+    _, err = capsys.readouterr()
+    assert f"commpatch convert: warning: {path}: 1 frame(s) cut short" in err, err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LogFileWarning)
+        converted = commpatch.read_csv(str(tmp_path / "rank0.csv"))
+        ref = commpatch.read_csv(writer_log[0])
+    lost = set(_seqs(data[frame[2]:frame[3]])[1:])
+    assert converted["seq"].tolist() == [s for s in ref["seq"] if s not in lost]
+
+
+@pytest.mark.parametrize("span", ["rows", "frames"])
+def test_a_block_of_zeros_in_the_rows_is_skipped_and_counted(writer_log, tmp_path, span):
+    """What a crash leaves on some filesystems: a block of zeros over whole rows of a frame (read
+    before as all_reduce calls with seq 0, again), or over rows and the next frames' headers."""
+    data = Path(writer_log[0]).read_bytes()
+    frame = [f for f in _layout(data) if f[0] == b"R"][1]
+    at = frame[2] + 59                       # from the frame's second row on
+    length = 2 * 59 if span == "rows" else 512
+    damaged = bytearray(data)
+    damaged[at:at + length] = bytes(length)
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(bytes(damaged))
+    with pytest.warns(LogFileWarning) as record:
+        df = commpatch.read_csv(str(path))
+    said = [str(w.message) for w in record]
+    # rows wholly in the zeros are gone; rows before and after them, in any frame, are all there
+    untouched, edge = set(), set()
+    for kind, lo, start, hi in _layout(data):
+        if kind != b"R":
+            continue
+        for i, seq in enumerate(_seqs(data[start:hi])):
+            a, b = start + 59 * i, start + 59 * (i + 1)
+            (untouched if b <= at or a >= at + length else edge if a < at or b > at + length else set()).add(seq)
+    assert df["seq"].is_unique and untouched <= set(df["seq"]) <= untouched | edge
+    assert (df["op"] != "").all() and (df["start_ns"] > 0).all()
+    if span == "rows":
+        assert any("2 row(s) of zeros" in m for m in said) and len(df) == len(untouched), said
+    else:
+        assert any("1 stretch(es) of bytes that hold no frame" in m for m in said), said
+
+
+def _append_tag_code(data):
+    from commpatch.data import logfile
+
+    return data + logfile.meta("tag", code=10**12, name="x"), "1 registry record(s) that are not valid"
+
+
+def _row_tag(data):
+    import struct
+
+    frame = [f for f in _layout(data) if f[0] == b"R"][2]
+    at = frame[2] + 59 + 51                  # the second row's tag (int32 at offset 51)
+    return data[:at] + struct.pack("<i", 2**31 - 1) + data[at + 4:], "1 row(s) with impossible values"
+
+
+def _group_ranks(data):
+    from commpatch.data import logfile
+
+    for kind, lo, start, hi in _layout(data):
+        record = json.loads(data[start:hi]) if kind == b"M" else {}
+        if record.get("k") == "group" and record["gid"] == 0:
+            record.update(ranks="0-99999999999", size=10**11)
+            return (data[:lo] + logfile.frame(logfile.META, json.dumps(record).encode()) + data[hi:],
+                    "code(s) used by rows but never registered")
+
+
+def _nested_json(data):
+    from commpatch.data import logfile
+
+    nested = b'{"code":' + b"[" * 5_000 + b"]" * 5_000 + b',"name":"x","k":"tag"}'
+    return data + logfile.frame(logfile.META, nested), "1 registry record(s) that are not valid"
+
+
+@pytest.mark.parametrize("build", [_append_tag_code, _row_tag, _group_ranks, _nested_json])
+def test_sizes_in_a_binary_log_are_bounded_by_the_file(writer_log, tmp_path, build):
+    """A registry code of 1e12, a row's tag of 2^31-1, a group of 1e11 ranks, JSON nested past the
+    recursion limit: read best-effort, with little memory (tracemalloc: numpy and Python)."""
+    import tracemalloc
+
+    data, phrase = build(Path(writer_log[0]).read_bytes())
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.warns(LogFileWarning) as record:
+            df = commpatch.read_csv(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert any(phrase in str(w.message) for w in record), [str(w.message) for w in record]
+    assert peak < 64 << 20 and len(df) > 0
+    assert df["group_ranks"].astype(str).map(len).max() < 20
+
+
+@pytest.mark.parametrize("column, value, phrase", [
+    ("rank", str(2**40), "column 'rank' holds 1099511627776 on line 2: not a rank of a world of 1"),
+    ("world_size", str(2**40), "column 'world_size' holds 1099511627776 on line 2: a world size is 1 to"),
+    ("group_ranks", "0-99999999999", "column 'group_ranks' holds '0-99999999999' on line 2, not ranks (range notation"),
+    ("group_ranks", "0-3:0", "column 'group_ranks' holds '0-3:0' on line 2"),
+])
+def test_sizes_in_a_csv_beyond_the_world_are_refused(writer_log, tmp_path, capsys, column, value, phrase):
+    path = tmp_path / "rank0.csv"
+    path.write_text(Path(writer_log[1]).read_text())
+    replace_line(path, 2, lambda line: set_field(line, COL[column], value))
+    with pytest.raises(LogFileError, match=re.escape(phrase)):
+        commpatch.read_csv(str(path))
+    code, _, err = run_cli(capsys, path)
+    assert_one_line_error(code, err, str(path), phrase)
+
+
+ESC = ("\x1b", "\x9b", "\x07", "\u202e")
+
+
+def test_report_never_prints_terminal_escapes_from_a_log(frames, tmp_path, capsys):
+    """Names from a log (group, op, tag, module, dtype) and file names reach the terminal escaped."""
+    d = tmp_path / "logs\x1b[2J"
+    hostile = [f.assign(group="\x1b]0;owned\x07g", tag="\x9b31mtag", module="m\u202eod",
+                        dtype="f\x1b[31m32") for f in frames]
+    write_ranks(d, hostile)
+    (d / "rank1.csv").write_text((d / "rank1.csv").read_text() + "1,al")      # a warning naming the file
+    outputs = []
+    for options in ([], ["--by", "group,tag,module,dtype"], ["--format", "markdown"],
+                    ["--format", "csv", "--section", "summary", "--by", "tag,dtype"]):
+        code, out, err = run_cli(capsys, d, *options)
+        assert code == 0, err
+        outputs.append(out + err)
+    text = "".join(outputs)
+    assert not any(e in text for e in ESC), [e for e in ESC if e in text]
+    assert "\\x1b]0;owned\\x07g" in text and "\\x9b31mtag" in text and "m\\u202eod" in text
+    assert "logs\\x1b[2J" in text and "warning" in text
+
+
+# ---- a real fault: a disk that fills up in the middle of a write, then frees space ----------
+def build_shim(tmp_path, source):
+    """``source`` (C) built as an LD_PRELOAD library: its path (the test is skipped without gcc)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the write() shim")
+    (tmp_path / "shim.c").write_text(source)
+    shim = tmp_path / "shim.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"], check=True)
+    return shim
+
+
+SHORT_WRITE_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+/* The write() whose bytes hold MARK writes half of them (a short write: the disk is full), the
+   next write() to that file fails with ENOSPC, then the disk has room again. */
+static int state = 0, fd_hit = -1;
+
+ssize_t write(int fd, const void *buf, size_t n) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    if (state == 0 && n > 16 && memmem(buf, n, "FULLDISK", 8)) {
+        state = 1; fd_hit = fd;
+        return real(fd, buf, n / 2);
+    }
+    if (state == 1 && fd == fd_hit) {
+        state = 2;
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, buf, n);
+}
+"""
+
+FULL_DISK_JOB = r"""
+import os, sys, tempfile, time
+import torch, torch.distributed as dist
+import commpatch
+
+commpatch.enable(output=os.path.join(sys.argv[1], "rank{rank}.csv"))
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+t = torch.ones(8)
+for name in ("before", "FULLDISK", "after", "later"):
+    with commpatch.tag(name):
+        for _ in range(25):
+            dist.all_reduce(t)
+    time.sleep(0.6)          # the flusher writes each phase on its own
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.faults
+def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys):
+    """A real short write then ENOSPC (an LD_PRELOAD shim of write()) in the flush that carries the
+    'FULLDISK' phase; the job goes on writing after it. Every row of the other phases is read
+    back from the .cplog, by read_csv and the report, with no traceback."""
+    import subprocess
+    import sys
+
+    shim = build_shim(tmp_path, SHORT_WRITE_SHIM)
+    out = tmp_path / "run"
+    env = dict(__import__("os").environ, LD_PRELOAD=str(shim), COMMPATCH_OUTPUT="none")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(out)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    path = out / "rank0.cplog"
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always", LogFileWarning)
+        df = commpatch.read_csv(str(path))
+    said = [str(w.message) for w in record if issubclass(w.category, LogFileWarning)]
+    assert df["seq"].is_unique
+    for name in ("before", "after", "later"):
+        assert (df["tag"] == name).sum() == 25, (name, said, df["tag"].value_counts())
+    if (df["tag"] == "FULLDISK").sum() < 25:      # lost in the failed write: said, never silent
+        assert any("cut short" in m or "hold no frame" in m for m in said), said
+    code, text, err = run_cli(capsys, path, "--by", "tag")
+    assert code == 0 and "Traceback" not in err and "later" in text, err
+
+
+ENOSPC_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+/* A full disk for the CSV being written: every write() of its header or rows fails with ENOSPC. */
+ssize_t write(int fd, const void *buf, size_t n) {
+    static ssize_t (*real)(int, const void *, size_t);
+    if (!real) real = (ssize_t (*)(int, const void *, size_t))dlsym(RTLD_NEXT, "write");
+    if (n > 8 && (memmem(buf, n, "seq,op,", 7) || memmem(buf, n, "all_reduce", 10))) {
+        errno = ENOSPC;
+        return -1;
+    }
+    return real(fd, buf, n);
+}
+"""
+
+
+def test_convert_on_a_full_disk_says_so_in_one_line(writer_log, tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    shim = build_shim(tmp_path, ENOSPC_SHIM)
+    path = tmp_path / "rank0.cplog"
+    shutil.copy(writer_log[0], path)
+    done = subprocess.run([sys.executable, "-m", "commpatch", "convert", str(path), "--no-progress"],
+                          env=dict(os.environ, LD_PRELOAD=str(shim)), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == f"commpatch convert: {tmp_path / 'rank0.csv'}: cannot be written (No space left on device)"
+    assert sorted(os.listdir(tmp_path)) == ["rank0.cplog", "shim.c", "shim.so"]      # no partial file left

@@ -10,11 +10,12 @@ import os
 from typing import TYPE_CHECKING
 
 from ..data.frame import arrow_table, dataframe, own_times, parse_log
-from ..data.logfile import SUFFIX, parse_header
+from ..data.logfile import MAX_WORLD, RANKS_NAMED, SUFFIX, parse_header, rank_count
 from ..data.ops import describe_op
 from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
                            SCHEMA_VERSION, SCHEMA_VERSION_KEY, STEPLESS_ATTR, TIMINGS)
 from . import writer as _writer
+from .problems import LogFileError, LogFileNotFoundError, LogFileWarning, _NotALog
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -24,34 +25,6 @@ if TYPE_CHECKING:
 # Every problem with the files given to ``read`` is either a LogFileError (one line: the file,
 # then what is wrong) or, where a correct best-effort result exists, a LogFileWarning and the
 # rest of the data. Nothing else escapes from here for bad input: no raw pyarrow / pandas error.
-
-class LogFileError(ValueError):
-    """A file given to ``read`` (or the set of files) cannot be read as commpatch logs.
-
-    ``str(exc)`` is one line, ``<path>: <what is wrong>``; ``exc.path`` and ``exc.problem`` hold
-    the two parts (``path`` is None when no single file is to blame).
-    """
-
-    def __init__(self, path, problem: str):
-        self.path = None if path is None else str(path)
-        self.problem = problem
-        super().__init__(problem if path is None else f"{path}: {problem}")
-
-    def __reduce__(self):
-        return type(self), (self.path, self.problem)
-
-
-class LogFileNotFoundError(LogFileError, FileNotFoundError):
-    """A path given to ``read`` does not exist, or a directory / glob holds no log file."""
-
-
-class LogFileWarning(UserWarning):
-    """A log was read best-effort: something was skipped, filled in or treated as unmeasured."""
-
-
-class _NotALog(LogFileError):
-    """The file is another tool's (not commpatch's columns): skipped when a directory scan found it."""
-
 
 _SNIFF = 1 << 16                       # bytes looked at to tell what a file is
 _PARQUET_MAGIC = b"PAR1"
@@ -530,6 +503,7 @@ def _read_file(pa, path, schema, notes):
     """(data, key summary, filled columns) of one file, or None when it holds no row.
     ``data`` is a conformed Arrow table (or, without pyarrow, a DataFrame)."""
     size, head, end = _sniff(path)
+    where = (lambda i: f"row {i + 1}") if head.startswith((_PARQUET_MAGIC, b"CPLOG")) else (lambda i: f"line {i + 2}")
     if not head.strip():
         notes.add(path, "empty file (no header, no rows): skipped" if size == 0 else "blank file: skipped")
         return None
@@ -537,7 +511,7 @@ def _read_file(pa, path, schema, notes):
         if pa is None:
             raise LogFileError(path, "reading Parquet needs pyarrow: pip install 'commpatch[arrow]'")
         table, fill = _read_parquet(pa, path, schema, notes)
-        data = _conform(pa, path, table, schema, fill, lambda i: f"row {i + 1}")
+        data = _conform(pa, path, table, schema, fill, where)
     elif str(path).endswith(".parquet"):
         raise LogFileError(path, "not a Parquet file (no Parquet magic bytes at its start; truncated to "
                                  "nothing, or another format)")
@@ -555,19 +529,63 @@ def _read_file(pa, path, schema, notes):
             end = size
         if pa is not None:
             table = _read_csv_arrow(pa, path, names, schema, fill, size, end, notes)
-            data = _conform(pa, path, table, schema, fill, lambda i: f"line {i + 2}")
+            data = _conform(pa, path, table, schema, fill, where)
         else:
             data = _read_csv_pandas(path, names, schema, fill, size, end, notes)
     if pa is not None:
         data = _sanitize_arrow(pa, data, path, notes)
-        rows, keys = data.num_rows, _keys_arrow(data)
+        rows = data.num_rows
     else:
         data = _sanitize_pandas(data, path, notes)
-        rows, keys = len(data), _keys_pandas(data)
+        rows = len(data)
+    _check_sizes(pa, data, path, where)
+    keys = _keys_arrow(data) if pa is not None else _keys_pandas(data)
     if rows == 0:
         notes.add(path, "no rows (header only): nothing was recorded in this file")
         return None
     return data, keys, fill
+
+
+def _check_sizes(pa, data, path, where) -> None:
+    """Refuse the values that size what the analysis builds (a rank, a world, a group's ranks)
+    beyond what a job can have: ranks in [0, world_size), world_size at most ``MAX_WORLD``, group
+    ranks in range notation below ``MAX_WORLD`` and ``RANKS_NAMED`` in all. Checked before anything
+    is built from them."""
+    import numpy as np
+
+    names = data.column_names if pa is not None else list(data.columns)
+
+    def column(name):
+        return (data.column(name).to_numpy() if pa is not None else data[name].to_numpy()).astype(np.int64)
+
+    world = column("world_size") if "world_size" in names else None
+    if world is not None:
+        bad = np.flatnonzero((world < -1) | (world > MAX_WORLD) | (world == 0))
+        if len(bad):
+            raise LogFileError(path, f"column 'world_size' holds {world[bad[0]]} on {where(int(bad[0]))}: a world "
+                                     f"size is 1 to {MAX_WORLD:,} (-1: not distributed)")
+        if "rank" in names:
+            rank = column("rank")
+            bad = np.flatnonzero((rank < -1) | ((world > 0) & (rank >= world)) | ((world < 0) & (rank >= MAX_WORLD)))
+            if len(bad):
+                i = int(bad[0])
+                raise LogFileError(path, f"column 'rank' holds {rank[i]} on {where(i)}: not a rank of a world of "
+                                         f"{world[i]}")
+    if "group_ranks" in names:      # within MAX_WORLD (a log may outlive a process group), and in all
+        col = data.column("group_ranks") if pa is not None else data["group_ranks"]
+        named = 0
+        for value in (col.unique().to_pylist() if pa is not None else col.unique().tolist()):
+            text = str(value)
+            try:
+                named += rank_count(text)
+                if named > RANKS_NAMED:
+                    raise ValueError("too many")
+            except ValueError:
+                i = (col.to_pylist() if pa is not None else col.astype(str).tolist()).index(text)
+                shown = repr(text if len(text) <= 40 else text[:40] + "...")
+                raise LogFileError(path, f"column 'group_ranks' holds {shown} on {where(i)}, not ranks (range "
+                                         f"notation: '0-7', '0-6:2', '0 3 5'; at most {MAX_WORLD:,} ranks, and "
+                                         f"{RANKS_NAMED:,} named by a file's groups in all)") from None
 
 
 def _read_binary(pa, path, schema, notes):
@@ -578,8 +596,8 @@ def _read_binary(pa, path, schema, notes):
         parsed = parse_log(data, name=str(path))
     except ValueError as exc:
         raise LogFileError(path, str(exc).split(": ", 1)[-1]) from None
-    if parsed.torn:
-        notes.add(path, f"{parsed.torn} record(s) cut short (the process died while writing them): left out")
+    for problem in parsed.damage():
+        notes.add(path, problem)
     names = [c.name for c in schema]
     if pa is not None:
         table = arrow_table(parsed, set(names)).select(names)
@@ -680,15 +698,10 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
     def source():
         return path if end == size else pa.BufferReader(pa.memory_map(path).read_buffer(end))
 
-    bad_rows = []
-
-    def on_bad_row(row):
-        bad_rows.append(row)
-        return "skip"
-
+    # no invalid_row_handler: pyarrow decodes the row for it and prints a raw traceback on stderr
+    # when the row is not UTF-8; a row of the wrong width is found again below (the error path)
     def parse(check_utf8, include=cols, column_types=types):
-        return pacsv.read_csv(source(), parse_options=pacsv.ParseOptions(invalid_row_handler=on_bad_row),
-                              convert_options=pacsv.ConvertOptions(
+        return pacsv.read_csv(source(), convert_options=pacsv.ConvertOptions(
                                   column_types=column_types, include_columns=include,
                                   strings_can_be_null=False, quoted_strings_can_be_null=False,
                                   check_utf8=check_utf8))
@@ -699,9 +712,10 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
         except pa.ArrowInvalid as exc:
             if "invalid UTF8" not in str(exc):
                 raise
-            del bad_rows[:]
             table = _fix_utf8(pa, parse(False), path, notes)
     except pa.ArrowInvalid as exc:
+        if re.search(r"Expected \d+ columns, got \d+", str(exc)):
+            raise _first_damaged_line(path, len(names)) from None
         m = re.search(r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'",
                       str(exc), re.S)
         if m is None:
@@ -720,9 +734,6 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
         raise _bad_value(path, name, value, where, kind) from None
     except (pa.ArrowException, OSError) as exc:
         raise LogFileError(path, f"cannot be read as CSV ({_short(exc)})") from None
-    if bad_rows:
-        row = bad_rows[0]
-        raise _damaged_line(path, _line_of(path, row.text), row.actual_columns, row.expected_columns)
     return table
 
 
@@ -741,16 +752,20 @@ def _fields_on_line(path, number) -> int:
     return len(next(csv.reader([line.rstrip("\r\n")]), []))
 
 
-def _line_of(path, text) -> str:
-    """'line N' of the first line holding ``text`` (the error path only)."""
-    newline = b"\n"
+def _first_damaged_line(path, expected) -> LogFileError:
+    """The error for the first line whose number of fields is not the header's (the error path only)."""
+    import csv
+
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        at = data.find(text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text)
-        return f"line {data.count(newline, 0, at) + 1}" if at >= 0 else "a line"
-    except OSError:
-        return "a line"
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            reader = csv.reader(f)
+            for fields in reader:
+                if len(fields) != expected and reader.line_num > 1:
+                    return _damaged_line(path, f"line {reader.line_num}", len(fields), expected)
+    except (OSError, csv.Error):
+        pass
+    return LogFileError(path, "a line has a number of fields other than the header's: the file is damaged (or two "
+                              "files were joined)")
 
 
 def _fix_utf8(pa, table, path, notes):

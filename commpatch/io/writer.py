@@ -16,13 +16,13 @@ import threading
 from ..data.frame import Cat, arrow_table, columns, dataframe, parse_log
 from ..data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from .paths import export_path
+from .problems import warn_damage
 
 
 def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
     """Write the CSV (or, for an ``out`` ending in .parquet, Parquet) of a binary rank log; by
     default beside it with the same stem. Never replaces an existing file when ``exclusive``."""
-    with open(path, "rb") as f:
-        parsed = parse_log(f.read(), name=path)
+    parsed = _parse_file(path)
     out = out or export_path(path)
     if out.endswith(".csv") and len(parsed.rows) <= SMALL_ROWS and "pyarrow" not in sys.modules:
         return write_small_csv(parsed, out, exclusive)
@@ -37,13 +37,20 @@ def convert_to_dataset(path: str, dataset: str) -> str:
     expect), row groups of up to 1M rows; returns the file written (never over an existing one)."""
     import pyarrow.parquet as pq
 
-    with open(path, "rb") as f:
-        parsed = parse_log(f.read(), name=path)
+    parsed = _parse_file(path)
     table = arrow_table(parsed)
     rank = parsed.header.get("rank", -1)
     out = os.path.join(dataset, f"rank={rank}", os.path.basename(export_path(path, ".parquet")))
     table = with_schema_version(table.drop_columns(["rank"]))
     return _publish(out, True, lambda f: pq.write_table(table, f, row_group_size=DATASET_ROW_GROUP))
+
+
+def _parse_file(path: str):
+    """A binary rank log parsed; what a damaged one lost is said as a LogFileWarning."""
+    with open(path, "rb") as f:
+        parsed = parse_log(f.read(), name=path)
+    warn_damage(path, parsed)
+    return parsed
 
 
 DATASET_ROW_GROUP = 1 << 20      # rows per row group of the dataset: big enough to scan, small enough to skip

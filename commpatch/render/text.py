@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from dataclasses import dataclass, field
 
@@ -13,6 +14,32 @@ from ..analysis import findings as _findings
 from ..analysis import matching, pattern, steps as _steps, summaries
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+
+# What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
+# line and paragraph separators and the bidirectional overrides (text shown in another order).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(m) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def terminal_safe(text) -> str:
+    """``text`` (any string that came from a file: a group, op, tag, module or dtype name, a file
+    name) with every character a terminal could act on shown as a backslash escape (ESC as
+    ``\\x1b``): what reaches the terminal is only printable text, on one line."""
+    text = str(text)
+    return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
+
+
+def render_csv(df) -> str:
+    """A table as CSV text, its strings made ``terminal_safe`` (``commpatch report --format csv``)."""
+    def safe(value):
+        return terminal_safe(value) if isinstance(value, str) else value
+
+    text = [c for c in df.columns if df[c].dtype.kind not in "iufbmM"]
+    return df.assign(**{c: df[c].map(safe) for c in text}).to_csv(index=False)
 
 
 def human_bytes(n) -> str:
@@ -41,20 +68,20 @@ def _fmt(value, col: str) -> str:
         return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
     if isinstance(value, float):
         return f"{value:.3g}"
-    return str(value)
+    return terminal_safe(value)
 
 
 def render_text(df, title: str = "commpatch summary") -> str:
-    """A plain aligned table (no colours), one row per summary row."""
-    cols = list(df.columns)
-    cells = [[_fmt(v, c) for v, c in zip(row, cols)] for row in df.itertuples(index=False)]
+    """A plain aligned table (no colours), one row per summary row; strings ``terminal_safe``."""
+    cols = [terminal_safe(c) for c in df.columns]
+    cells = [[_fmt(v, c) for v, c in zip(row, df.columns)] for row in df.itertuples(index=False)]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
-    numeric = [df[c].dtype.kind in "iuf" for c in cols]
+    numeric = [df[c].dtype.kind in "iuf" for c in df.columns]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
 
-    out = [title, line(cols), "  ".join("-" * w for w in widths)]
+    out = [terminal_safe(title), line(cols), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells]
     return "\n".join(out)
 
@@ -63,7 +90,8 @@ def render_text(df, title: str = "commpatch summary") -> str:
 
 def render_markdown(df) -> str:
     cols = list(df.columns)
-    out = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if df[c].dtype.kind in "iuf" else "---" for c in cols) + "|"]
+    out = ["| " + " | ".join(map(terminal_safe, cols)) + " |",
+           "|" + "|".join("---:" if df[c].dtype.kind in "iuf" else "---" for c in cols) + "|"]
     out += ["| " + " | ".join(_fmt(v, c) for v, c in zip(row, cols)) + " |" for row in df.itertuples(index=False)]
     return "\n".join(out)
 
@@ -157,7 +185,7 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
 
 def _span(ranks) -> str:
     ranks = list(ranks)
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+    if len(ranks) > 2 and all(b - a == 1 for a, b in zip(ranks, ranks[1:])):     # no list as long as the span
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
 
@@ -189,7 +217,8 @@ def _p2p_channels(pairs):
 
 
 def render_report_text(rep: Report, max_rows: int = 20) -> str:
-    out = [rep.title, "=" * len(rep.title)]
+    title = terminal_safe(rep.title)
+    out = [title, "=" * len(title)]
     shown = _shown_findings(rep)
     if shown:
         out += ["Findings:"] + [f"- {text} [table: {section}]" for text, section in shown]
@@ -199,14 +228,14 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
             continue
         out += ["", render_text(_head(frame, max_rows), title=title) + _more(frame, max_rows)]
     if rep.notes:
-        out += ["", "Notes:"] + [f"- {n}" for n in rep.notes]
+        out += ["", "Notes:"] + [f"- {terminal_safe(n)}" for n in rep.notes]
     return "\n".join(out)
 
 
 
 
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
-    out = [f"# {rep.title}"]
+    out = [f"# {terminal_safe(rep.title)}"]
     shown = _shown_findings(rep)
     if shown:
         out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
@@ -217,7 +246,7 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
             continue
         out += ["", f"## {title}", "", render_markdown(_head(frame, max_rows)) + _more(frame, max_rows)]
     if rep.notes:
-        out += ["", "## Notes", ""] + [f"- {n}" for n in rep.notes]
+        out += ["", "## Notes", ""] + [f"- {terminal_safe(n)}" for n in rep.notes]
     return "\n".join(out)
 
 
@@ -232,9 +261,9 @@ def render_report_json(rep: Report) -> str:
 
 
 def _shown_findings(rep: Report) -> list:
-    """(text, section) of the findings, errors (mismatches) first and marked as such."""
-    errors = [(f"ERROR: {e}", "mismatches") for e in rep.errors]
-    return errors + [(f.text, f.section) for f in rep.findings if f.kind != "mismatch" or not rep.errors]
+    """(text, section) of the findings, errors (mismatches) first and marked as such; ``terminal_safe``."""
+    errors = [(f"ERROR: {terminal_safe(e)}", "mismatches") for e in rep.errors]
+    return errors + [(terminal_safe(f.text), f.section) for f in rep.findings if f.kind != "mismatch" or not rep.errors]
 
 
 def _head(frame, max_rows):
