@@ -31,3 +31,56 @@ def test_every_setting_is_documented():
 def test_no_placeholder_left():
     for placeholder in ("PERFORMANCE_TABLE", "COLUMN_TABLE", "DDP_FIGURE"):
         assert placeholder not in README
+
+
+def _support_table() -> list[dict]:
+    """The rows of README's support table, as {column: cell}."""
+    lines = README[README.index("### Supported torch and Python"):].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| torch |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def test_support_table_row_of_this_torch_is_what_the_integrations_say():
+    """Each CI cell checks its own row: every integration's status on the installed torch (the
+    names it relies on, resolved) is the one the README states; a torch CI does not run fails."""
+    import sys
+
+    import torch
+    import torch._dynamo  # noqa: F401 - as `commpatch env` does: functorch's internals import after it
+
+    from commpatch import integrations
+    from commpatch.integrations import base
+
+    version = torch.__version__.split("+")[0]
+    rows = {row["torch"]: row for row in _support_table()}
+    assert version in rows, f"torch {version} is not in README's support table: add its row (and its CI cell)"
+    row = rows[version]
+    assert row["Python"] == "%d.%d" % sys.version_info[:2], row
+    for integration in integrations.ALL:
+        assert row[integration.name] == base.status(integration)[0], (integration.name, row)
+
+
+def test_support_table_rows_are_the_ci_cells_and_the_declared_range():
+    rows = _support_table()
+    matrix = open(os.path.join(ROOT, "ci", "matrix.sh")).read()
+    cells = dict(re.findall(r'\[(\w+)\]="([\d.]+ [\d.]+)"', matrix))      # name -> "python torch"
+    for row in rows:
+        ci = row["CI"].strip("`")
+        if ci == "make test":
+            makefile = open(os.path.join(ROOT, "Makefile")).read()
+            assert f'torch=={row["torch"]}' in makefile
+        else:
+            name = ci.split()[-1]
+            assert cells.get(name) == f'{row["Python"]} {row["torch"]}', (row, cells)
+    assert len(rows) == len(cells) + 1
+    oldest = min(rows, key=lambda r: tuple(int(x) for x in r["torch"].split(".")))
+    setup = open(os.path.join(ROOT, "setup.cfg")).read()
+    major_minor = ".".join(oldest["torch"].split(".")[:2])
+    assert f"torch>={major_minor}" in setup and f'python_requires = >={oldest["Python"]}' in setup
+    assert f"torch {major_minor} to" in README and f'Python {oldest["Python"]} to' in README
