@@ -470,8 +470,8 @@ def _forwarding_backend(store, rank, size, timeout):
         def allreduce(self, tensors, opts):
             return gloo.allreduce(tensors, opts)
 
-        def allgather(self, outputs, inputs, opts):
-            return gloo.allgather(outputs, inputs, opts)
+        def allgather(self, outputs, inputs, opts=None):     # torch 2.4's all_gather passes no options
+            return gloo.allgather(outputs, inputs) if opts is None else gloo.allgather(outputs, inputs, opts)
 
         def broadcast(self, tensors, opts):
             return gloo.broadcast(tensors, opts)

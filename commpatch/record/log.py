@@ -427,7 +427,11 @@ def _device_backends(backend: str, pg) -> tuple:
     try:
         import torch.distributed as dist
 
-        none = by_device.get(dist.distributed_c10d._get_object_coll_device(pg), backend)
+        c10d = dist.distributed_c10d
+        pick = getattr(c10d, "_get_object_coll_device", None)
+        if pick is None:                   # torch < 2.5: the same rule, returning a torch.device
+            pick = lambda group: c10d._get_pg_default_device(group).type   # noqa: E731
+        none = by_device.get(pick(pg), backend)
     except Exception:  # noqa: BLE001 - an unusual group: keep the configured string
         none = backend
     accelerator = next((b for device, b in by_device.items() if device != "cpu"), backend)
