@@ -37,6 +37,7 @@ def apply(log, timing, settings: dict) -> Context:
                 integration.apply(ctx)
             except Exception as exc:  # noqa: BLE001 - an integration never breaks enable()
                 _runtime.fail(f"integrations.{integration.name}", exc)
+    base.never_compiled()
     return ctx
 
 
