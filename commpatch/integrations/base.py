@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import time
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,6 +67,8 @@ class Waits:
     def __init__(self, log) -> None:
         self.pending: dict[int, tuple] = {}
         self.done = log.done
+        # storage address -> storage, of every result recorded and still alive (served())
+        self.results = weakref.WeakValueDictionary()
 
     def __bool__(self) -> bool:
         return bool(self.pending)
@@ -74,6 +77,17 @@ class Waits:
         if len(self.pending) >= self.MAX:
             self.pending.clear()
         self.pending[key] = (tensor, seq, start)
+        try:
+            self.results[key] = tensor.untyped_storage()
+        except TypeError:                # a storage without weak references (an older torch): not kept
+            pass
+
+    def served(self, key: int) -> bool:
+        """An out-of-place collective's result at ``key`` is a result recorded before, still alive:
+        handed back from a cache, no collective ran (activation checkpointing that saves collective
+        outputs, torchtitan's SAC: its recomputation returns the saved output). A collective that
+        runs writes a new buffer, which cannot share the storage of a live one."""
+        return bool(key) and self.results.get(key) is not None
 
     def waited(self, key: int) -> None:
         entry = self.pending.pop(key, None)

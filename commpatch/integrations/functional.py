@@ -8,7 +8,9 @@ is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the 
 contains whatever ran before the result was first used). While a wrapper runs torch's function
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
-not count the call again.
+not count the call again. A result handed back from a cache instead of computed (selective
+activation checkpointing that saves collective outputs, torchtitan's SAC: its recomputation in
+backward returns the saved output) is no collective: no row (``Waits.served``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             last = result[-1] if many and result else result
             key = _storage_key(last.elem) if isinstance(last, act) else None
             lazy = key is not None       # no real storage (a simulated LocalTensor): no wait to time
+            if lazy and waits.served(key):   # a saved result handed back (SAC's recomputation): nothing ran
+                return result
             timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
             if lazy:                     # the last result's wait marks completion of the batch
