@@ -90,3 +90,43 @@ def selective_checkpoint(rank, world_size):
     return dict(identical=identical, ops=dict(Counter(df["op"].astype(str))), errors=errors,
                 counts=(_as_gloo_runs(claimed_counts(df)), dict(witness_counts(prof))),
                 bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))))
+
+
+def funcol_after_reinit(rank, world_size):
+    """A functional and a compiled all-reduce on the default group named by its name, then
+    destroy_process_group() and a new default group (same name), and both again: commpatch's
+    rows, internal errors, and the profiler's gloo ops over both groups."""
+    import os
+    import tempfile
+
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.profiler import profile
+
+    import commpatch
+
+    store = os.path.join(tempfile.gettempdir(), f"commpatch-reinit-{os.getppid()}")
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def compiled(t, name):
+        return funcol.all_reduce(t, "sum", name).wait()
+
+    commpatch.enable(output="none")
+    with profile() as prof:
+        for attempt in range(2):
+            if attempt:
+                dist.destroy_process_group()
+                dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+            name = dist.group.WORLD.group_name
+            funcol.all_reduce(torch.ones(4), "sum", name).wait()
+            compiled(torch.ones(4), name)
+    df = commpatch.log()
+    errors = commpatch.internal_errors()
+    commpatch.disable()
+    torch._dynamo.reset()
+    dist.barrier()
+    if rank == 0 and os.path.exists(store):
+        os.remove(store)
+    return dict(ops=df["op"].astype(str).tolist(), errors=errors, witness=dict(witness_counts(prof)))
