@@ -130,3 +130,36 @@ def funcol_after_reinit(rank, world_size):
     if rank == 0 and os.path.exists(store):
         os.remove(store)
     return dict(ops=df["op"].astype(str).tolist(), errors=errors, witness=dict(witness_counts(prof)))
+
+
+def p2p(rank, world_size):
+    """batch_isend_irecv over a ring (send to the next rank, receive from the previous one) and
+    with one partner, then send_object_list / recv_object_list between ranks 0 and 1, under
+    commpatch and the profiler: rows (op, bytes, peer) and the bytes gloo sent and received."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    import commpatch
+
+    nxt, prev, partner = (rank + 1) % world_size, (rank - 1) % world_size, rank ^ 1
+    commpatch.enable(output="none")
+    with profile(record_shapes=True) as prof:
+        for peers in ((nxt, prev), (partner, partner)):
+            received = torch.zeros(4)
+            ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), peers[0]),
+                   dist.P2POp(dist.irecv, received, peers[1])]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            assert received[0].item() == peers[1]
+        if rank == 0:
+            dist.send_object_list([{"payload": list(range(20))}], dst=1)
+        elif rank == 1:
+            out = [None]
+            dist.recv_object_list(out, src=0)
+            assert out[0] == {"payload": list(range(20))}
+    df = commpatch.log()
+    commpatch.disable()
+    moved = witness_bytes(prof, world_size)
+    return dict(rows=list(zip(df["op"].astype(str), df["bytes"].astype(int), df["peer"].astype(int))),
+                witness=moved["send"] + moved["recv"], expected_peers=[nxt if nxt == prev else -1, partner])
