@@ -13,7 +13,8 @@ STEPS = 3
 
 def _sac_train(rank, world_size, layers, steps=STEPS):
     """A 2-layer sequence-parallel MLP written here (all-gather the sequence, MLP, reduce-scatter
-    it back: the funcol ``*_autograd`` collectives tensor parallel uses), both layers in one
+    it back: the funcol ``*_autograd`` collectives tensor parallel uses; the first layer along
+    dim 0, the second along dim 1, whose gather torch post-processes into a new tensor), both layers in one
     non-reentrant checkpoint whose policy saves the collectives' outputs, as torchtitan's SAC
     does; recomputation runs to the end (early stop off), so every forward collective is
     recomputed in backward. Returns (losses, gradients) of each step."""
@@ -34,10 +35,10 @@ def _sac_train(rank, world_size, layers, steps=STEPS):
     group = dist.group.WORLD
 
     def forward(x):
-        for w1, w2 in layers:
-            h = funcol.all_gather_tensor_autograd(x, 0, group)
+        for dim, (w1, w2) in enumerate(layers):   # the second layer gathers and scatters along dim 1
+            h = funcol.all_gather_tensor_autograd(x, dim, group)
             y = torch.relu(h @ w1.T) @ w2.T
-            x = x + funcol.reduce_scatter_tensor_autograd(y, "sum", 0, group)
+            x = x + funcol.reduce_scatter_tensor_autograd(y, "sum", dim, group)
         return x
 
     gen = torch.Generator().manual_seed(100 + rank)
@@ -66,8 +67,8 @@ def _layers():
     import torch
 
     torch.manual_seed(0)
-    return [(torch.nn.Parameter(torch.randn(2 * WIDTH, WIDTH)), torch.nn.Parameter(torch.randn(WIDTH, 2 * WIDTH)))
-            for _ in range(2)]
+    return [(torch.nn.Parameter(torch.randn(2 * WIDTH, WIDTH)), torch.nn.Parameter(torch.randn(WIDTH, 2 * WIDTH))),
+            (torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH)), torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH)))]
 
 
 def selective_checkpoint(rank, world_size):

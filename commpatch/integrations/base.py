@@ -77,6 +77,10 @@ class Waits:
         if len(self.pending) >= self.MAX:
             self.pending.clear()
         self.pending[key] = (tensor, seq, start)
+        self.keep(key, tensor)
+
+    def keep(self, key: int, tensor) -> None:
+        """Remember a recorded result (its storage, weakly) for ``served``."""
         try:
             self.results[key] = tensor.untyped_storage()
         except TypeError:                # a storage without weak references (an older torch): not kept

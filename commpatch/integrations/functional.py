@@ -10,7 +10,9 @@ it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compi
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
 not count the call again. A result handed back from a cache instead of computed (selective
 activation checkpointing that saves collective outputs, torchtitan's SAC: its recomputation in
-backward returns the saved output) is no collective: no row (``Waits.served``). A group given
+backward returns the saved output) is no collective: no row (``Waits.served``; a result that
+torch waits for and turns into a new tensor inside the call, all_gather along a dim other than 0,
+is seen by the ``wait_tensor`` wrapper). A group given
 as a list of ranks (deprecated) is resolved to its name by the wrapper, where torch's
 FutureWarning (``stacklevel=3``) names the user's line, and torch then gets the name. Cached
 groups are checked to be alive (a new default group after ``destroy_process_group()`` has the
@@ -123,13 +125,19 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             raise
         finally:
             local.python_call = outer
+            waited, local.waited = local.waited, None     # (not kept alive past the call)
         end = _pc()
         try:
             last = result[-1] if many and result else result
-            key = _storage_key(last.elem) if isinstance(last, act) else None
-            lazy = key is not None       # no real storage (a simulated LocalTensor): no wait to time
-            if lazy and waits.served(key):   # a saved result handed back (SAC's recomputation): nothing ran
+            if isinstance(last, act):
+                key = _storage_key(last.elem)
+                lazy = key is not None   # no real storage (a simulated LocalTensor): no wait to time
+            else:                        # torch waited for it and made a new tensor of it (all_gather on
+                key, lazy = (_storage_key(waited) if waited is not None else None), False   # a dim other than 0)
+            if key and waits.served(key):    # a saved result handed back (SAC's recomputation): nothing ran
                 return result
+            if key and not lazy:
+                waits.keep(key, waited)
             timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
             if lazy:                     # the last result's wait marks completion of the batch
@@ -149,8 +157,12 @@ def _with_group(args: tuple, kwargs: dict, gpos: int, group):
 
 
 def _wait_wrapper(orig, waits: Waits):
+    local = _runtime.LOCAL
+
     def wait_tensor(tensor):
         out = orig(tensor)
+        if local.python_call:            # inside a recorded functional collective: its result
+            local.waited = tensor
         if waits:
             key = _storage_key(tensor)
             if key is not None:          # a traced / fake tensor has no storage: not one of ours

@@ -31,6 +31,7 @@ class _Local(threading.local):
     depth = 0       # >0 while inside a recorded call that may issue wrapped calls itself
     nested = None   # bytes accumulated by inner calls of an object collective, else None
     python_call = False   # a Python wrapper that records its call runs torch's function: dispatcher kernels skip it
+    waited = None   # the collective result torch waited for inside that function (integrations.functional)
 
 
 STATE = State()
