@@ -8,15 +8,17 @@ is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the 
 contains whatever ran before the result was first used). While a wrapper runs torch's function
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
-not count the call again. A result handed back from a cache instead of computed (selective
-activation checkpointing that saves collective outputs, torchtitan's SAC: its recomputation in
-backward returns the saved output) is no collective: no row (``Waits.served``; a result that
-torch waits for and turns into a new tensor inside the call, all_gather along a dim other than 0,
-is seen by the ``wait_tensor`` wrapper). A group given
-as a list of ranks (deprecated) is resolved to its name by the wrapper, where torch's
-FutureWarning (``stacklevel=3``) names the user's line, and torch then gets the name. Cached
-groups are checked to be alive (a new default group after ``destroy_process_group()`` has the
-old one's name).
+not count the call again.
+
+- A result handed back from a cache instead of computed (selective activation checkpointing
+  that saves collective outputs, torchtitan's SAC: its recomputation in backward returns the
+  saved output) is no collective: no row (``Waits.served``; a result that torch waits for and
+  turns into a new tensor inside the call, all_gather along a dim other than 0, is seen by the
+  ``wait_tensor`` wrapper).
+- A group given as a list of ranks (deprecated) is resolved to its name by the wrapper, where
+  torch's FutureWarning (``stacklevel=3``) names the user's line; torch then gets the name.
+- Cached groups are checked to be alive (a new default group after ``destroy_process_group()``
+  has the old one's name).
 """
 
 from __future__ import annotations
