@@ -307,14 +307,14 @@ def step(value: int | None = None) -> int:
 
 @contextlib.contextmanager
 def tag(name: str):
-    """Label the calls issued inside the block (process-wide; the innermost tag wins)."""
-    state = _runtime.STATE
-    previous = state.tag
-    state.tag = _runtime.tag_id(str(name))
+    """Label the calls issued while the block runs, in any thread (process-wide: the calls a
+    block causes may be issued by other threads, as autograd's); the innermost block open wins,
+    and no tag outlives its block (``record.state.open_tag``)."""
+    block = _runtime.open_tag(str(name))
     try:
         yield
     finally:
-        state.tag = previous
+        _runtime.close_tag(block)
 
 
 class Capture:

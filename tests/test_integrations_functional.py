@@ -4,6 +4,7 @@
 import pytest
 
 from tests import integration_workers as w
+from tests import runtime_workers as w_rt
 from tests.multiproc import run_ranks
 
 # gloo runs the functional reduce_scatter as an all_reduce (what its profiler event says)
@@ -92,3 +93,63 @@ def test_traced_and_meta_tensors_are_not_recorded_and_raise_nothing():
         df = commpatch.log()
     assert torch.equal(out, torch.full((4,), 2.0)) or out.shape == (4,)
     assert df["op"].tolist() == ["funcol.all_reduce"] and df["timing"].tolist() == ["wait"]
+
+
+def test_a_collective_that_raises_on_a_meta_tensor_runs_once_and_its_error_is_the_users(monkeypatch):
+    """Issue 23: torch's call for a meta / fake tensor ran inside commpatch's argument reading:
+    its error was counted as commpatch's internal error (``funcol.read``) and the call ran again."""
+    import warnings
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import commpatch
+    from commpatch.record import state as _runtime
+    from tests.fakepg import fake_world
+
+    calls = []
+    resolve = funcol._resolve_group
+    monkeypatch.setattr(funcol, "_resolve_group", lambda *a, **k: calls.append(a) or resolve(*a, **k))
+    with fake_world(2):
+        commpatch.enable(output="none")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError):
+                funcol.all_reduce(torch.ones(4, device="meta"), "sum", object())   # not a group: torch raises
+        assert len(calls) == 1
+        assert not _runtime.ERRORS and not [w for w in caught if "commpatch" in str(w.message)]
+
+
+def test_torchs_warning_names_the_callers_line():
+    """torch's FutureWarning for a group given as a rank list (``stacklevel=3``) named commpatch's
+    wrapper line; it names the caller's, as without commpatch."""
+    import warnings
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    import commpatch
+    from tests.fakepg import fake_world
+
+    with fake_world(2):
+        commpatch.enable(output="none")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for _ in range(2):
+                line = __import__("inspect").currentframe().f_lineno + 1
+                funcol.all_reduce(torch.ones(4), "sum", [0, 1]).wait()
+        df = commpatch.log()
+    future = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert future and {(w.filename, w.lineno) for w in future} == {(__file__, line)}, [str(w.message) for w in caught]
+    assert "ranks + tag" in str(future[0].message)
+    assert df["op"].tolist() == ["funcol.all_reduce"] * 2
+
+
+def test_rows_after_a_new_process_group():
+    """Issue 23: after destroy_process_group() and a new init_process_group(), functional (and
+    compiled) collectives on a group named as before were lost: a cache keyed by the group's name
+    kept the destroyed group."""
+    for r in run_ranks(w_rt.funcol_after_reinit, 2, timeout=120):
+        assert r["errors"] == {}
+        assert r["ops"] == ["funcol.all_reduce", "compiled.all_reduce"] * 2
+        assert r["witness"] == {"all_reduce": 4}

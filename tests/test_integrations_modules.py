@@ -97,6 +97,46 @@ def test_compiled_model_runs_and_computes_the_same(when, fullgraph):
     torch._dynamo.reset()
 
 
+def test_dynamo_compiles_no_frame_of_commpatch():
+    """Issue 23: ``module.compile()`` compiles the bound ``_call_impl``, commpatch's wrapper, and
+    dynamo traced it (and through it what torch never traces there: FSDP2's dynamo-disabled hook;
+    the 2-rank cell is in test_transparency.py). No frame of commpatch is compiled, whether it is
+    the compiled function itself or runs under a compiled one after a graph break (``code_of``
+    at a module's first call); where dynamo inlines the wrapper it traces torch's own."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo import convert_frame
+
+    import commpatch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return self.lin(x).relu()
+
+    torch.manual_seed(0)
+    x, plain = torch.randn(2, 4), Block()
+    torch._dynamo.reset()
+    expected = torch.compile(plain, backend="eager")(x)
+    torch._dynamo.reset()
+    commpatch.enable(output="none")
+    block = Block()
+    block.load_state_dict(plain.state_dict())
+    block.compile(backend="eager")
+    got = block(x)
+    traced = {(c.co_name, c.co_filename) for c in (ref() for ref in convert_frame.input_codes.seen) if c is not None}
+    commpatch.disable()
+    torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    ours = sorted(name for name, filename in traced if filename.startswith(commpatch.__path__[0]))
+    assert not ours, f"dynamo traced frames of commpatch: {ours}"
+    assert ("forward", __file__) in traced
+
+
 def test_compiled_module_collectives_name_the_compiled_module():
     """A compiled module's eager collectives (here one dynamo leaves to eager code) are attributed
     to the module it compiles, by its class name, not to 'OptimizedModule'."""

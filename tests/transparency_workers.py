@@ -25,7 +25,13 @@ COMPILES = {
     "compile": dict(backend="aot_eager"),
     "fullgraph": dict(backend="aot_eager", fullgraph=True),
     "inductor": dict(),                  # the default backend
+    # torchtitan's way: fully_shard each block, then block.compile(fullgraph=True) (fsdp2 only)
+    "blocks": dict(backend="aot_eager", fullgraph=True),
 }
+PER_BLOCK = {"blocks"}                   # compile modes applied per block (Block), not to the model
+# cells run under torch.profiler (record_shapes) as the witness of what commpatch recorded:
+# compile modes whose "before" cells (every step recorded) compare counts and bytes per collective
+WITNESSED = {"blocks"}
 WHENS = ("before", "after")              # enable() before building the model / after compiling it
 MODULES = ("modules_on", "modules_off")  # enable(modules=True / False), i.e. COMMPATCH_MODULES=1 / 0
 
@@ -38,12 +44,34 @@ def instrumented_steps(when: str) -> int:
     return STEPS if when == "before" else STEPS - 1
 
 
-def _build(kind: str, mesh):
-    """The tiny model of ``kind``, parallelized over the 2 ranks (same seed on every rank)."""
+def _block(n_in: int, n_out: int, relu: bool):
+    """A block of the user's own class (torchtitan's TransformerBlock stands here): dynamo
+    compiles its forward; a torch.nn class's forward it would skip as one of torch's files."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(n_in, n_out)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return torch.relu(y) if relu else y
+
+    return Block()
+
+
+def _build(kind: str, mesh, per_block: bool = False):
+    """The tiny model of ``kind``, parallelized over the 2 ranks (same seed on every rank);
+    ``per_block``: Linear-ReLU and Linear as two blocks of the user's own class (the same
+    parameters, initialized alike)."""
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 8))
+    if per_block:
+        model = torch.nn.Sequential(_block(8, WIDTH, True), torch.nn.Identity(), _block(WIDTH, 8, False))
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 8))
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -76,10 +104,14 @@ def _run(kind: str, compile_mode: str, rank: int, mesh, enable_before, enable_af
     import torch
 
     enable_before()
-    model = _build(kind, mesh)
+    per_block = compile_mode in PER_BLOCK
+    model = _build(kind, mesh, per_block)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     options = COMPILES[compile_mode]
-    if options is not None:
+    if per_block:
+        for block in (model[0], model[2]):
+            block.compile(**options)
+    elif options is not None:
         model = torch.compile(model, **options)
     # data parallel kinds: different data per rank; tensor parallel: the same input on every rank
     gen = torch.Generator().manual_seed(1000 + (0 if kind == "tp" else rank))
@@ -141,11 +173,13 @@ def transparency(rank, world_size, kind, cells):
     """``cells``: [(compile_mode, when, modules), ...] of ``kind``.
 
     Returns dict(cells={cell name: outcome}, baseline_errors={compile mode: text}, seconds={...});
-    outcome = dict(ok, error, trace, differences, ops, internal_errors, seconds): ``ok`` the cell
+    outcome = dict(ok, error, trace, differences, ops, internal_errors, seconds[, witness]): ``ok`` the cell
     ran, ``error`` one line when it did not, ``differences`` against the baseline, ``ops`` the
     rows commpatch recorded per op, ``internal_errors`` commpatch's internal errors in the cell
-    ({kind: "<count>x <its warning>"}; commpatch warns once per kind and process).
+    ({kind: "<count>x <its warning>"}; commpatch warns once per kind and process); ``witness``
+    (WITNESSED cells) {"counts" / "bytes": (commpatch's per gloo op, the profiler's)}.
     """
+    import contextlib
     import datetime
     import warnings
     from collections import Counter
@@ -155,8 +189,10 @@ def transparency(rank, world_size, kind, cells):
     import torch._inductor.config
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.profiler import profile
 
     import commpatch
+    from tests.integration_workers import claimed_bytes, claimed_counts, witness_bytes, witness_counts
 
     t0 = time.perf_counter()
     # inductor compiles in the rank's own process (same generated code): a pool of compile
@@ -196,7 +232,9 @@ def transparency(rank, world_size, kind, cells):
         torch._dynamo.reset()
         commpatch.reset()
         start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
+        witnessed = compile_mode in WITNESSED and when == "before"
+        with warnings.catch_warnings(record=True) as caught, \
+                (profile(record_shapes=True) if witnessed else contextlib.nullcontext()) as prof:
             warnings.simplefilter("always")
             warnings.filterwarnings("ignore", message="commpatch: torch.compile")
             try:
@@ -215,6 +253,10 @@ def transparency(rank, world_size, kind, cells):
             result["ops"] = dict(Counter(commpatch.log()["op"].astype(str)))
         except Exception as exc:  # noqa: BLE001
             result["ops"] = {f"<commpatch.log() failed: {_one_line(exc)}>": 0}
+        if witnessed and result["ok"]:
+            df = commpatch.log()
+            result["witness"] = dict(counts=(dict(claimed_counts(df)), dict(witness_counts(prof))),
+                                     bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))))
         errors_after = commpatch.internal_errors()
         result["internal_errors"] = {kind_: f"{n - errors_before.get(kind_, 0)}x {_MESSAGES.get(kind_, '')}".rstrip()
                                      for kind_, n in errors_after.items() if n != errors_before.get(kind_, 0)}

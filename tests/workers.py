@@ -76,7 +76,8 @@ def scenarios(rank: int, n: int):
         ("monitored_barrier", "monitored_barrier", lambda: dist.monitored_barrier(), 0, "none", -1, True),
         ("send_recv", "send" if rank == 0 else "recv", sendrecv, K * FLOAT, "float32", 1 - rank, only01),
         ("isend_irecv", "isend" if rank == 0 else "irecv", isendirecv, K * FLOAT, "float32", 1 - rank, only01),
-        ("batch_isend_irecv", "batch_isend_irecv", batch, 2 * K * FLOAT, "float32", -1, True),
+        # the peer every op names (2 ranks: next == prev), -1 when several (a ring of 4)
+        ("batch_isend_irecv", "batch_isend_irecv", batch, 2 * K * FLOAT, "float32", peer if peer == prev else -1, True),
         ("object_p2p", "send_object_list" if rank == 0 else "recv_object_list", objs_p2p, None, "object", 1 - rank, only01),
     ]
 

@@ -44,6 +44,7 @@ def apply(log, timing, settings: dict) -> Context:
                 _runtime.fail(f"integrations.{integration.name}", exc)
             finally:
                 ctx.integration = None
+    base.never_compiled()
     return ctx
 
 

@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,6 +27,7 @@ from ..record.rows import record  # noqa: F401 - the row writer of every integra
 
 CURRENT = None   # the Context between apply() and remove()
 _ADAPTERS: dict = {}
+_SKIPPED: set[str] = set()   # commpatch modules whose code dynamo never compiles as a frame (never_compiled)
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ class Waits:
     def __init__(self, log) -> None:
         self.pending: dict[int, tuple] = {}
         self.done = log.done
+        # storage address -> storage, of every result recorded and still alive (served())
+        self.results = weakref.WeakValueDictionary()
 
     def __bool__(self) -> bool:
         return bool(self.pending)
@@ -207,6 +211,21 @@ class Waits:
         if len(self.pending) >= self.MAX:
             self.pending.clear()
         self.pending[key] = (tensor, seq, start)
+        self.keep(key, tensor)
+
+    def keep(self, key: int, tensor) -> None:
+        """Remember a recorded result (its storage, weakly) for ``served``."""
+        try:
+            self.results[key] = tensor.untyped_storage()
+        except TypeError:                # a storage without weak references (an older torch): not kept
+            pass
+
+    def served(self, key: int) -> bool:
+        """An out-of-place collective's result at ``key`` is a result recorded before, still alive:
+        handed back from a cache, no collective ran (activation checkpointing that saves collective
+        outputs, torchtitan's SAC: its recomputation returns the saved output). A collective that
+        runs writes a new buffer, which cannot share the storage of a live one."""
+        return bool(key) and self.results.get(key) is not None
 
     def waited(self, key: int) -> None:
         entry = self.pending.pop(key, None)
@@ -220,3 +239,49 @@ def error_row(log, op: str, group, tensor, numel: int, start: int, peer: int, ki
         record(log, op, group, tensor, numel, start, time.perf_counter_ns(), True, T_HOST, err=True, peer=peer)
     except Exception as exc:  # noqa: BLE001
         _runtime.fail(f"{kind}.record", exc)
+
+
+def invisible_to_dynamo(wrapper, orig):
+    """Return ``wrapper`` (a Python function calling ``orig``) made invisible to dynamo: where
+    dynamo inlines it into a graph it traces ``orig`` instead (``_torchdynamo_inline``, as for
+    torch.compile's own wrappers), and no frame of commpatch is compiled (``never_compiled``)."""
+    wrapper._torchdynamo_inline = orig
+    never_compiled()
+    return wrapper
+
+
+def never_compiled() -> None:
+    """Dynamo never compiles a frame of commpatch's code (``skip_code``: run as plain Python; the
+    frames it calls, torch's or the user's, are still compiled as without commpatch). Without it,
+    a frame of ours that runs while dynamo's frame callback is set (called from a compiled
+    function after a graph break, or compiled itself: ``module.compile()`` compiles the modules
+    wrapper) is traced, and with it what torch itself never traces there (FSDP2's
+    dynamo-disabled hooks, issue 23)."""
+    _when_imported("torch._dynamo", _skip_frames, error_kind="integrations.dynamo_skip")
+
+
+def _skip_frames(dynamo) -> None:
+    from torch._dynamo.eval_frame import skip_code
+
+    for name, module in list(sys.modules.items()):
+        if module is not None and name not in _SKIPPED and (name == "commpatch" or name.startswith("commpatch.")):
+            _SKIPPED.add(name)
+            for code in _codes(module, name):
+                skip_code(code)
+
+
+def _codes(module, name: str):
+    """Every code object defined in a module: its functions', its classes' methods', nested ones."""
+    todo = []
+    for value in vars(module).values():
+        members = vars(value).values() if isinstance(value, type) else (value,)
+        for member in members:
+            member = getattr(member, "__func__", member)          # staticmethod / classmethod
+            for fn in (member.fget, member.fset) if isinstance(member, property) else (member,):
+                code = getattr(fn, "__code__", None)
+                if isinstance(code, types.CodeType) and getattr(fn, "__module__", None) == name:
+                    todo.append(code)
+    while todo:
+        code = todo.pop()
+        yield code
+        todo.extend(c for c in code.co_consts if isinstance(c, types.CodeType))

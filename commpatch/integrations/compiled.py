@@ -206,13 +206,19 @@ def _wait_kernel(call, waits: Waits):
 def _group(cache: dict, name):
     """The ProcessGroup named by an op's ``group_name`` argument (a name, or a boxed group)."""
     pg = cache.get(name) if isinstance(name, str) else None
-    if pg is None:
+    if pg is None or pg not in _world().pg_names:   # destroyed since: a new group may have its name
         from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
 
         pg = _resolve_process_group(name) if isinstance(name, str) else ProcessGroup.unbox(name)
         if isinstance(name, str):
             cache[name] = pg
     return pg
+
+
+def _world():
+    from torch.distributed.distributed_c10d import _world
+
+    return _world
 
 
 INTEGRATION = Integration(

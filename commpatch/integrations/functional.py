@@ -9,6 +9,16 @@ contains whatever ran before the result was first used). While a wrapper runs to
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
 not count the call again.
+
+- A result handed back from a cache instead of computed (selective activation checkpointing
+  that saves collective outputs, torchtitan's SAC: its recomputation in backward returns the
+  saved output) is no collective: no row (``Waits.served``; a result that torch waits for and
+  turns into a new tensor inside the call, all_gather along a dim other than 0, is seen by the
+  ``wait_tensor`` wrapper).
+- A group given as a list of ranks (deprecated) is resolved to its name by the wrapper, where
+  torch's FutureWarning (``stacklevel=3``) names the user's line; torch then gets the name.
+- Cached groups are checked to be alive (a new default group after ``destroy_process_group()``
+  has the old one's name).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     from torch._subclasses.fake_tensor import FakeTensor
 
     compiling, dynamo_compiling = torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling
+    resolve = getattr(funcol, "_resolve_group", None)
     grad_enabled = torch.is_grad_enabled
 
     def wrapper(*args, **kwargs):
@@ -91,10 +102,22 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         try:
             first = args[0] if args else next(iter(kwargs.values()))
             tensor = first[0] if many else first
-            if isinstance(tensor, FakeTensor) or tensor.is_meta:   # traced (make_fx, export), not run
-                return orig(*args, **kwargs)
-            group = args[gpos] if len(args) > gpos else kwargs["group"]
-            tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
+            traced = isinstance(tensor, FakeTensor) or tensor.is_meta    # (make_fx, export): nothing runs
+            if not traced:
+                group = args[gpos] if len(args) > gpos else kwargs["group"]
+                tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
+        except Exception as exc:  # noqa: BLE001
+            _runtime.fail("funcol.read", exc)
+            return orig(*args, **kwargs)
+        if traced:                       # outside the try: torch's own error is the user's, raised once
+            return orig(*args, **kwargs)
+        if isinstance(group, list) and resolve is not None:
+            # torch's FutureWarning for a rank list (stacklevel=3 in _resolve_group) names the caller
+            # of the function that calls _resolve_group: called here, the user's line, as without
+            # commpatch. torch then gets the group's name: the same group, and no second warning.
+            group = resolve(group, tag)  # torch's own error for a bad list is the user's
+            args, kwargs = _with_group(args, kwargs, gpos, group)
+        try:
             pg = _process_group(funcol, groups, group, tag)
             numel = sum(t.numel() for t in first) if many else first.numel()
             peer = (args[peer_pos] if len(args) > peer_pos else kwargs.get("src", -1)) if peer_pos is not None else -1
@@ -112,11 +135,19 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             raise
         finally:
             local.python_call = outer
+            waited, local.waited = local.waited, None     # (not kept alive past the call)
         end = _pc()
         try:
             last = result[-1] if many and result else result
-            key = _storage_key(last.elem) if isinstance(last, act) else None
-            lazy = key is not None       # no real storage (a simulated LocalTensor): no wait to time
+            if isinstance(last, act):
+                key = _storage_key(last.elem)
+                lazy = key is not None   # no real storage (a simulated LocalTensor): no wait to time
+            else:                        # torch waited for it and made a new tensor of it (all_gather on
+                key, lazy = (_storage_key(waited) if waited is not None else None), False   # a dim other than 0)
+            if key and waits.served(key):    # a saved result handed back (SAC's recomputation): nothing ran
+                return result
+            if key and not lazy:
+                waits.keep(key, waited)
             timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
             if lazy:                     # the last result's wait marks completion of the batch
@@ -128,9 +159,20 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     return wrapper
 
 
+def _with_group(args: tuple, kwargs: dict, gpos: int, group):
+    """The arguments with the group argument replaced."""
+    if len(args) > gpos:
+        return args[:gpos] + (group,) + args[gpos + 1:], kwargs
+    return args, {**kwargs, "group": group}
+
+
 def _wait_wrapper(orig, waits: Waits):
+    local = _runtime.LOCAL
+
     def wait_tensor(tensor):
         out = orig(tensor)
+        if local.python_call:            # inside a recorded functional collective: its result
+            local.waited = tensor
         if waits:
             key = _storage_key(tensor)
             if key is not None:          # a traced / fake tensor has no storage: not one of ours
@@ -150,14 +192,14 @@ def _storage_key(tensor):
 
 def _process_group(funcol, cache: dict, group, tag: str):
     """The ProcessGroup behind any RANK_TYPES form (a group, a mesh, (mesh, dim), a rank list)."""
+    import torch.distributed.distributed_c10d as c10d
+
     key = (group, tag) if not isinstance(group, list) else None
     if key is not None:
         pg = cache.get(key)
-        if pg is not None:
+        if pg is not None and pg in c10d._world.pg_names:   # not destroyed since (a new group may have its name)
             return pg
     import warnings
-
-    import torch.distributed.distributed_c10d as c10d
 
     with warnings.catch_warnings():      # torch warned the user already, from their own call
         warnings.simplefilter("ignore")

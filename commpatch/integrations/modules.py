@@ -17,13 +17,17 @@ Cost is one Python frame per module call, not per collective. Global module hook
 (issue 15), cost more: their mere presence sends every module call down torch's slow hook path
 (~1.5 us per call for a no-op pair). ``COMMPATCH_MODULES=0`` turns it off.
 
-torch.compile: the wrapper calls the original at once while a frame is being compiled
-(``torch.compiler.is_compiling()``, which dynamo folds to a constant), so dynamo traces nothing
-of commpatch into a graph and ``fullgraph=True`` still holds. Dynamo no longer short-circuits
-``_call_impl`` to ``forward`` (it compares it with the unpatched function) and traces torch's own
-``_call_impl`` instead, as it does for a module with hooks. A compiled module's collectives are
-attributed to the compiled module as a whole: the ``OptimizedModule``'s own call runs eagerly
-(it is named after the module it compiles).
+torch.compile: dynamo never traces the wrapper (``base.invisible_to_dynamo``). Where it inlines
+a module call into a graph it traces torch's own ``_call_impl`` instead (``fullgraph=True`` still
+holds; it no longer short-circuits ``_call_impl`` to ``forward``, as for a module with hooks), and
+it never compiles a frame of the wrapper: ``module.compile()`` (torchtitan's per-block compile)
+compiles the bound ``_call_impl``, i.e. the wrapper, which then runs eagerly and dynamo starts in
+torch's ``_call_impl``, as without commpatch (skipped, its hooks run eagerly, ``forward``
+compiled). Tracing the wrapper instead reached hooks torch never traces there (FSDP2's
+dynamo-disabled pre-forward hook: ``Unsupported`` under ``fullgraph=True``, issue 23). While a
+frame is being traced or AOT-compiled (``torch.compiler.is_compiling()``) it calls the original.
+A compiled module's collectives are attributed to the compiled module as a whole: the
+``OptimizedModule``'s own call runs eagerly (it is named after the module it compiles).
 
 Modules are keyed by identity, never by ``hash()``: a module may define ``__eq__`` without
 ``__hash__``.
@@ -35,7 +39,7 @@ import weakref
 
 from ..data.schema import P_BACKWARD, P_FORWARD, P_OPTIMIZER, pack_where
 from ..record import state as _runtime
-from .base import Integration, Needs, when_imported
+from .base import Integration, Needs, invisible_to_dynamo, when_imported
 
 
 class _Codes:
@@ -157,7 +161,7 @@ def _install(ctx, compiler) -> None:
                 _mark_backward(module, output)
             return output
 
-        return _call_impl
+        return invisible_to_dynamo(_call_impl, orig)     # see the module's docstring (torch.compile)
 
     def _mark_backward(module, output):
         node = _grad_fn(output)
@@ -253,6 +257,7 @@ INTEGRATION = Integration(
                Needs("torch.optim.optimizer.register_optimizer_step_pre_hook", "the optimizer phase"),
                Needs("torch.optim.optimizer.register_optimizer_step_post_hook", "the optimizer phase"),
                Needs("torch.autograd.Variable._execution_engine.queue_callback"),
-               Needs("torch.compiler.is_compiling")),
+               Needs("torch.compiler.is_compiling"),
+               Needs("torch._dynamo.eval_frame.skip_code")),     # invisible_to_dynamo: never a compiled frame
     records="the module and phase of each call",
     wanted=wanted, apply=apply, remove=remove)

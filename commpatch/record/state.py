@@ -31,6 +31,7 @@ class _Local(threading.local):
     depth = 0       # >0 while inside a recorded call that may issue wrapped calls itself
     nested = None   # bytes accumulated by inner calls of an object collective, else None
     python_call = False   # a Python wrapper that records its call runs torch's function: dispatcher kernels skip it
+    waited = None   # the collective result torch waited for inside that function (integrations.functional)
 
 
 STATE = State()
@@ -94,8 +95,9 @@ def reset_errors() -> None:
 
 def after_fork() -> None:
     """Fresh locks in a forked child (the parent's may have been held by another thread)."""
-    global _errors_lock
+    global _errors_lock, _tags_lock
     _errors_lock = threading.Lock()
+    _tags_lock = threading.Lock()
     STATE.nesting = 0
 
 
@@ -110,6 +112,33 @@ def set_step_source(code: int, seq: int) -> None:
     """From the call numbered ``seq`` on, steps are counted by ``code`` (data.schema.STEP_SOURCES)."""
     STATE.step_source = code
     STEP_SOURCE_MARKS.append((seq, code))
+
+
+# The tag() blocks open in any thread, in the order they were entered: one [tag index] list each,
+# removed by identity when its block ends. STATE.tag is the last one's (the innermost open block).
+# Restoring the tag a block found when it entered would be wrong across threads: with overlapping
+# blocks in two threads, the one leaving last restored the other's tag, set long after both ended.
+_OPEN_TAGS: list[list[int]] = []
+_tags_lock = threading.Lock()
+
+
+def open_tag(name: str) -> list[int]:
+    """A tag() block begins: the calls issued from now on (in any thread) carry ``name``."""
+    block = [tag_id(name)]
+    with _tags_lock:
+        _OPEN_TAGS.append(block)
+        STATE.tag = block[0]
+    return block
+
+
+def close_tag(block: list[int]) -> None:
+    """That block ends: the tag is the innermost block's still open, else none."""
+    with _tags_lock:
+        for i in range(len(_OPEN_TAGS) - 1, -1, -1):
+            if _OPEN_TAGS[i] is block:
+                del _OPEN_TAGS[i]
+                break
+        STATE.tag = _OPEN_TAGS[-1][0] if _OPEN_TAGS else 0
 
 
 def tag_id(name: str) -> int:

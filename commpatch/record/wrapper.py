@@ -197,10 +197,17 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             fail("record", exc)
 
     def inner(args, kwargs):
-        """A call made from inside another recorded call: not a row of its own."""
-        if local.nested is not None:
-            _add_nested(read, xn, args, kwargs)
-        return orig(*args, **kwargs)
+        """A call made from inside another recorded call: not a row of its own. Its bytes count
+        for an object collective's row, not those of the calls it makes itself (``send`` calls
+        ``isend``: counted twice before issue 23)."""
+        if local.nested is None:
+            return orig(*args, **kwargs)
+        _add_nested(read, xn, args, kwargs)
+        counted, local.nested = local.nested, None
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            local.nested = counted
 
     def slow(args, kwargs, t, numel, group, gid, async_op, peer):
         try:
