@@ -9,7 +9,7 @@ STAMP = .make-installed
 
 $(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c
 	$(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,frameworks]"
 	$(PYTHON) -m commpatch install-hook
 	@touch $(STAMP)
 
