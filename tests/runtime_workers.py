@@ -112,7 +112,8 @@ def funcol_after_reinit(rank, world_size):
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def compiled(t, name):
-        return funcol.all_reduce(t, "sum", name).wait()
+        # wait_tensor, not AsyncCollectiveTensor.wait(): torch 2.4 cannot compile the latter
+        return funcol.wait_tensor(funcol.all_reduce(t, "sum", name))
 
     commpatch.enable(output="none")
     with profile() as prof:

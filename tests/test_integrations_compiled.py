@@ -11,6 +11,10 @@ pytestmark = pytest.mark.timeout(560)
 
 @pytest.fixture(scope="module")
 def run():
+    from commpatch.integrations.compiled import formulas_unsupported
+
+    if formulas_unsupported():       # the scenario's eager autograd formulas are not recorded there
+        pytest.skip(f"the backward formulas' collectives are not recorded on {formulas_unsupported()}")
     return run_ranks(w.compiled_tp, 2, timeout=480)     # inductor compiles forward and backward: 35-55 s on 2 cores at load 10-20
 
 

@@ -98,10 +98,36 @@ def _on_compile_start(orig):
     return run_start_callbacks
 
 
-def ensure_installed() -> None:
-    """Put the kernels in place (once, while enabled); never raises."""
+def formulas_unsupported() -> str | None:
+    """Why the kernels cannot be installed for eager autograd formulas on this torch (None when
+    they can): on torch 2.4, a wait on a functional collective's result under autograd then fails
+    with "A view was created in no_grad mode and is being modified inplace" (a job that runs
+    without commpatch would not)."""
+    import torch
+
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5):
+        return f"torch {torch.__version__}: commpatch's dispatcher kernels would break autograd's view checks there"
+    return None
+
+
+_SAID_FORMULAS: list = []
+
+
+def ensure_installed(for_formulas: bool = False) -> None:
+    """Put the kernels in place (once, while enabled); never raises. ``for_formulas``: asked by an
+    eager functional collective with an autograd formula, not by a compilation."""
     if _KERNELS.installed or not _CTX:
         return
+    if for_formulas:
+        why = formulas_unsupported()
+        if why is not None:
+            if not _SAID_FORMULAS:
+                _SAID_FORMULAS.append(why)
+                import warnings
+
+                warnings.warn(f"commpatch: the collectives of functional collectives' backward formulas are not "
+                              f"recorded on {why}", RuntimeWarning, stacklevel=3)
+            return
     try:
         _install(_CTX[0])
     except Exception as exc:  # noqa: BLE001

@@ -30,7 +30,7 @@ from ..data.schema import T_HOST, T_NONE, T_WAIT
 from ..patch import compile_notice as _compile_notice
 from ..record import state as _runtime
 from . import compiled
-from .base import Integration, Needs, Waits, error_row, record, when_imported
+from .base import Integration, Needs, Waits, error_row, invisible_to_dynamo, record, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -69,9 +69,12 @@ def apply(ctx) -> None:
 
 def _patch_funcol(ctx, funcol) -> None:
     waits = Waits(ctx.log)
+    # where dynamo inlines one (torch 2.4 traces dist.all_reduce into funcol.all_reduce_inplace, which
+    # calls funcol.all_reduce), it traces torch's function: compiled calls are recorded by integrations.compiled
     for name, (op, many) in FUNCTIONS.items():
-        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many: _wrapper(ctx, funcol, orig, op, many, waits))
-    ctx.patches.wrap(funcol, "wait_tensor", lambda orig: _wait_wrapper(orig, waits))
+        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many:
+                         invisible_to_dynamo(_wrapper(ctx, funcol, orig, op, many, waits), orig))
+    ctx.patches.wrap(funcol, "wait_tensor", lambda orig: invisible_to_dynamo(_wait_wrapper(orig, waits), orig))
 
 
 def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
@@ -86,7 +89,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     from torch._subclasses.fake_tensor import FakeTensor
 
     compiling, dynamo_compiling = torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling
-    resolve = getattr(funcol, "_resolve_group", None)
+    resolve = getattr(funcol, "_resolve_group", None) or getattr(funcol, "_resolve_group_name", None)   # < 2.5
     grad_enabled = torch.is_grad_enabled
 
     def wrapper(*args, **kwargs):
@@ -125,7 +128,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             _runtime.fail("funcol.read", exc)
             return orig(*args, **kwargs)
         if tensor.requires_grad and grad_enabled():   # an autograd formula may issue collectives in
-            compiled.ensure_installed()               # backward, from C++: seen at the dispatcher
+            compiled.ensure_installed(for_formulas=True)   # backward, from C++: seen at the dispatcher
         start = _pc()
         local.python_call = True         # recorded here: the dispatcher kernels skip it
         try:
