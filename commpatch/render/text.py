@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import analysis as _analysis
 from ..analysis import findings as _findings
 from ..analysis import matching, pattern, steps as _steps, summaries
 
@@ -84,9 +85,7 @@ SECTIONS = {   # key -> title, in the order they are rendered
 
 
 # the log columns build_report reads: enough to load for a report of a very large log
-REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
-                  "async_op", "start_ns", "duration_us", "own_us", "timing", "algbw_gbps", "busbw_gbps", "step", "bucket",
-                  "step_source")
+REPORT_COLUMNS = _analysis.REPORT_COLUMNS
 
 
 @dataclass
