@@ -58,6 +58,9 @@ def _compare(paths, by=("collective", "size_bucket"), **read):
     for key in want.sections:
         _same(want.sections[key], got.sections[key], key)
     _same(cross.arrivals.reset_index(), pre.arrivals.reset_index(), "arrivals")
+    _same(cross.step_arrivals, pre.step_arrivals, "step_arrivals")
+    verdicts = [[f.text for f in rep.findings if f.kind == "straggler"] for rep in (want, got)]
+    assert verdicts[0] == verdicts[1] and len(verdicts[0]) == 1
     return want
 
 

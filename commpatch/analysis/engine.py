@@ -207,6 +207,7 @@ class Results:
     arrivals: object = None      # only when asked (plots)
     by_op_size: object = None    # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
+    step_arrivals: object = None  # stragglers.step_arrivals
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -306,6 +307,7 @@ class Engine:
             self._groups(ranks)
             self._match()
             out.ranks = self._rank_table()
+            out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))
             # one scan for the rows of every collective shown: the top skews, those whose fields
@@ -474,6 +476,15 @@ class Engine:
         out = out[["rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us",
                    "wait_share"]]
         return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
+
+    def _step_arrivals(self):
+        """``stragglers.step_arrivals`` in SQL: per step and rank, the mean arrival after the first rank
+        over its collectives of two or more ranks."""
+        return self._df("""
+            SELECT r.step, r.rank::BIGINT AS rank, avg((r.start_ns - c.fs) / 1e3) AS arrival_us,
+                   count(*)::BIGINT AS collectives
+            FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+            WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
 
     def _top_skew(self, n):
         return self._df(f"""

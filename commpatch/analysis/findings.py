@@ -11,12 +11,9 @@ from typing import NamedTuple
 
 from .pattern import ATTR as PATTERN_ATTR, PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
+from .stragglers import SETUP_LATE_US, verdict
 from .summaries import summary
 
-# a rank is called a straggler when it arrived last in at least this share of the collectives...
-STRAGGLER_SHARE = 0.5
-# ... by at least this share of the steady-state step time on average
-STRAGGLER_LATE = 0.05
 # a collective's busbw below this fraction of the best of the same message size is named
 SLOW_RATIO = 0.5
 
@@ -30,6 +27,8 @@ class Finding(NamedTuple):
 def _ms(us) -> str:
     if us is None or (isinstance(us, float) and math.isnan(us)):
         return "-"
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
     return f"{us / 1e3:.3g} ms" if us >= 100 else f"{us:.3g} us"
 
 
@@ -102,7 +101,7 @@ def findings(df, steps_table, cross=None) -> list:
                                     f"rank, is {_pct(share)} of the run's and left out of the steady state"
                                     + (f" (largest: {parts})." if parts else "."), "steps"))
     if cross is not None:
-        out += _cross_findings(cross, st)
+        out += _cross_findings(cross, st, steps_table)
     slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
     if slow is not None:
         out.append(slow)
@@ -127,7 +126,7 @@ def _periods(found, steps_table) -> str:
     return f"period{'s' if len(periods) > 1 else ''} {', '.join(map(str, periods))} calls"
 
 
-def _cross_findings(cross, st) -> list:
+def _cross_findings(cross, st, steps_table) -> list:
     out = []
     for m in cross.mismatches.head(3).itertuples():
         out.append(Finding("mismatch", f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
@@ -135,18 +134,42 @@ def _cross_findings(cross, st) -> list:
                            "mismatches"))
     ranks = cross.ranks
     if len(ranks) > 1:
-        r = ranks.iloc[0]
-        late_each = r["late_us"] / max(int(r["last_count"]), 1)
-        straggler = (r["last_share"] >= STRAGGLER_SHARE and st["steps"]
-                     and late_each >= STRAGGLER_LATE * st["step_p50_us"])
-        text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
-                f"collectives, {_ms(r['late_us'])} late in total")
-        if straggler:
-            text += f" ({_ms(late_each)} each time on average): the straggler, the other ranks wait for it."
-        else:
-            text += ": no rank stands out as a straggler."
-        out.append(Finding("straggler", text, "ranks"))
+        out.append(Finding("straggler", _straggler_text(ranks, cross, steps_table), "ranks"))
     return out
+
+
+def _straggler_text(ranks, cross, steps_table) -> str:
+    """The straggler finding: who arrived last how often (descriptive: the verdict's candidate, else
+    the first rank of the ranks table), then the verdict of ``stragglers.verdict`` (significance,
+    consistency and size over the steady-state steps)."""
+    arrivals = getattr(cross, "step_arrivals", None)
+    v = verdict(arrivals, steps_table) if arrivals is not None else None
+    rows = ranks[ranks["rank"] == v["rank"]] if v is not None and v["rank"] is not None else ranks
+    r = rows.iloc[0] if len(rows) else ranks.iloc[0]
+    text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
+            f"collectives, {_ms(r['late_us'])} late in total")
+    if v is None or v["rank"] is None:
+        text += ("; too few steady-state steps to tell a straggler from chance" if v is not None
+                 else "; no per-step arrivals to tell a straggler from chance")
+    else:
+        evidence = (f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
+                    f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
+                    f"({_pct(v['share_of_step'])} of the step; p = {v['p_value']:.2g} against chance)")
+        if v["straggler"]:
+            text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
+        else:
+            why = {"significance": "not more than chance and noise explain",
+                   "consistency": "not in most steps", "effect": "too little to matter"}[v["reason"]]
+            text += f"; no straggler: {evidence}, {why}"
+    if (v is not None and v["setup_rank"] is not None and v["setup_late_us"] >= SETUP_LATE_US
+            and not (v["straggler"] and v["setup_rank"] == v["rank"])):
+        text += (f"; in set-up (not counted) rank {v['setup_rank']} was {_ms(v['setup_late_us'])} later than the "
+                 "latest other rank")
+    return text + "."
+
+
+def _signed_ms(us) -> str:
+    return ("-" + _ms(-us)) if us < 0 else _ms(us)
 
 
 def _slowest_bus(rows):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..data.schema import expand_ranks
+from .stragglers import step_arrivals
 from .summaries import durations
 
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
@@ -152,7 +153,8 @@ def _match(df):
     last[l_rows[size > 1]] = True
     waits = pd.DataFrame({"rank": rank, "collective": coll, "arrival_us": arrival,
                           "wait_us": np.minimum(wait, duration), "duration_us": duration,
-                          "last": last, "skew_us": skew})
+                          "last": last, "skew_us": skew, "step": sub["step"].to_numpy(),
+                          "ranks": size[coll] if len(coll) else np.zeros(0, np.int64)})
     return table, waits, sub, cseq
 
 
@@ -327,6 +329,7 @@ class CrossRank:
     mismatches: "object"    # mismatches
     p2p: "object"           # match_p2p
     missing_logs: list      # members of some group with no log file here
+    step_arrivals: "object" = None   # stragglers.step_arrivals: the straggler verdict's evidence
 
 
 def cross_rank(df) -> CrossRank:
@@ -340,7 +343,8 @@ def cross_rank(df) -> CrossRank:
     return CrossRank(collectives=matched[0], arrivals=arrival_matrix(df, matched=matched),
                      ranks=rank_table(df, matched),
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,
-                     missing_logs=sorted(members - present))
+                     missing_logs=sorted(members - present),
+                     step_arrivals=step_arrivals(matched[1]))
 
 
 def top_skew(collectives, n: int = 10):
