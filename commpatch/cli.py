@@ -139,7 +139,8 @@ def _report(args) -> int:
         if pre is not None:
             by_op, arrivals = pre.by_op_size, pre.arrivals
         else:
-            by_op = analysis.summary(df, by=["op", "size_bucket"])
+            by_op = analysis.summary(analysis.with_transfer(df, cross) if cross is not None else df,
+                                     by=["op", "size_bucket"])
             arrivals = cross.arrivals if cross is not None else None
         with _writing("--plots", args.plots):
             written = plots.write_plots(args.plots, by_op, rep.sections.get("steps"), arrivals)

@@ -38,7 +38,7 @@ def test_text_report_has_every_section_and_the_error(logs, capsys):
                   "Point-to-point channels", "Notes:"):
         assert title in out
     assert "<= 4.19 MB" in out and "MiB" not in out        # size buckets in the bytes column's units
-    assert "0.000695" in out and " 0.000 " not in out       # small bandwidths keep their digits
+    assert "0.00104" in out and " 0.000 " not in out        # small bandwidths keep their digits
     assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
 
 

@@ -4,7 +4,7 @@ set-up and steady state, overhead and scaling (``steps``); findings as sentences
 
 from . import findings  # noqa: F401 - the module: findings.findings(df, steps_table, cross)
 from .matching import (P2P_OPS, CrossRank, arrival_matrix, collective_seq, cross_rank, match_collectives, match_p2p,
-                       mismatches, rank_table, top_skew)
+                       mismatches, rank_table, top_skew, transfer_times, with_transfer)
 from .pattern import StepPatternWarning, with_pattern_steps
 from .steps import (BLOCKING_TIMINGS, SETUP_OPS, per_step, scaling, scaling_by_op, setup_cost, steady_rows,
                     steady_state)
@@ -22,4 +22,4 @@ REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "gr
 __all__ = ["BLOCKING_TIMINGS", "CrossRank", "P2P_OPS", "REPORT_COLUMNS", "SETUP_OPS", "setup_cost", "steady_rows", "steady_state", "add_bandwidth", "arrival_matrix", "bus_factor",
            "collective_seq", "cross_rank", "durations", "match_collectives", "match_p2p", "mismatches", "per_step",
            "rank_table", "scaling", "scaling_by_op", "size_bucket", "StepPatternWarning", "summary", "top_skew",
-           "with_pattern_steps"]
+           "transfer_times", "with_pattern_steps", "with_transfer"]

@@ -29,7 +29,7 @@ from ..data.schema import expand_ranks
 from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
 from .pattern import ATTR as PATTERN_ATTR, warn_refused, with_pattern_steps
 from .steps import per_step
-from .summaries import durations, finish_summary, own_durations, size_bucket
+from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
 
@@ -117,6 +117,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["start_ns"] = df["start_ns"].to_numpy(np.int64)
     rows["dur"] = dur
     rows["own"] = own_durations(df)
+    rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()     # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
     for i, key in enumerate(by):
@@ -233,6 +234,7 @@ class Engine:
         self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
         self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
+        self.matched = None             # the collectives matched (the coll table): transfer times known
 
     def close(self) -> None:
         try:
@@ -302,10 +304,11 @@ class Engine:
         if "rows" not in self.tables:
             raise ValueError("no rows were given to the engine")
         ranks = sorted(self.seen_ranks)
-        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
-        if len(ranks) > 1:
+        if len(ranks) > 1:          # before the summary: its bandwidth is from the transfer time
             self._groups(ranks)
             self._match()
+        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
@@ -374,13 +377,19 @@ class Engine:
                 raise ValueError(f"the engine's summary is by {', '.join(self.by)} or by stored columns, not {key!r}")
         keys = [f"_k{i}" for i in range(len(by))]
         cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
+        # the arrival-free transfer time of a row (matching.transfer_times), once the collectives are matched
+        source = "(SELECT *, own AS transfer FROM rows)" if self.matched is None else """(
+            SELECT r.*, CASE WHEN c.complete AND r.host AND (r.start_ns - c.ls) / 1e3 + r.dur > 0
+                             THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
+            FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
         out = self._df(f"""
             SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
                    quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
+                   coalesce(sum(transfer), 0) AS transfer_us,
                    sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
                    coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
                    coalesce(sum(busbytes), 0) AS _busbytes
-            FROM rows GROUP BY ALL""")
+            FROM {source} GROUP BY ALL""")
         for k, (_, codes_of) in zip(keys, exprs):
             if codes_of is not None and codes_of in self.names:   # categorical: names, in pandas' order
                 names = self.names[codes_of]
@@ -392,8 +401,8 @@ class Engine:
         out["p95_us"] = np.array([v[1] for v in q], np.float64)
         out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
         out["count"] = out["count"].astype(np.int64)
-        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "bytes",
-                                 "unmeasured", "_mbytes", "_busbytes"]]
+        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "transfer_us",
+                                 "bytes", "unmeasured", "_mbytes", "_busbytes"]]
         return finish_summary(out)
 
     def _per_step(self):
@@ -425,7 +434,8 @@ class Engine:
         g = pd.DataFrame({"g": np.array(codes, np.int64), "name": names,
                           "pos": [order[n] for n in names],
                           "expected": [sum(r in present for r in expand_ranks(self.group_ranks.get(n, "")))
-                                       for n in names]})
+                                       for n in names],
+                          "members": [len(expand_ranks(self.group_ranks.get(n, ""))) for n in names]})
         self.con.register("_g", g)
         self.con.execute("CREATE OR REPLACE TABLE groups AS SELECT * FROM _g")
         self.con.unregister("_g")
@@ -441,12 +451,13 @@ class Engine:
         collectives the report shows (``_mismatches``, ``_shown``)."""
         self.con.execute(f"""
             CREATE OR REPLACE TABLE coll AS
-            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, g.pos
+            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, n = g.members AS complete, g.pos
             FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
                          arg_max(rank, {self._ORDER}) AS straggler,
                          min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
                   FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
             JOIN groups g ON c.g = g.g""")
+        self.matched = True
 
     def _join_wanted(self, wanted, sql):
         """Run ``sql`` (which joins ``rows r`` with ``_want w`` on group and cseq) for the collectives

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
-from .summaries import durations
+from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 # p2p op -> (direction, channel): sends pair with receives of the same channel
@@ -151,10 +151,23 @@ def _match(df):
     coll[order] = run_of
     last = np.zeros(len(sub), bool)
     last[l_rows[size > 1]] = True
+    # the arrival-free transfer time: from the last rank's issue (or the end of the row's queueing
+    # behind earlier calls of its group, when later) to the row's completion; only where every
+    # member of the group has a log here and the row's duration is on the host's clock
+    own = own_durations(sub)
+    after_last = np.full(len(sub), np.nan)
+    after_last[order] = (start[order] - start[l_rows][run_of]) / 1e3 + duration[order]
+    members = np.array([len(expand_ranks(s)) for s in ranks_cat.cat.categories] or [0], np.int64)
+    complete = (size == members[ranks_cat.cat.codes.to_numpy()[f_rows]]) if len(first) else np.zeros(0, bool)
+    host_clock = sub["timing"].isin(HOST_CLOCK_NAMES).to_numpy()
+    known = np.zeros(len(sub), bool)
+    known[order] = complete[run_of]
+    known &= host_clock & (after_last > 0)
+    transfer = np.where(known, np.fmin(own, after_last), own)
     waits = pd.DataFrame({"rank": rank, "collective": coll, "arrival_us": arrival,
                           "wait_us": np.minimum(wait, duration), "duration_us": duration,
                           "last": last, "skew_us": skew, "step": sub["step"].to_numpy(),
-                          "ranks": size[coll] if len(coll) else np.zeros(0, np.int64)})
+                          "ranks": size[coll] if len(coll) else np.zeros(0, np.int64), "transfer_us": transfer})
     return table, waits, sub, cseq
 
 
@@ -330,6 +343,7 @@ class CrossRank:
     p2p: "object"           # match_p2p
     missing_logs: list      # members of some group with no log file here
     step_arrivals: "object" = None   # stragglers.step_arrivals: the straggler verdict's evidence
+    transfer_us: "object" = None     # transfer_times: per row of the log, aligned with it
 
 
 def cross_rank(df) -> CrossRank:
@@ -344,7 +358,30 @@ def cross_rank(df) -> CrossRank:
                      ranks=rank_table(df, matched),
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,
                      missing_logs=sorted(members - present),
-                     step_arrivals=step_arrivals(matched[1]))
+                     step_arrivals=step_arrivals(matched[1]), transfer_us=transfer_times(df, matched))
+
+
+def transfer_times(df, matched=None) -> np.ndarray:
+    """Per row of ``df`` (us): the call's arrival-free transfer time, from the issue of the last rank
+    of its collective (or from the end of its queueing behind earlier calls of its group, when
+    later) to its completion: its own time (``own_us``) without the wait for ranks that issued it
+    later. Computed where every member of the group has a log in ``df`` and the duration is on the
+    host's clock (host, future, wait); elsewhere (point-to-point calls, a group with a rank's log
+    missing, device timings, clocks of different hosts that put the completion before the last
+    issue) the call's own time."""
+    waits = (matched or _match(df))[1]
+    out = np.array(own_durations(df), np.float64)        # a copy: never a view of the log's column
+    out[~df["op"].isin(P2P_OPS).to_numpy()] = waits["transfer_us"].to_numpy()     # _match's rows, in order
+    return out
+
+
+def with_transfer(df, cross=None):
+    """``df`` with a ``transfer_us`` column (``transfer_times``; from ``cross``, a ``cross_rank(df)``,
+    when given): the time the report's bandwidth is computed from."""
+    if "transfer_us" in df.columns:
+        return df
+    transfer = cross.transfer_us if cross is not None and cross.transfer_us is not None else transfer_times(df)
+    return df.assign(transfer_us=transfer)
 
 
 def top_skew(collectives, n: int = 10):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .matching import with_transfer
 from .pattern import with_pattern_steps
 from .summaries import durations, size_bucket, summary
 
@@ -284,7 +285,7 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
         raise ValueError(f"scaling mode {mode!r}: choose weak or strong")
     rows = []
     for label, df in runs.items():
-        df = with_pattern_steps(df)
+        df = _with_transfer(with_pattern_steps(df))
         ps = per_step(df, by_rank=False)
         st = steady_state(ps)
         bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
@@ -312,6 +313,11 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
     return out
 
 
+def _with_transfer(df):
+    """A run's log with its arrival-free transfer times when it holds several ranks (bandwidth)."""
+    return with_transfer(df) if df["rank"].nunique() > 1 else df
+
+
 def scaling_by_op(runs):
     """Per run, collective and message size, over the steady state: world_size, calls_per_rank,
     p50_us and busbw_gbps (busbw against world size)."""
@@ -319,7 +325,7 @@ def scaling_by_op(runs):
 
     frames = []
     for label, df in runs.items():
-        df = with_pattern_steps(df)
+        df = _with_transfer(with_pattern_steps(df))
         rows = steady_rows(df, per_step(df, by_rank=False))
         if not len(rows):
             continue

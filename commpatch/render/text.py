@@ -115,6 +115,9 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
     calls = pre.calls if pre is not None else len(df)
     rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    if pre is None and len(ranks) > 1:      # the bandwidth from the arrival-free transfer time
+        cross = cross if cross is not None else matching.cross_rank(df)
+        df = matching.with_transfer(df, cross)
     table = pre.summary if pre is not None else summaries.summary(df, by=by)
     table.insert(table.columns.get_loc("count") + 1, "per_rank", table["count"] / max(len(ranks), 1))
     rep.sections["summary"] = table
@@ -145,6 +148,9 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         if cr.missing_logs:
             rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
                              "their collectives are not checked.")
+        rep.notes.append("bandwidth (algbw, busbw): bytes over transfer_us, from the last rank's issue to completion "
+                         "(where every member of the group has a log; else own_us); busbw_with_wait_gbps: over "
+                         "own_us, which counts each rank's wait for the ranks that issued later.")
         rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; it includes "
                          "clock differences between hosts. wait = time a rank's call spent until the last rank "
                          "issued it (bounded by its measured duration).")
