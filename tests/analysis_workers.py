@@ -68,3 +68,30 @@ def ddp_jobs(rank: int, n: int, jobs: list):
     finally:
         commpatch.disable()
     return frames
+
+
+def pipeline_job(rank: int, n: int, steps: int = 8):
+    """A two-stage GPipe pipeline trained with SGD (gloo's isend / irecv: no duration): its log."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    import commpatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    stage_mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01)
+    commpatch.enable(output="none")
+    try:
+        stage = PipelineStage(stage_mod, rank, n, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.pow(2).mean())
+        for _ in range(steps):
+            if rank == 0:
+                schedule.step(torch.randn(4, 8))
+            else:
+                schedule.step(target=torch.zeros(4, 8))
+            opt.step()
+            opt.zero_grad()
+        return commpatch.log()
+    finally:
+        commpatch.disable()

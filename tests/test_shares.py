@@ -55,7 +55,9 @@ def test_shares_identical_across_outputs(ddp_logs, capsys, tmp_path):
     for text in texts:
         assert sentence in text and "DDP's packing of gradients into its buckets" in text
     assert texts[0] == texts[1]
-    engines = ["pandas"] + (["duckdb"] if analysis.engine.available() else [])
+    from commpatch.analysis import engine as duckdb_engine
+
+    engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
     for engine in engines:
         for extra in ((), ("--trace", str(tmp_path / f"{engine}.json.gz"))):
             data = json.loads(run_cli(capsys, ddp_logs, "--format", "json", "--engine", engine, *extra))

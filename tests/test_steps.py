@@ -136,3 +136,26 @@ def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
     df = log.to_dataframe()
     assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0
 
+
+
+def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
+    """Issue 23.6: a GPipe job's steps hold only gloo isend / irecv, which have no duration: the
+    findings say its communication is unknown, never 0%; the same with the DuckDB engine."""
+    from commpatch import cli
+    from tests.analysis_workers import pipeline_job
+
+    for rank, df in enumerate(run_ranks(pipeline_job, 2, timeout=150)):
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=df)
+    from commpatch.analysis import engine as duckdb_engine
+
+    engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
+    for engine in engines:
+        assert cli.main(["report", str(tmp_path), "--format", "json", "--engine", engine, "--no-progress"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        overhead = [f["text"] for f in rep["findings"] if f["kind"] == "overhead"]
+        assert len(overhead) == 1 and "its communication is unknown: none of its 4 calls per step has a " \
+                                      "duration" in overhead[0] and "0%" not in overhead[0], (engine, overhead)
+        steady = [s for s in rep["sections"]["steps"] if s["stage"] == "steady"]
+        assert len(steady) == 6 and all(s["comm_share"] is None and s["exposed_share"] is None
+                                        and s["unmeasured"] == 4 for s in steady), steady
+        assert engine != "pandas" or "(irecv, isend; gloo's isend / irecv give no completion time)" in overhead[0]

@@ -396,7 +396,8 @@ class Engine:
                 values = [names[int(c)] for c in out[k]]
                 out[k] = pd.Categorical(values, categories=sorted(set(values)))
         # one quantile state for both (each holds every duration of its group: two did not fit in 2 GB at 100M rows)
-        q = [v if v is not None and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
+        # a group of calls none of which has a duration: no quantiles (pandas' NA, not a list)
+        q = [v if isinstance(v, (list, tuple, np.ndarray)) and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
         out["p50_us"] = np.array([v[0] for v in q], np.float64)
         out["p95_us"] = np.array([v[1] for v in q], np.float64)
         out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
@@ -411,14 +412,14 @@ class Engine:
             return None
         out = self._df("""
             SELECT step, arg_min(stage, rank) AS stage, arg_min(step_source, rank) AS step_source,
-                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
+                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
                    max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
                    avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
                    avg(setup_comm_us) AS setup_comm_us, avg(ddp_finalize_us) AS ddp_finalize_us,
                    avg(ddp_pack_us) AS ddp_pack_us, avg(step_us) AS step_us,
                    arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
                    avg(exposed_share) AS exposed_share,
-                   (-max({'c': comm_us, 'r': -rank}).r)::BIGINT AS max_rank
+                   (-max({'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}).r)::BIGINT AS max_rank
             FROM steps GROUP BY step ORDER BY step""")
         return out
 

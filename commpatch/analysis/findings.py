@@ -65,11 +65,20 @@ def findings(df, steps_table, cross=None) -> list:
         out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
                                     f"{'; '.join(how) or 'from the step column'}; step 0 is set-up and the last one "
                                     "is not timed.", "steps"))
-    if st["steps"]:
+    if st["steps"] and math.isnan(st["comm_share"]):
+        out.append(Finding("overhead", f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
+                                       f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
+                                       f"{st['calls']:.3g} calls per step has a duration"
+                                       f"{_unmeasured_ops(df, steps_table)}.", "steps"))
+    elif st["steps"]:
         overlapped = st["busy_us"] - st["exposed_us"] - st["overlap_unknown_us"]
+        least = "at least " if st["unmeasured"] > 0 else ""
         text = (f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
-                f"is in flight {_pct(st['comm_share'])} of it and the training thread waits for it "
-                f"{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+                f"is in flight {least}{_pct(st['comm_share'])} of it and the training thread waits for it "
+                f"{least}{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+        if least:
+            text += (f"; {st['unmeasured']:.3g} of its {st['calls']:.3g} calls per step have no duration"
+                     f"{_unmeasured_ops(df, steps_table)}, not counted")
         if st["overlap_unknown_us"] > 0.05 * max(st["busy_us"], 1e-9):
             text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
         elif overlapped > 0:
@@ -91,6 +100,7 @@ def findings(df, steps_table, cross=None) -> list:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
+        measured = " measured communication" if df["duration_us"].isna().any() else ""     # unknown is not 0
         what = "step 0, up to the first step boundary: process group, model wrapping, first iteration"
         if PATTERN in sources:
             first = int(steps_table["step"].min())
@@ -98,7 +108,7 @@ def findings(df, steps_table, cross=None) -> list:
                                         else "the pattern's first iteration")
         out.append(Finding("setup", f"set-up ({what}) took "
                                     f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
-                                    f"rank, is {_pct(share)} of the run's and left out of the steady state"
+                                    f"rank, is {_pct(share)} of the run's{measured} and left out of the steady state"
                                     + (f" (largest: {parts})." if parts else "."), "steps"))
     if cross is not None:
         out += _cross_findings(cross, st, steps_table)
@@ -106,6 +116,18 @@ def findings(df, steps_table, cross=None) -> list:
     if slow is not None:
         out.append(slow)
     return out
+
+
+def _unmeasured_ops(df, steps_table) -> str:
+    """' (op, op: ...)': the ops of the steady-state calls without a duration, when the rows are here."""
+    if df is None:
+        return ""
+    rows = steady_rows(df, steps_table)
+    ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
+    if not ops:
+        return ""
+    why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv"} & set(ops) else ""
+    return f" ({', '.join(ops)}{why})"
 
 
 def _has_ddp_buckets(df, st) -> bool:

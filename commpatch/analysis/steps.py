@@ -86,7 +86,8 @@ def _bucket_mask(df):
 def per_step(df, steps=None, by_rank: bool = True):
     """Communication per step, per rank (or, with ``by_rank=False``, averaged over ranks).
 
-    Columns (by_rank): rank, step, stage, step_source, calls, bytes, comm_us, busy_us, exposed_us,
+    Columns (by_rank): rank, step, stage, step_source, calls, unmeasured (calls without a duration:
+    a step of such calls only has its communication columns NaN, unknown), bytes, comm_us, busy_us, exposed_us,
     overlapped_us, overlap_unknown_us, setup_comm_us (set-up calls in the step), ddp_finalize_us,
     ddp_pack_us, step_us, step_time_from, comm_share, exposed_share (definitions in the module docstring).
 
@@ -148,9 +149,10 @@ def per_step(df, steps=None, by_rank: bool = True):
     known_busy = _union(gid[known], start[known], end_sync[known], n) + alone
 
     source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
+    unmeasured = total(np.isnan(durations(df)[order]).astype(np.float64))
     out = pd.DataFrame({
         "rank": rank[first], "step": step[first], "step_source": _step_source(source, gid, n),
-        "calls": np.diff(np.append(first, len(rank))),
+        "calls": np.diff(np.append(first, len(rank))), "unmeasured": unmeasured,
         "bytes": total(df["bytes"].to_numpy()[order]),
         "comm_us": total(dur0), "busy_us": _union(gid, start, end_sync, n) + alone, "exposed_us": exposed,
         "overlapped_us": np.clip(known_busy - exposed, 0, None),
@@ -158,6 +160,9 @@ def per_step(df, steps=None, by_rank: bool = True):
         "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
         "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail), "ddp_pack_us": packed,
         "first_ns": start_ns[first] - t0})   # small: exact as float
+    # a step none of whose calls has a duration (gloo's isend / irecv): its communication is unknown, not 0
+    unknown = (out["unmeasured"] >= out["calls"]).to_numpy()
+    out.loc[unknown, ["comm_us", "busy_us", "exposed_us", "overlapped_us", "overlap_unknown_us"]] = np.nan
     out = _step_time(out, steps)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["comm_share"] = out["busy_us"] / out["step_us"]
@@ -171,13 +176,14 @@ def per_step(df, steps=None, by_rank: bool = True):
         return out
     means = out.groupby("step").agg(
         stage=("stage", "first"), step_source=("step_source", "first"), ranks=("rank", "size"),
-        calls=("calls", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
+        calls=("calls", "mean"), unmeasured=("unmeasured", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
         busy_us=("busy_us", "mean"), exposed_us=("exposed_us", "mean"), overlapped_us=("overlapped_us", "mean"),
         overlap_unknown_us=("overlap_unknown_us", "mean"), setup_comm_us=("setup_comm_us", "mean"),
         ddp_finalize_us=("ddp_finalize_us", "mean"), ddp_pack_us=("ddp_pack_us", "mean"),
         step_us=("step_us", "mean"), step_time_from=("step_time_from", "first"),
         comm_share=("comm_share", "mean"), exposed_share=("exposed_share", "mean"))
-    means["max_rank"] = out.loc[out.groupby("step")["comm_us"].idxmax(), ["step", "rank"]].set_index("step")["rank"]
+    most = out["comm_us"].fillna(-np.inf).groupby(out["step"]).idxmax()      # unknown: the first rank
+    means["max_rank"] = out.loc[most, ["step", "rank"]].set_index("step")["rank"]
     return means.reset_index()
 
 
@@ -231,7 +237,7 @@ def steady_state(steps_table) -> dict:
     return dict(steps=int(len(steady)), step_p50_us=median("step_us"),
                 step_p95_us=float(np.nanpercentile(t, 95)) if len(t) else float("nan"),
                 step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
-                calls=median("calls"), comm_us=median("comm_us"), busy_us=median("busy_us"),
+                calls=median("calls"), unmeasured=median("unmeasured"), comm_us=median("comm_us"), busy_us=median("busy_us"),
                 exposed_us=median("exposed_us"), overlap_unknown_us=median("overlap_unknown_us"),
                 ddp_finalize_us=median("ddp_finalize_us"), ddp_pack_us=median("ddp_pack_us"),
                 comm_share=median("comm_share"), exposed_share=median("exposed_share"))
