@@ -159,3 +159,27 @@ def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
         assert len(steady) == 6 and all(s["comm_share"] is None and s["exposed_share"] is None
                                         and s["unmeasured"] == 4 for s in steady), steady
         assert engine != "pandas" or "(irecv, isend; gloo's isend / irecv give no completion time)" in overhead[0]
+
+
+def test_gradient_accumulation_counts_one_set_up_iteration(tmp_path, capsys):
+    """Issue 23.7: two forwards per optimizer.step() (the first under no_sync()): the first
+    iteration's second forward opens a step before the optimizer is seen; that half-counted
+    iteration is set-up, not a steady-state step, and the findings name one source."""
+    from commpatch import cli
+    from commpatch.analysis import engine as duckdb_engine
+    from tests.analysis_workers import ddp_job
+
+    run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12, accumulate=2)
+    df = commpatch.read_csv(str(tmp_path))
+    table = analysis.per_step(df, by_rank=False)
+    assert table.loc[table["stage"] == "setup", "step"].tolist() == [0, 1]
+    assert table.loc[table["step"] == 1, "step_source"].tolist() == ["forward"]
+    steady = table[table["stage"] == "steady"]
+    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}    # 12 optimizer steps: 1 set-up, 1 end
+    engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
+    for engine in engines:
+        assert cli.main(["report", str(tmp_path), "--engine", engine, "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert ("- 10 steady-state step(s) of 13, counted by each optimizer.step() (counted automatically); steps 0-1 "
+                "are set-up and the last one is not timed.") in out, out[:600]
+        assert "forward of the DDP" not in out

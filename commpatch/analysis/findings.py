@@ -50,7 +50,12 @@ def findings(df, steps_table, cross=None) -> list:
     (set-up cost, the slowest bus bandwidth) are left out."""
     out: list[Finding] = []
     st = steady_state(steps_table)
-    sources = [s for s in steps_table["step_source"].astype(str).unique() if s in _SOURCES]
+    # what counted the steps of the steady state (the set-up's may differ: forwards counted before the
+    # first optimizer.step() was seen)
+    counted = steps_table[steps_table["stage"] == "steady"]
+    counted = counted if len(counted) else steps_table
+    sources = [s for s in counted["step_source"].astype(str).unique() if s in _SOURCES]
+    setup_steps = _steps_text(steps_table.loc[steps_table["stage"] == "setup", "step"])
     found = df.attrs.get(PATTERN_ATTR, {}) if df is not None else {}
     if steps_table["step"].nunique() <= 1:
         why = next((f" ({why})" for why in found.values() if not isinstance(why, Found)), "")
@@ -63,8 +68,8 @@ def findings(df, steps_table, cross=None) -> list:
             how.append(f"steps found from the repeating pattern of collectives ({_periods(found, steps_table)}; "
                        "no optimizer.step(), DDP / FSDP forward or commpatch.step() in the log)")
         out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
-                                    f"{'; '.join(how) or 'from the step column'}; step 0 is set-up and the last one "
-                                    "is not timed.", "steps"))
+                                    f"{'; '.join(how) or 'from the step column'}; {setup_steps} set-up and the last "
+                                    "one is not timed.", "steps"))
     if st["steps"] and math.isnan(st["comm_share"]):
         out.append(Finding("overhead", f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
                                        f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
@@ -101,7 +106,8 @@ def findings(df, steps_table, cross=None) -> list:
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
         measured = " measured communication" if df["duration_us"].isna().any() else ""     # unknown is not 0
-        what = "step 0, up to the first step boundary: process group, model wrapping, first iteration"
+        what = (f"{setup_steps.rsplit(' ', 1)[0]}, up to the first step of the steady state: process group, model "
+                "wrapping, first iteration")
         if PATTERN in sources:
             first = int(steps_table["step"].min())
             what = f"step {first}: " + ("the calls before the repeating pattern starts" if first == 0
@@ -116,6 +122,17 @@ def findings(df, steps_table, cross=None) -> list:
     if slow is not None:
         out.append(slow)
     return out
+
+
+def _steps_text(steps) -> str:
+    """'step 0 is' or 'steps 0-1 are' (the set-up steps); 'no step is' without any."""
+    steps = sorted(int(x) for x in steps)
+    if not steps:
+        return "no step is"
+    if len(steps) == 1:
+        return f"step {steps[0]} is"
+    run = steps == list(range(steps[0], steps[-1] + 1))
+    return f"steps {steps[0]}-{steps[-1]} are" if run else f"steps {', '.join(map(str, steps))} are"
 
 
 def _unmeasured_ops(df, steps_table) -> str:

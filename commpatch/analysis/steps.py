@@ -39,7 +39,9 @@ which ``per_step`` and ``scaling`` apply first):
   fraction of the step that would go if communication were free.
 
 Stages: step 0 is ``setup`` (process group creation, DDP construction and its parameter check and
-broadcast, the first iteration) when the log has later steps; the steps after it with a known step
+broadcast, the first iteration) when the log has later steps, and so are the steps before a rank's
+first step counted by its final step source (gradient accumulation: the first iteration's forwards
+were counted before its optimizer.step() was seen); the steps after it with a known step
 time are ``steady``; the last step has no next one to time it (``end``: tear-down, a partial
 step). DDP's bucket rebuild (before the second forward) is a set-up call wherever it falls.
 """
@@ -171,6 +173,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     multi = out["step"].nunique() > 1
     stage = np.where(out["step_us"].notna(), "steady", "end")
     stage[(out["step"] == out["step"].min()).to_numpy() & multi] = "setup"
+    stage[_before_final_source(out) & multi] = "setup"
     out.insert(2, "stage", stage)
     if by_rank:
         return out
@@ -185,6 +188,23 @@ def per_step(df, steps=None, by_rank: bool = True):
     most = out["comm_us"].fillna(-np.inf).groupby(out["step"]).idxmax()      # unknown: the first rank
     means["max_rank"] = out.loc[most, ["step", "rank"]].set_index("step")["rank"]
     return means.reset_index()
+
+
+def _before_final_source(out) -> np.ndarray:
+    """Per (rank, step) row of ``out`` (sorted by rank, step): the step comes before the rank's first
+    step counted by its final step source. Those steps are set-up: an iteration whose forwards were
+    counted before its first optimizer.step() was seen (gradient accumulation: two forwards, one
+    optimizer step) is one half-counted iteration, not steps of the steady state."""
+    source = out["step_source"].astype(str).to_numpy()
+    rank = out["rank"].to_numpy()
+    before = np.zeros(len(out), bool)
+    if not len(out):
+        return before
+    bounds = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        final = np.flatnonzero(source[lo:hi] == source[hi - 1])
+        before[lo:lo + final[0]] = True
+    return before
 
 
 def _finalize(tail_hi, comm_hi, has_tail):
@@ -245,20 +265,17 @@ def steady_state(steps_table) -> dict:
 
 def setup_cost(df, steps_table) -> dict:
     """Set-up (see the module docstring), from the log and its ``per_step(by_rank=False)``:
-    setup_us (step 0's time, mean over ranks), setup_comm_us (its communication plus set-up calls
+    setup_us (the time of its set-up steps, mean over ranks), setup_comm_us (its communication plus set-up calls
     in later steps, per rank), comm_total_us (all communication per rank), and by_op (set-up
     communication per op, per rank)."""
     ranks = max(int(df["rank"].nunique()), 1)
     setup = steps_table[steps_table["stage"] == "setup"]
     later = steps_table[steps_table["stage"] != "setup"]
-    first_step = setup["step"].iloc[0] if len(setup) else None
-    mask = df["op"].isin(SETUP_OPS).to_numpy()
-    if first_step is not None:
-        mask = mask | (df["step"] == first_step).to_numpy()
+    mask = df["op"].isin(SETUP_OPS).to_numpy() | df["step"].isin(setup["step"].tolist()).to_numpy()
     dur = np.nan_to_num(durations(df))
     by_op = (df.loc[mask, ["op"]].assign(us=dur[mask] / ranks).groupby("op", observed=True)["us"].sum()
              .sort_values(ascending=False))
-    return dict(setup_us=float(setup["step_us"].iloc[0]) if len(setup) else float("nan"),
+    return dict(setup_us=float(setup["step_us"].sum(min_count=1)) if len(setup) else float("nan"),
                 setup_comm_us=float(dur[mask].sum() / ranks), comm_total_us=float(dur.sum() / ranks),
                 later_setup_comm_us=float(later["setup_comm_us"].sum()), by_op=by_op)
 
