@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..data.schema import expand_ranks
-from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
+from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
+                       reach_steps)
 from .pattern import ATTR as PATTERN_ATTR, warn_refused, with_pattern_steps
 from .steps import per_step
 from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
@@ -209,6 +210,7 @@ class Results:
     by_op_size: object = None    # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: object = None  # stragglers.step_arrivals
+    log_ends: object = None       # matching.log_end_table
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -310,6 +312,7 @@ class Engine:
         out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
         if len(ranks) > 1:
             out.ranks = self._rank_table()
+            out.log_ends = self.log_ends
             out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))
@@ -449,16 +452,53 @@ class Engine:
         """One row per collective (group, cseq) with the few aggregates every row must feed (measured
         at 256 ranks x 100k rows: a struct of the first arrival's values made this 5x slower); the
         first arrival's values and which field differs are looked up afterwards for the few
-        collectives the report shows (``_mismatches``, ``_shown``)."""
-        self.con.execute(f"""
-            CREATE OR REPLACE TABLE coll AS
-            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, n = g.members AS complete, g.pos
-            FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
-                         arg_max(rank, {self._ORDER}) AS straggler,
-                         min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
-                  FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
-            JOIN groups g ON c.g = g.g""")
+        collectives the report shows (``_mismatches``, ``_shown``). The members expected in each
+        collective are those whose log reaches it (``matching.reach_steps``: a log that ends early
+        ends its rank's matching, it makes no mismatch)."""
+        self._reach()
+        self.con.register("_reach", self.reach)
+        try:
+            self.con.execute(f"""
+                CREATE OR REPLACE TABLE coll AS
+                SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < e.expected AS missing, g.expected - e.expected AS ended,
+                       n = g.members AS complete, g.pos
+                FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
+                             arg_max(rank, {self._ORDER}) AS straggler,
+                             min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
+                      FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
+                JOIN groups g ON c.g = g.g
+                ASOF JOIN _reach e ON c.g = e.g AND c.cseq >= e.lo""")
+        finally:
+            self.con.unregister("_reach")
         self.matched = True
+        tail = self._df("SELECT g, max(cseq) AS last, count(*) AS n FROM coll WHERE ended > 0 GROUP BY g")
+        names = self.names.get("group", {})
+        self.log_ends = log_end_rows(sorted(
+            (names[int(g)], {r: n for (gg, r), n in self.counts_of.items() if gg == int(g)}, int(last), int(n))
+            for g, last, n in zip(tail["g"], tail["last"], tail["n"])))
+
+    def _reach(self) -> None:
+        """``matching.reach_steps`` of every group, as a table (g, lo, expected) for an ASOF join."""
+        import pandas as pd
+
+        ends = self._df('SELECT "group" AS g, rank::BIGINT AS rank, max(cseq) + 1 AS n FROM rows '
+                        'WHERE cseq >= 0 GROUP BY ALL')
+        last = self._df("SELECT rank::BIGINT AS rank, max(start_ns) AS t FROM rows GROUP BY rank")
+        self.con.execute("CREATE OR REPLACE TABLE _last AS SELECT * FROM last")
+        last_ns = dict(last.itertuples(index=False, name=None))
+        first_ns = dict(self._df('SELECT "group" AS g, min(start_ns) AS t FROM rows WHERE cseq >= 0 GROUP BY ALL')
+                        .itertuples(index=False, name=None))
+        self.counts_of = {(int(g), int(r)): int(n) for g, r, n in zip(ends["g"], ends["rank"], ends["n"])}
+        present = set(self.seen_ranks)
+        rows = []
+        for code, name in self.names.get("group", {}).items():
+            if code not in first_ns:
+                continue
+            members = [r for r in expand_ranks(self.group_ranks.get(name, "")) if r in present]
+            alive = {r for r in members if last_ns.get(r, -1) > first_ns[code]}
+            counts = {r: n for (g, r), n in self.counts_of.items() if g == code}
+            rows += [(code, lo, n) for lo, n in reach_steps(members, counts, alive)]
+        self.reach = pd.DataFrame(rows, columns=["g", "lo", "expected"]).astype(np.int64)
 
     def _join_wanted(self, wanted, sql):
         """Run ``sql`` (which joins ``rows r`` with ``_want w`` on group and cseq) for the collectives
@@ -510,7 +550,7 @@ class Engine:
             SELECT coalesce(s.g, r.g) AS g, coalesce(s.channel, r.channel) AS channel, coalesce(s.src, r.src) AS src,
                    coalesce(s.dst, r.dst) AS dst, coalesce(s.k, r.k) AS k, s.op AS send_op, r.op AS recv_op,
                    s.bytes AS send_bytes, r.bytes AS recv_bytes,
-                   abs(s.start_ns - r.start_ns) / 1e3 AS skew_us,
+                   abs(s.start_ns - r.start_ns) / 1e3 AS skew_us, coalesce(s.start_ns, r.start_ns) AS t,
                    s.k IS NOT NULL AND r.k IS NOT NULL AS matched
             FROM (SELECT "group" AS g, * FROM p2p WHERE side = 0) s
             FULL OUTER JOIN (SELECT "group" AS g, * FROM p2p WHERE side = 1) r
@@ -527,7 +567,8 @@ class Engine:
         first = """{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k, 'send_op': p.send_op,
                     'recv_op': p.recv_op, 'send_bytes': p.send_bytes, 'recv_bytes': p.recv_bytes}"""
         order = "(p.channel, p.src, p.dst, p.k)"
-        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks})"
+        # and the missing side's log goes on to the other side's issue (matching.mismatches)
+        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks}) AND l.t >= p.t"
         bytes_bad = "matched AND send_bytes <> recv_bytes"
         out = self._df(f"""
             SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
@@ -538,6 +579,7 @@ class Engine:
                    (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
                    arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
             FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g
+            LEFT JOIN _last l ON l.rank = CASE WHEN p.send_op IS NULL THEN p.src ELSE p.dst END
             GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
         ops = self.names.get("op", {})
         self.p2p_firsts = []

@@ -19,7 +19,7 @@ SLOW_RATIO = 0.5
 
 
 class Finding(NamedTuple):
-    kind: str       # steps, overhead, setup, straggler, mismatch, bandwidth
+    kind: str       # steps, overhead, setup, ends, straggler, mismatch, bandwidth
     text: str
     section: str    # the report table behind it
 
@@ -171,6 +171,14 @@ def _cross_findings(cross, st, steps_table) -> list:
         out.append(Finding("mismatch", f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
                                        f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
                            "mismatches"))
+    ends = getattr(cross, "log_ends", None)
+    if ends is not None and len(ends):
+        e = ends.iloc[0]
+        more = f" (and in {len(ends) - 1} more group(s))" if len(ends) > 1 else ""
+        out.append(Finding("ends", f"the logs end at different points: in group {e['group']} the log of rank(s) "
+                                   f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
+                                   "matching stops at each log's end (a log cut short or a rank that stopped), no "
+                                   "mismatch is inferred after it.", "ranks"))
     ranks = cross.ranks
     if len(ranks) > 1:
         out.append(Finding("straggler", _straggler_text(ranks, cross, steps_table), "ranks"))

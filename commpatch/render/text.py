@@ -145,6 +145,11 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
             batch = pre.batch_calls if pre is not None else int((df["op"] == "batch_isend_irecv").sum())
             rep.notes.append(f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
                              + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
+        for e in (cr.log_ends.itertuples() if getattr(cr, "log_ends", None) is not None else ()):
+            rep.notes.append(f"group {e.group}: the log of rank(s) {e.ranks} ends before the others' last collective "
+                             f"#{e.group_last}: the {e.unmatched} collective(s) after the first end are matched "
+                             "over the ranks whose log reaches them, not reported as missing (a log cut short, a write "
+                             "failure, or a rank that stopped).")
         if cr.missing_logs:
             rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
                              "their collectives are not checked.")
