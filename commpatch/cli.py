@@ -202,7 +202,10 @@ def _engine_report(args, by, steps, ranks, window):
                               "--engine pandas computes the same report in memory") from None
     finally:
         eng.close()
-    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre), pre
+    from .io.reader import chosen_run  # lazy: the CLI's other commands never load numpy / pandas
+
+    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre,
+                               run=chosen_run(args.paths)), pre
 
 
 def _parse_ranks(text: str) -> set:

@@ -31,9 +31,16 @@ def test_steps_counted_by_root_forwards_then_the_optimizer_then_the_user():
         assert res["user"] == [(100, "user")]               # commpatch.step() overrides from then on
 
 
-def test_zero_code_ddp_demo(tmp_path):
-    """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job."""
+def test_zero_code_ddp_demo(tmp_path, capsys):
+    """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job; it writes a run
+    directory of its own, deletes nothing, and is the latest run by its start time (issue 23.10)."""
+    from commpatch import cli
+    from commpatch.synthetic import write_rank_files
+
     out = tmp_path / "logs"
+    mine = out / "20200101-000000-host-1"            # a user's earlier run (CSV files: its name's time)
+    write_rank_files(str(mine), 2, 3)
+    kept = sorted(os.listdir(mine))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out), "--steps", "12",
                           "--slow-ms", "50"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
                          env=dict(os.environ, COMMPATCH_SUMMARY="1"))
@@ -45,14 +52,22 @@ def test_zero_code_ddp_demo(tmp_path):
     assert "steady-state step: median" in findings and "exposed" in findings, findings
     assert "set-up (step 0" in findings and "(largest: ddp_" in findings, findings     # DDP's own set-up calls
     assert "rank 1 arrived last in" in findings and "the straggler" in findings, findings
+    runs = [d for d in os.listdir(out) if d != mine.name]
+    assert len(runs) == 1 and runs[0].startswith("demo-"), runs       # a run directory of its own
+    assert sorted(os.listdir(mine)) == kept                           # nothing of the user's deleted
+    os.utime(mine)                                                    # touched (converted, copied): still older
+    assert cli.main(["report", str(out), "--no-progress"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"commpatch report: run {runs[0]} (the latest of 2 in {out}; 1 other(s)): "), first
     df = commpatch.read_csv(str(out))
     assert set(df["step_source"].astype(str)) == {"none", "optimizer"}
     buckets = df[(df["op"] == "ddp_bucket_allreduce") & (df["step"] > 0)].groupby(["rank", "step"]).size()
     assert len(buckets) == 22 and (buckets == 3).all()      # after the rebuild: 3 gradient buckets per step
-    names = set(os.listdir(out))
+    names = set(os.listdir(out / runs[0]))
     assert {"rank0.csv", "rank1.csv", "trace.json"} <= names
     if importlib.util.find_spec("matplotlib") is not None:
-        assert set(os.listdir(out / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png", "skew_heatmap.png"}
+        assert set(os.listdir(out / runs[0] / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png",
+                                                            "skew_heatmap.png"}
 
 
 def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, capsys):

@@ -100,7 +100,7 @@ class Report:
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
-                 precomputed=None) -> Report:
+                 precomputed=None, run=None) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
@@ -114,7 +114,8 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         df = pattern.with_pattern_steps(df)      # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
     calls = pre.calls if pre is not None else len(df)
-    rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    run = run if run is not None or df is None else df.attrs.get("run")     # (run read, runs in its directory)
+    rep = Report(title=f"commpatch report: {_run_text(run)}{calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
     if pre is None and len(ranks) > 1:      # the bandwidth from the arrival-free transfer time
         cross = cross if cross is not None else matching.cross_rank(df)
         df = matching.with_transfer(df, cross)
@@ -163,6 +164,18 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
     return rep
+
+
+def _run_text(run) -> str:
+    """'run NAME (the latest of N in DIR; N-1 other(s)): ' for a report of a directory of runs."""
+    if not run:
+        return ""
+    import os
+
+    path, n = run
+    where = os.path.dirname(os.path.normpath(path)) or "."
+    return (f"run {os.path.basename(os.path.normpath(path))} (the latest of {n} in {where}; {n - 1} other(s)): "
+            if n > 1 else f"run {os.path.basename(os.path.normpath(path))} (the only one in {where}): ")
 
 
 def _span(ranks) -> str:
