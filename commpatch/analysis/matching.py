@@ -79,10 +79,11 @@ def match_collectives(df):
     """One row per collective (group, coll_seq) matched across ranks; p2p ops left out.
 
     Columns: group, coll_seq, op, dtype, bytes (of the earliest rank), step, ranks (how many
-    ranks recorded it), expected_ranks (members of the group that have a log here),
-    first_start_ns, last_start_ns, skew_us (latest minus earliest issue time), straggler (the
-    rank that issued it last), mean_duration_us, max_duration_us, op_mismatch, dtype_mismatch,
-    bytes_mismatch, missing (ranks < expected_ranks).
+    ranks recorded it), expected_ranks (members of the group that have a log here reaching it:
+    more collectives of the group, or none while the log goes on), first_start_ns, last_start_ns,
+    skew_us (latest minus earliest issue time), straggler (the rank that issued it last),
+    mean_duration_us, max_duration_us, op_mismatch, dtype_mismatch, bytes_mismatch, missing
+    (ranks < expected_ranks), ended (members with a log here that ends before it: not missing).
     """
     return _match(df)[0]
 
@@ -123,8 +124,8 @@ def _match(df):
     # the members whose log reaches each collective: a log that ends early (a torn tail, a write
     # failure, a rank that stopped) ends the matching of its rank there, it does not make mismatches
     counts, alive = log_ends(df, sub, cseq, group, rank)
-    members = {code: sorted(_expected([s], _present_ranks(df))[s])
-               for code, s in enumerate(ranks_cat.cat.categories)}
+    present = _expected(ranks_cat.cat.categories, _present_ranks(df))
+    members = {code: sorted(present[s]) for code, s in enumerate(ranks_cat.cat.categories)}
     g_first, c_first = group[f_rows], cseq[f_rows]
     gr_first = ranks_cat.cat.codes.to_numpy()[f_rows] if len(first) else np.zeros(0, np.int64)
     expected = np.zeros(len(first), np.int64)
@@ -172,8 +173,8 @@ def _match(df):
     own = own_durations(sub)
     after_last = np.full(len(sub), np.nan)
     after_last[order] = (start[order] - start[l_rows][run_of]) / 1e3 + duration[order]
-    members = np.array([len(expand_ranks(s)) for s in ranks_cat.cat.categories] or [0], np.int64)
-    complete = (size == members[ranks_cat.cat.codes.to_numpy()[f_rows]]) if len(first) else np.zeros(0, bool)
+    group_size = np.array([len(expand_ranks(s)) for s in ranks_cat.cat.categories] or [0], np.int64)
+    complete = (size == group_size[gr_first]) if len(first) else np.zeros(0, bool)
     host_clock = sub["timing"].isin(HOST_CLOCK_NAMES).to_numpy()
     known = np.zeros(len(sub), bool)
     known[order] = complete[run_of]
