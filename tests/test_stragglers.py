@@ -72,24 +72,25 @@ def test_report_words_the_verdict():
     assert "in set-up (not counted) rank 0 was 689 ms later than the latest other rank" in text, text
     text = [f.text for f in report.build_report(make_log(2, 12, seed=2)).findings if f.kind == "straggler"][0]
     assert "no straggler" in text and "not more than chance and noise explain" in text, text
-
-
-JOBS = 20
+    text = [f.text for f in report.build_report(make_log(4, 30, seed=2)).findings if f.kind == "straggler"][0]
+    assert "; no straggler: no rank is the last in most of the 28 steady-state steps (rank " in text, text
 
 
 @pytest.mark.slow
-def test_real_ddp_jobs_symmetric_and_delayed():
-    """20 symmetric jobs and 20 with rank 1 sleeping 5 ms before each step (30 steps each; every job
-    a new DDP model and log in the same two gloo processes)."""
-    jobs = [dict(steps=30, seed=i) for i in range(JOBS)] + [dict(steps=30, slow_rank=1, slow_ms=5.0, seed=i)
-                                                           for i in range(JOBS)]
-    logs = run_ranks(ddp_jobs, 2, timeout=300, jobs=jobs)
+@pytest.mark.parametrize("world, jobs_each", [(2, 20), (4, 5)])
+def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
+    """20 symmetric jobs and 20 with the last rank sleeping 5 ms before each step (30 steps each; every
+    job a new DDP model and log in the same gloo processes); 5 and 5 on 4 ranks."""
+    slow = world - 1
+    jobs = [dict(steps=30, seed=i) for i in range(jobs_each)] + [dict(steps=30, slow_rank=slow, slow_ms=5.0, seed=i)
+                                                                for i in range(jobs_each)]
+    logs = run_ranks(ddp_jobs, world, timeout=300, jobs=jobs)
     named = []
     for j, job in enumerate(jobs):
-        df = apply_schema(pd.concat([logs[0][j], logs[1][j]], ignore_index=True))
+        df = apply_schema(pd.concat([logs[r][j] for r in range(world)], ignore_index=True))
         text = [f.text for f in report.build_report(df).findings if f.kind == "straggler"][0]
         verdict_part = text.split(": the straggler")[0] if ": the straggler" in text else None
         named.append(None if verdict_part is None else re.findall(r"[Rr]ank \d+", verdict_part)[-1].lower())
         assert analysis.steady_state(analysis.per_step(df, by_rank=False))["steps"] == 29      # set-up: the DDP constructor; the last step untimed
-    assert named[:JOBS] == [None] * JOBS, named[:JOBS]
-    assert named[JOBS:] == ["rank 1"] * JOBS, named[JOBS:]
+    assert named[:jobs_each] == [None] * jobs_each, named[:jobs_each]
+    assert named[jobs_each:] == [f"rank {slow}"] * jobs_each, named[jobs_each:]

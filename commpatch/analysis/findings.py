@@ -198,6 +198,9 @@ def _straggler_text(ranks, cross, steps_table) -> str:
     if v is None or v["rank"] is None:
         text += ("; too few steady-state steps to tell a straggler from chance" if v is not None
                  else "; no per-step arrivals to tell a straggler from chance")
+    elif not v["late_median_us"] > 0:           # no rank is the latest in most steps (4 ranks, symmetric)
+        text += (f"; no straggler: no rank is the last in most of the {v['steps']} steady-state steps (rank "
+                 f"{v['rank']}, the latest by its median, in {v['last_steps']})")
     else:
         evidence = (f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
                     f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
