@@ -16,7 +16,7 @@ $(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) examples/demo.py --nproc 2 --out commpatch_logs
+	$(PYTHON) examples/demo.py --nproc 2 --out commpatch_demo
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q

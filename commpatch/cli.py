@@ -140,7 +140,8 @@ def _report(args) -> int:
         if pre is not None:
             by_op, arrivals = pre.by_op_size, pre.arrivals
         else:
-            by_op = analysis.summary(df, by=["op", "size_bucket"])
+            by_op = analysis.summary(analysis.with_transfer(df, cross) if cross is not None else df,
+                                     by=["op", "size_bucket"])
             arrivals = cross.arrivals if cross is not None else None
         with _writing("--plots", args.plots):
             written = plots.write_plots(args.plots, by_op, rep.sections.get("steps"), arrivals)
@@ -202,7 +203,10 @@ def _engine_report(args, by, steps, ranks, window):
                               "--engine pandas computes the same report in memory") from None
     finally:
         eng.close()
-    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre), pre
+    from .io.reader import chosen_run  # lazy: the CLI's other commands never load numpy / pandas
+
+    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre,
+                               run=chosen_run(args.paths)), pre
 
 
 def _parse_ranks(text: str) -> set:

@@ -87,7 +87,8 @@ def test_summary_by_op_and_size_bucket():
              dict(op="broadcast", group_size=2, bytes=64, duration_us=30.0)]
     s = analysis.summary(frame(rows), by=["op", "size_bucket"])
     assert list(s.columns) == ["op", "size_bucket", "count", "total_us", "mean_us", "p50_us", "p95_us", "max_us",
-                               "own_us", "bytes", "unmeasured", "algbw_gbps", "busbw_gbps", "time_share"]
+                               "own_us", "transfer_us", "bytes", "unmeasured", "algbw_gbps", "busbw_gbps",
+                               "busbw_with_wait_gbps", "time_share"]
     assert s["op"].astype(str).tolist() == ["broadcast", "all_reduce", "all_reduce"]   # by total time
     small = s[(s["op"] == "all_reduce") & (s["size_bucket"] == 1024)].iloc[0]
     assert small["count"] == 4 and small["total_us"] == 10.0 and small["p50_us"] == 2.5
@@ -211,3 +212,29 @@ def test_ddp_packing_is_exposed_and_busy_where_alone():
     assert one["overlapped_us"] == pytest.approx(170.0) and one["comm_us"] == pytest.approx(450.0)
     assert one["comm_share"] == pytest.approx(0.47) and one["exposed_share"] == pytest.approx(0.3)
     assert analysis.steady_state(analysis.per_step(frame(rows)))["ddp_pack_us"] == pytest.approx(100.0)
+
+
+def test_bandwidth_from_the_transfer_time_not_the_wait_for_late_ranks():
+    """Issue 23.5: a rank that issued first waits for the last one; that wait is not transfer. The
+    synthetic log moves data at 5 GB/s plus 20 us of latency; rank 2 issues every call 2 ms late."""
+    df = make_log(4, 6, straggler=2, bandwidth_gbps=5.0)
+    cross = analysis.cross_rank(df)
+    transfer = analysis.transfer_times(df, None)
+    assert np.array_equal(cross.transfer_us, transfer, equal_nan=True)
+    own = df["own_us"].to_numpy()
+    assert (transfer <= own + 1e-9).all()
+    late = df["rank"].to_numpy() == 2
+    np.testing.assert_allclose(transfer[late], own[late])          # the last rank waited for no one
+    coll = ~df["op"].isin(analysis.P2P_OPS).to_numpy()
+    assert (own[~late & coll] - transfer[~late & coll] > 1500).all()      # the others waited ~2 ms for it
+    s = analysis.summary(analysis.with_transfer(df, cross), by=["collective", "size_bucket"])
+    big = s[(s["collective"] == "all_reduce") & (s["size_bucket"] > 1e6)].iloc[0]
+    expected = big["bytes"] / 4 / 6 / (big["bytes"] / 4 / 6 / 5e3 + 20.0) / 1e3       # GB/s of one call
+    assert big["algbw_gbps"] == pytest.approx(expected, rel=1e-6)
+    assert big["busbw_with_wait_gbps"] < 0.6 * big["busbw_gbps"]
+    # one rank's log alone: no cross-rank arrival, the per-rank figure
+    one = df[df["rank"] == 0].reset_index(drop=True)
+    np.testing.assert_allclose(analysis.transfer_times(one), one["own_us"].to_numpy())
+    # a group with a member's log missing: the own time
+    three = df[df["rank"] != 2].reset_index(drop=True)
+    np.testing.assert_allclose(analysis.transfer_times(three), three["own_us"].to_numpy())

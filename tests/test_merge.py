@@ -40,9 +40,20 @@ def test_missing_collective_is_reported_at_its_first_occurrence():
     first = m.iloc[0]
     assert (first["kind"], first["coll_seq"]) == ("bytes", 4)       # from there on rank 3 is one behind
     assert "on rank(s) 3" in first["detail"]
-    tail = make_log(4, 3, missing=(3, 14))          # the very last collective: nothing shifts, it is missing
-    m = analysis.mismatches(tail)
-    assert m[["kind", "coll_seq"]].values.tolist() == [["missing", 14]]
+    # the very last collective: nothing shifts; rank 3's log ends there, which the logs alone cannot
+    # tell from a rank that skipped it and stopped (issue 24.7): matching stops at its end, said so
+    tail = analysis.cross_rank(make_log(4, 3, missing=(3, 14)))
+    assert tail.mismatches.empty
+    assert tail.log_ends.to_dict("records") == [dict(group="0", ranks="3 (#13)", last_coll_seq=13, group_last=14,
+                                                     unmatched=1)]
+    # a member that never issues a group's collectives while its log goes on: missing
+    df = make_log(4, 3)
+    df = df[~((df["rank"] == 3) & (df["op"] == "broadcast"))].reset_index(drop=True)
+    df["group"] = df["group"].cat.add_categories(["g"])
+    df.loc[df["op"] == "broadcast", "group"] = "g"
+    df["group_seq"] = df.groupby(["rank", "group"], observed=True).cumcount()
+    m = analysis.mismatches(df)
+    assert m[["kind", "group", "coll_seq"]].values.tolist() == [["missing", "g", 0]]
     assert m["detail"].iloc[0] == "no record on rank(s) 3 (recorded by 0,1,2)"
 
 
@@ -198,3 +209,66 @@ def test_real_run_trace_has_one_event_per_row(gloo_logs, tmp_path):
     slices = [e for e in events if e["ph"] == "X"]
     assert len(slices) == len(df)
     assert sum(e["args"].get("duration_unknown", False) for e in slices) == int(df["duration_us"].isna().sum())
+
+
+def test_logs_that_end_early_make_no_mismatch():
+    """Issue 24.7: a log cut short (a torn tail, a disk that filled, a rank that stopped) ends its
+    rank's matching; the report says so instead of 'missing ... no record on rank 1'."""
+    from commpatch.render import text as report
+
+    df = make_log(4, 6, p2p=True)
+    cut = (df["rank"] == 1) & (df["seq"] > 20)
+    cut |= (df["rank"] == 2) & (df["seq"] > 30)
+    cr = analysis.cross_rank(df[~cut].reset_index(drop=True))
+    assert cr.mismatches.empty, cr.mismatches.to_dict("records")
+    assert cr.log_ends.to_dict("records") == [dict(group="0", ranks="1 (#14), 2 (#22)", last_coll_seq=14,
+                                                   group_last=29, unmatched=15)]
+    rep = report.build_report(df[~cut].reset_index(drop=True))
+    assert rep.errors == []
+    ends = [f.text for f in rep.findings if f.kind == "ends"]
+    assert ends == ["the logs end at different points: in group 0 the log of rank(s) 1 (#14), 2 (#22) ends before "
+                    "the others' last collective #29; matching stops at each log's end (a log cut short or a rank "
+                    "that stopped), no mismatch is inferred after it."], ends
+    assert any(n.startswith("group 0: the log of rank(s) 1 (#14), 2 (#22) ends before") for n in rep.notes)
+    # collectives before the end are still checked: a size mismatch there is found
+    bad = make_log(4, 6, mismatch=(1, 7))
+    bad = bad[~((bad["rank"] == 1) & (bad["seq"] > 20))].reset_index(drop=True)
+    assert analysis.mismatches(bad)[["kind", "coll_seq"]].values.tolist() == [["bytes", 7]]
+
+
+@pytest.mark.slow
+def test_real_log_that_ends_early_makes_no_mismatch(tmp_path, capsys):
+    """Issue 24.7 on a real DDP job: rank 1's binary log holds only its first 60% of rows (what a
+    disk that filled, or a rank that died, leaves): no 'missing' error, the report says where the
+    logs end."""
+    from commpatch import cli
+    from tests.analysis_workers import ddp_job
+
+    from commpatch.data.logfile import MAGIC, ROWS, _FRAME
+    from commpatch.data.schema import ROW
+
+    run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12)
+    for csv in tmp_path.glob("*.csv"):
+        csv.unlink()
+    path = tmp_path / "rank1.cplog"
+    data = path.read_bytes()
+    # the rows after the first 60% never reached the file (its frames as a write failure leaves them)
+    frames, pos = [], len(MAGIC)
+    while pos < len(data):
+        kind, length = _FRAME.unpack_from(data, pos)
+        frames.append((kind, data[pos + _FRAME.size:pos + _FRAME.size + length]))
+        pos += _FRAME.size + length
+    budget = int(sum(len(p) for k, p in frames if k == ROWS) // ROW.size * 0.6)
+    out = bytearray(MAGIC)
+    for kind, payload in frames:
+        if kind == ROWS:
+            keep = min(budget, len(payload) // ROW.size)
+            budget -= keep
+            payload = payload[:keep * ROW.size]
+        out += _FRAME.pack(kind, len(payload)) + payload
+    path.write_bytes(bytes(out))
+    assert cli.main(["report", str(tmp_path), "--format", "json", "--fail-on-mismatch", "--no-progress"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["errors"] == [] and rep["sections"]["mismatches"] == []
+    ends = [f["text"] for f in rep["findings"] if f["kind"] == "ends"]
+    assert len(ends) == 1 and "the log of rank(s) 1 (#" in ends[0], rep["findings"]

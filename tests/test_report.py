@@ -38,7 +38,7 @@ def test_text_report_has_every_section_and_the_error(logs, capsys):
                   "Point-to-point channels", "Notes:"):
         assert title in out
     assert "<= 4.19 MB" in out and "MiB" not in out        # size buckets in the bytes column's units
-    assert "0.000695" in out and " 0.000 " not in out       # small bandwidths keep their digits
+    assert "0.00104" in out and " 0.000 " not in out        # small bandwidths keep their digits
     assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
 
 
@@ -177,3 +177,31 @@ def test_render_text_truncates_long_tables():
     rep = report.build_report(make_log(2, 30))
     text = report.render_report_text(rep, max_rows=5)
     assert "... 25 more row(s)" in text
+
+
+def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
+    """Issue 23.10: 'latest run' is the run's own start time (its logs' headers), not the directory's
+    time of change: converting an old run does not make it the latest; the first line names it."""
+    import os
+
+    from commpatch.synthetic import write_binary_run
+
+    old, new = tmp_path / "zz-old", tmp_path / "aa-new"          # names in the other order
+    for run, created in ((old, b"1763800000000000000"), (new, b"1763800009000000000")):
+        write_binary_run(str(run), 2, 200, straggler=None, mismatch=None)
+        for log in run.glob("*.cplog"):
+            data = log.read_bytes()
+            assert data.count(b'"created_ns":1763800000000000000') == 1
+            log.write_bytes(data.replace(b'"created_ns":1763800000000000000', b'"created_ns":' + created))
+    assert cli.main(["convert", str(old), "--no-progress"]) == 0        # writes CSVs into the old run
+    os.utime(old)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, str(tmp_path))
+    assert code == 0 and out.splitlines()[0].startswith(f"commpatch report: run aa-new (the latest of 2 in {tmp_path}; "
+                                                        "1 other(s)): 400 calls"), out.splitlines()[0]
+    assert "reading the latest, aa-new; the other run(s): zz-old" in err
+    one = tmp_path / "one"
+    write_binary_run(str(one / "r1"), 2, 100, straggler=None, mismatch=None)
+    assert run_cli(capsys, str(one))[1].splitlines()[0].startswith(f"commpatch report: run r1 (the only one in {one}): ")
+    # the run directory itself, or its files: no run named
+    assert run_cli(capsys, str(one / "r1"))[1].splitlines()[0].startswith("commpatch report: 200 calls")

@@ -39,9 +39,16 @@ def test_steps_counted_by_root_forwards_then_the_optimizer_then_the_user():
         assert res["user"] == [(100, "user")]               # commpatch.step() overrides from then on
 
 
-def test_zero_code_ddp_demo(tmp_path):
-    """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job."""
+def test_zero_code_ddp_demo(tmp_path, capsys):
+    """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job; it writes a run
+    directory of its own, deletes nothing, and is the latest run by its start time (issue 23.10)."""
+    from commpatch import cli
+    from commpatch.synthetic import write_rank_files
+
     out = tmp_path / "logs"
+    mine = out / "20200101-000000-host-1"            # a user's earlier run (CSV files: its name's time)
+    write_rank_files(str(mine), 2, 3)
+    kept = sorted(os.listdir(mine))
     res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out), "--steps", "12",
                           "--slow-ms", "50"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
                          env=dict(os.environ, COMMPATCH_SUMMARY="1"))
@@ -53,14 +60,22 @@ def test_zero_code_ddp_demo(tmp_path):
     assert "steady-state step: median" in findings and "exposed" in findings, findings
     assert "set-up (step 0" in findings and "(largest: ddp_" in findings, findings     # DDP's own set-up calls
     assert "rank 1 arrived last in" in findings and "the straggler" in findings, findings
+    runs = [d for d in os.listdir(out) if d != mine.name]
+    assert len(runs) == 1 and runs[0].startswith("demo-"), runs       # a run directory of its own
+    assert sorted(os.listdir(mine)) == kept                           # nothing of the user's deleted
+    os.utime(mine)                                                    # touched (converted, copied): still older
+    assert cli.main(["report", str(out), "--no-progress"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"commpatch report: run {runs[0]} (the latest of 2 in {out}; 1 other(s)): "), first
     df = commpatch.read_csv(str(out))
     assert set(df["step_source"].astype(str)) == {"none", "optimizer"}
     buckets = df[(df["op"] == "ddp_bucket_allreduce") & (df["step"] > 0)].groupby(["rank", "step"]).size()
     assert len(buckets) == 22 and (buckets == 3).all()      # after the rebuild: 3 gradient buckets per step
-    names = set(os.listdir(out))
+    names = set(os.listdir(out / runs[0]))
     assert {"rank0.csv", "rank1.csv", "trace.json"} <= names
     if importlib.util.find_spec("matplotlib") is not None:
-        assert set(os.listdir(out / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png", "skew_heatmap.png"}
+        assert set(os.listdir(out / runs[0] / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png",
+                                                            "skew_heatmap.png"}
 
 
 def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, capsys):
@@ -144,3 +159,50 @@ def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
     df = log.to_dataframe()
     assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0
 
+
+
+def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
+    """Issue 23.6: a GPipe job's steps hold only gloo isend / irecv, which have no duration: the
+    findings say its communication is unknown, never 0%; the same with the DuckDB engine."""
+    from commpatch import cli
+    from tests.analysis_workers import pipeline_job
+
+    for rank, df in enumerate(run_ranks(pipeline_job, 2, timeout=150)):
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=df)
+    from commpatch.analysis import engine as duckdb_engine
+
+    engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
+    for engine in engines:
+        assert cli.main(["report", str(tmp_path), "--format", "json", "--engine", engine, "--no-progress"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        overhead = [f["text"] for f in rep["findings"] if f["kind"] == "overhead"]
+        assert len(overhead) == 1 and "its communication is unknown: none of its 4 calls per step has a " \
+                                      "duration" in overhead[0] and "0%" not in overhead[0], (engine, overhead)
+        steady = [s for s in rep["sections"]["steps"] if s["stage"] == "steady"]
+        assert len(steady) == 6 and all(s["comm_share"] is None and s["exposed_share"] is None
+                                        and s["unmeasured"] == 4 for s in steady), steady
+        assert engine != "pandas" or "(irecv, isend; gloo's isend / irecv give no completion time)" in overhead[0]
+
+
+def test_gradient_accumulation_counts_one_set_up_iteration(tmp_path, capsys):
+    """Issue 23.7: two forwards per optimizer.step() (the first under no_sync()): the first
+    iteration's second forward opens a step before the optimizer is seen; that half-counted
+    iteration is set-up, not a steady-state step, and the findings name one source."""
+    from commpatch import cli
+    from commpatch.analysis import engine as duckdb_engine
+    from tests.analysis_workers import ddp_job
+
+    run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12, accumulate=2)
+    df = commpatch.read_csv(str(tmp_path))
+    table = analysis.per_step(df, by_rank=False)
+    assert table.loc[table["stage"] == "setup", "step"].tolist() == [0, 1]
+    assert table.loc[table["step"] == 1, "step_source"].tolist() == ["forward"]
+    steady = table[table["stage"] == "steady"]
+    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}    # 12 optimizer steps: 1 set-up, 1 end
+    engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
+    for engine in engines:
+        assert cli.main(["report", str(tmp_path), "--engine", engine, "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert ("- 10 steady-state step(s) of 13, counted by each optimizer.step() (counted automatically); steps 0-1 "
+                "are set-up and the last one is not timed.") in out, out[:600]
+        assert "forward of the DDP" not in out

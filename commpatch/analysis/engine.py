@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..data.schema import expand_ranks
-from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, mismatch_table
+from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
+                       reach_steps)
 from .pattern import ATTR as PATTERN_ATTR, warn_refused, with_pattern_steps
 from .steps import per_step
-from .summaries import durations, finish_summary, own_durations, size_bucket
+from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
 
@@ -117,6 +118,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["start_ns"] = df["start_ns"].to_numpy(np.int64)
     rows["dur"] = dur
     rows["own"] = own_durations(df)
+    rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()     # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
     for i, key in enumerate(by):
@@ -207,6 +209,8 @@ class Results:
     arrivals: object = None      # only when asked (plots)
     by_op_size: object = None    # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
+    step_arrivals: object = None  # stragglers.step_arrivals
+    log_ends: object = None       # matching.log_end_table
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -232,6 +236,7 @@ class Engine:
         self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
         self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
+        self.matched = None             # the collectives matched (the coll table): transfer times known
 
     def close(self) -> None:
         try:
@@ -301,11 +306,14 @@ class Engine:
         if "rows" not in self.tables:
             raise ValueError("no rows were given to the engine")
         ranks = sorted(self.seen_ranks)
-        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
-        if len(ranks) > 1:
+        if len(ranks) > 1:          # before the summary: its bandwidth is from the transfer time
             self._groups(ranks)
             self._match()
+        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        if len(ranks) > 1:
             out.ranks = self._rank_table()
+            out.log_ends = self.log_ends
+            out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))
             # one scan for the rows of every collective shown: the top skews, those whose fields
@@ -372,26 +380,33 @@ class Engine:
                 raise ValueError(f"the engine's summary is by {', '.join(self.by)} or by stored columns, not {key!r}")
         keys = [f"_k{i}" for i in range(len(by))]
         cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
+        # the arrival-free transfer time of a row (matching.transfer_times), once the collectives are matched
+        source = "(SELECT *, own AS transfer FROM rows)" if self.matched is None else """(
+            SELECT r.*, CASE WHEN c.complete AND r.host AND (r.start_ns - c.ls) / 1e3 + r.dur > 0
+                             THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
+            FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
         out = self._df(f"""
             SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
                    quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
+                   coalesce(sum(transfer), 0) AS transfer_us,
                    sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
                    coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
                    coalesce(sum(busbytes), 0) AS _busbytes
-            FROM rows GROUP BY ALL""")
+            FROM {source} GROUP BY ALL""")
         for k, (_, codes_of) in zip(keys, exprs):
             if codes_of is not None and codes_of in self.names:   # categorical: names, in pandas' order
                 names = self.names[codes_of]
                 values = [names[int(c)] for c in out[k]]
                 out[k] = pd.Categorical(values, categories=sorted(set(values)))
         # one quantile state for both (each holds every duration of its group: two did not fit in 2 GB at 100M rows)
-        q = [v if v is not None and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
+        # a group of calls none of which has a duration: no quantiles (pandas' NA, not a list)
+        q = [v if isinstance(v, (list, tuple, np.ndarray)) and len(v) == 2 else [np.nan, np.nan] for v in out["_q"]]
         out["p50_us"] = np.array([v[0] for v in q], np.float64)
         out["p95_us"] = np.array([v[1] for v in q], np.float64)
         out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
         out["count"] = out["count"].astype(np.int64)
-        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "bytes",
-                                 "unmeasured", "_mbytes", "_busbytes"]]
+        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "transfer_us",
+                                 "bytes", "unmeasured", "_mbytes", "_busbytes"]]
         return finish_summary(out)
 
     def _per_step(self):
@@ -400,14 +415,14 @@ class Engine:
             return None
         out = self._df("""
             SELECT step, arg_min(stage, rank) AS stage, arg_min(step_source, rank) AS step_source,
-                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
+                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
                    max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
                    avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
                    avg(setup_comm_us) AS setup_comm_us, avg(ddp_finalize_us) AS ddp_finalize_us,
                    avg(ddp_pack_us) AS ddp_pack_us, avg(step_us) AS step_us,
                    arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
                    avg(exposed_share) AS exposed_share,
-                   (-max({'c': comm_us, 'r': -rank}).r)::BIGINT AS max_rank
+                   (-max({'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}).r)::BIGINT AS max_rank
             FROM steps GROUP BY step ORDER BY step""")
         return out
 
@@ -423,7 +438,8 @@ class Engine:
         g = pd.DataFrame({"g": np.array(codes, np.int64), "name": names,
                           "pos": [order[n] for n in names],
                           "expected": [sum(r in present for r in expand_ranks(self.group_ranks.get(n, "")))
-                                       for n in names]})
+                                       for n in names],
+                          "members": [len(expand_ranks(self.group_ranks.get(n, ""))) for n in names]})
         self.con.register("_g", g)
         self.con.execute("CREATE OR REPLACE TABLE groups AS SELECT * FROM _g")
         self.con.unregister("_g")
@@ -436,15 +452,53 @@ class Engine:
         """One row per collective (group, cseq) with the few aggregates every row must feed (measured
         at 256 ranks x 100k rows: a struct of the first arrival's values made this 5x slower); the
         first arrival's values and which field differs are looked up afterwards for the few
-        collectives the report shows (``_mismatches``, ``_shown``)."""
-        self.con.execute(f"""
-            CREATE OR REPLACE TABLE coll AS
-            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < g.expected AS missing, g.pos
-            FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
-                         arg_max(rank, {self._ORDER}) AS straggler,
-                         min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
-                  FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
-            JOIN groups g ON c.g = g.g""")
+        collectives the report shows (``_mismatches``, ``_shown``). The members expected in each
+        collective are those whose log reaches it (``matching.reach_steps``: a log that ends early
+        ends its rank's matching, it makes no mismatch)."""
+        self._reach()
+        self.con.register("_reach", self.reach)
+        try:
+            self.con.execute(f"""
+                CREATE OR REPLACE TABLE coll AS
+                SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < e.expected AS missing, g.expected - e.expected AS ended,
+                       n = g.members AS complete, g.pos
+                FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
+                             arg_max(rank, {self._ORDER}) AS straggler,
+                             min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
+                      FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
+                JOIN groups g ON c.g = g.g
+                ASOF JOIN _reach e ON c.g = e.g AND c.cseq >= e.lo""")
+        finally:
+            self.con.unregister("_reach")
+        self.matched = True
+        tail = self._df("SELECT g, max(cseq) AS last, count(*) AS n FROM coll WHERE ended > 0 GROUP BY g")
+        names = self.names.get("group", {})
+        self.log_ends = log_end_rows(sorted(
+            (names[int(g)], {r: n for (gg, r), n in self.counts_of.items() if gg == int(g)}, int(last), int(n))
+            for g, last, n in zip(tail["g"], tail["last"], tail["n"])))
+
+    def _reach(self) -> None:
+        """``matching.reach_steps`` of every group, as a table (g, lo, expected) for an ASOF join."""
+        import pandas as pd
+
+        ends = self._df('SELECT "group" AS g, rank::BIGINT AS rank, max(cseq) + 1 AS n FROM rows '
+                        'WHERE cseq >= 0 GROUP BY ALL')
+        last = self._df("SELECT rank::BIGINT AS rank, max(start_ns) AS t FROM rows GROUP BY rank")
+        self.con.execute("CREATE OR REPLACE TABLE _last AS SELECT * FROM last")
+        last_ns = dict(last.itertuples(index=False, name=None))
+        first_ns = dict(self._df('SELECT "group" AS g, min(start_ns) AS t FROM rows WHERE cseq >= 0 GROUP BY ALL')
+                        .itertuples(index=False, name=None))
+        self.counts_of = {(int(g), int(r)): int(n) for g, r, n in zip(ends["g"], ends["rank"], ends["n"])}
+        present = set(self.seen_ranks)
+        rows = []
+        for code, name in self.names.get("group", {}).items():
+            if code not in first_ns:
+                continue
+            members = [r for r in expand_ranks(self.group_ranks.get(name, "")) if r in present]
+            alive = {r for r in members if last_ns.get(r, -1) > first_ns[code]}
+            counts = {r: n for (g, r), n in self.counts_of.items() if g == code}
+            rows += [(code, lo, n) for lo, n in reach_steps(members, counts, alive)]
+        self.reach = pd.DataFrame(rows, columns=["g", "lo", "expected"]).astype(np.int64)
 
     def _join_wanted(self, wanted, sql):
         """Run ``sql`` (which joins ``rows r`` with ``_want w`` on group and cseq) for the collectives
@@ -475,6 +529,15 @@ class Engine:
                    "wait_share"]]
         return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
 
+    def _step_arrivals(self):
+        """``stragglers.step_arrivals`` in SQL: per step and rank, the mean arrival after the first rank
+        over its collectives of two or more ranks."""
+        return self._df("""
+            SELECT r.step, r.rank::BIGINT AS rank, avg((r.start_ns - c.fs) / 1e3) AS arrival_us,
+                   count(*)::BIGINT AS collectives
+            FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+            WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
+
     def _top_skew(self, n):
         return self._df(f"""
             SELECT c.g, g.name AS "group", c.cseq AS coll_seq, c.n::BIGINT AS ranks, c.skew_us,
@@ -487,7 +550,7 @@ class Engine:
             SELECT coalesce(s.g, r.g) AS g, coalesce(s.channel, r.channel) AS channel, coalesce(s.src, r.src) AS src,
                    coalesce(s.dst, r.dst) AS dst, coalesce(s.k, r.k) AS k, s.op AS send_op, r.op AS recv_op,
                    s.bytes AS send_bytes, r.bytes AS recv_bytes,
-                   abs(s.start_ns - r.start_ns) / 1e3 AS skew_us,
+                   abs(s.start_ns - r.start_ns) / 1e3 AS skew_us, coalesce(s.start_ns, r.start_ns) AS t,
                    s.k IS NOT NULL AND r.k IS NOT NULL AS matched
             FROM (SELECT "group" AS g, * FROM p2p WHERE side = 0) s
             FULL OUTER JOIN (SELECT "group" AS g, * FROM p2p WHERE side = 1) r
@@ -504,7 +567,8 @@ class Engine:
         first = """{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k, 'send_op': p.send_op,
                     'recv_op': p.recv_op, 'send_bytes': p.send_bytes, 'recv_bytes': p.recv_bytes}"""
         order = "(p.channel, p.src, p.dst, p.k)"
-        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks})"
+        # and the missing side's log goes on to the other side's issue (matching.mismatches)
+        unmatched = f"NOT matched AND p.src IN ({ranks}) AND p.dst IN ({ranks}) AND l.t >= p.t"
         bytes_bad = "matched AND send_bytes <> recv_bytes"
         out = self._df(f"""
             SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
@@ -515,6 +579,7 @@ class Engine:
                    (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
                    arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
             FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g
+            LEFT JOIN _last l ON l.rank = CASE WHEN p.send_op IS NULL THEN p.src ELSE p.dst END
             GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
         ops = self.names.get("op", {})
         self.p2p_firsts = []

@@ -11,18 +11,15 @@ from typing import NamedTuple
 
 from .pattern import ATTR as PATTERN_ATTR, PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
+from .stragglers import SETUP_LATE_US, verdict
 from .summaries import summary
 
-# a rank is called a straggler when it arrived last in at least this share of the collectives...
-STRAGGLER_SHARE = 0.5
-# ... by at least this share of the steady-state step time on average
-STRAGGLER_LATE = 0.05
 # a collective's busbw below this fraction of the best of the same message size is named
 SLOW_RATIO = 0.5
 
 
 class Finding(NamedTuple):
-    kind: str       # steps, overhead, setup, straggler, mismatch, bandwidth
+    kind: str       # steps, overhead, setup, ends, straggler, mismatch, bandwidth
     text: str
     section: str    # the report table behind it
 
@@ -30,6 +27,8 @@ class Finding(NamedTuple):
 def _ms(us) -> str:
     if us is None or (isinstance(us, float) and math.isnan(us)):
         return "-"
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
     return f"{us / 1e3:.3g} ms" if us >= 100 else f"{us:.3g} us"
 
 
@@ -51,7 +50,12 @@ def findings(df, steps_table, cross=None) -> list:
     (set-up cost, the slowest bus bandwidth) are left out."""
     out: list[Finding] = []
     st = steady_state(steps_table)
-    sources = [s for s in steps_table["step_source"].astype(str).unique() if s in _SOURCES]
+    # what counted the steps of the steady state (the set-up's may differ: forwards counted before the
+    # first optimizer.step() was seen)
+    counted = steps_table[steps_table["stage"] == "steady"]
+    counted = counted if len(counted) else steps_table
+    sources = [s for s in counted["step_source"].astype(str).unique() if s in _SOURCES]
+    setup_steps = _steps_text(steps_table.loc[steps_table["stage"] == "setup", "step"])
     found = df.attrs.get(PATTERN_ATTR, {}) if df is not None else {}
     if steps_table["step"].nunique() <= 1:
         why = next((f" ({why})" for why in found.values() if not isinstance(why, Found)), "")
@@ -64,13 +68,22 @@ def findings(df, steps_table, cross=None) -> list:
             how.append(f"steps found from the repeating pattern of collectives ({_periods(found, steps_table)}; "
                        "no optimizer.step(), DDP / FSDP forward or commpatch.step() in the log)")
         out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
-                                    f"{'; '.join(how) or 'from the step column'}; step 0 is set-up and the last one "
-                                    "is not timed.", "steps"))
-    if st["steps"]:
+                                    f"{'; '.join(how) or 'from the step column'}; {setup_steps} set-up and the last "
+                                    "one is not timed.", "steps"))
+    if st["steps"] and math.isnan(st["comm_share"]):
+        out.append(Finding("overhead", f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
+                                       f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
+                                       f"{st['calls']:.3g} calls per step has a duration"
+                                       f"{_unmeasured_ops(df, steps_table)}.", "steps"))
+    elif st["steps"]:
         overlapped = st["busy_us"] - st["exposed_us"] - st["overlap_unknown_us"]
+        least = "at least " if st["unmeasured"] > 0 else ""
         text = (f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
-                f"is in flight {_pct(st['comm_share'])} of it and the training thread waits for it "
-                f"{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+                f"is in flight {least}{_pct(st['comm_share'])} of it and the training thread waits for it "
+                f"{least}{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+        if least:
+            text += (f"; {st['unmeasured']:.3g} of its {st['calls']:.3g} calls per step have no duration"
+                     f"{_unmeasured_ops(df, steps_table)}, not counted")
         if st["overlap_unknown_us"] > 0.05 * max(st["busy_us"], 1e-9):
             text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
         elif overlapped > 0:
@@ -92,21 +105,46 @@ def findings(df, steps_table, cross=None) -> list:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
-        what = "step 0, up to the first step boundary: process group, model wrapping, first iteration"
+        measured = " measured communication" if df["duration_us"].isna().any() else ""     # unknown is not 0
+        what = (f"{setup_steps.rsplit(' ', 1)[0]}, up to the first step of the steady state: process group, model "
+                "wrapping, first iteration")
         if PATTERN in sources:
             first = int(steps_table["step"].min())
             what = f"step {first}: " + ("the calls before the repeating pattern starts" if first == 0
                                         else "the pattern's first iteration")
         out.append(Finding("setup", f"set-up ({what}) took "
                                     f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
-                                    f"rank, is {_pct(share)} of the run's and left out of the steady state"
+                                    f"rank, is {_pct(share)} of the run's{measured} and left out of the steady state"
                                     + (f" (largest: {parts})." if parts else "."), "steps"))
     if cross is not None:
-        out += _cross_findings(cross, st)
+        out += _cross_findings(cross, st, steps_table)
     slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
     if slow is not None:
         out.append(slow)
     return out
+
+
+def _steps_text(steps) -> str:
+    """'step 0 is' or 'steps 0-1 are' (the set-up steps); 'no step is' without any."""
+    steps = sorted(int(x) for x in steps)
+    if not steps:
+        return "no step is"
+    if len(steps) == 1:
+        return f"step {steps[0]} is"
+    run = steps == list(range(steps[0], steps[-1] + 1))
+    return f"steps {steps[0]}-{steps[-1]} are" if run else f"steps {', '.join(map(str, steps))} are"
+
+
+def _unmeasured_ops(df, steps_table) -> str:
+    """' (op, op: ...)': the ops of the steady-state calls without a duration, when the rows are here."""
+    if df is None:
+        return ""
+    rows = steady_rows(df, steps_table)
+    ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
+    if not ops:
+        return ""
+    why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv"} & set(ops) else ""
+    return f" ({', '.join(ops)}{why})"
 
 
 def _has_ddp_buckets(df, st) -> bool:
@@ -127,26 +165,61 @@ def _periods(found, steps_table) -> str:
     return f"period{'s' if len(periods) > 1 else ''} {', '.join(map(str, periods))} calls"
 
 
-def _cross_findings(cross, st) -> list:
+def _cross_findings(cross, st, steps_table) -> list:
     out = []
     for m in cross.mismatches.head(3).itertuples():
         out.append(Finding("mismatch", f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
                                        f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
                            "mismatches"))
+    ends = getattr(cross, "log_ends", None)
+    if ends is not None and len(ends):
+        e = ends.iloc[0]
+        more = f" (and in {len(ends) - 1} more group(s))" if len(ends) > 1 else ""
+        out.append(Finding("ends", f"the logs end at different points: in group {e['group']} the log of rank(s) "
+                                   f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
+                                   "matching stops at each log's end (a log cut short or a rank that stopped), no "
+                                   "mismatch is inferred after it.", "ranks"))
     ranks = cross.ranks
     if len(ranks) > 1:
-        r = ranks.iloc[0]
-        late_each = r["late_us"] / max(int(r["last_count"]), 1)
-        straggler = (r["last_share"] >= STRAGGLER_SHARE and st["steps"]
-                     and late_each >= STRAGGLER_LATE * st["step_p50_us"])
-        text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
-                f"collectives, {_ms(r['late_us'])} late in total")
-        if straggler:
-            text += f" ({_ms(late_each)} each time on average): the straggler, the other ranks wait for it."
-        else:
-            text += ": no rank stands out as a straggler."
-        out.append(Finding("straggler", text, "ranks"))
+        out.append(Finding("straggler", _straggler_text(ranks, cross, steps_table), "ranks"))
     return out
+
+
+def _straggler_text(ranks, cross, steps_table) -> str:
+    """The straggler finding: who arrived last how often (descriptive: the verdict's candidate, else
+    the first rank of the ranks table), then the verdict of ``stragglers.verdict`` (significance,
+    consistency and size over the steady-state steps)."""
+    arrivals = getattr(cross, "step_arrivals", None)
+    v = verdict(arrivals, steps_table) if arrivals is not None else None
+    rows = ranks[ranks["rank"] == v["rank"]] if v is not None and v["rank"] is not None else ranks
+    r = rows.iloc[0] if len(rows) else ranks.iloc[0]
+    text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
+            f"collectives, {_ms(r['late_us'])} late in total")
+    if v is None or v["rank"] is None:
+        text += ("; too few steady-state steps to tell a straggler from chance" if v is not None
+                 else "; no per-step arrivals to tell a straggler from chance")
+    elif not v["late_median_us"] > 0:           # no rank is the latest in most steps (4 ranks, symmetric)
+        text += (f"; no straggler: no rank is the last in most of the {v['steps']} steady-state steps (rank "
+                 f"{v['rank']}, the latest by its median, in {v['last_steps']})")
+    else:
+        evidence = (f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
+                    f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
+                    f"({_pct(v['share_of_step'])} of the step; p = {v['p_value']:.2g} against chance)")
+        if v["straggler"]:
+            text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
+        else:
+            why = {"significance": "not more than chance and noise explain",
+                   "consistency": "not in most steps", "effect": "too little to matter"}[v["reason"]]
+            text += f"; no straggler: {evidence}, {why}"
+    if (v is not None and v["setup_rank"] is not None and v["setup_late_us"] >= SETUP_LATE_US
+            and not (v["straggler"] and v["setup_rank"] == v["rank"])):
+        text += (f"; in set-up (not counted) rank {v['setup_rank']} was {_ms(v['setup_late_us'])} later than the "
+                 "latest other rank")
+    return text + "."
+
+
+def _signed_ms(us) -> str:
+    return ("-" + _ms(-us)) if us < 0 else _ms(us)
 
 
 def _slowest_bus(rows):

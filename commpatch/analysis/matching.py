@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..data.schema import expand_ranks
-from .summaries import durations
+from .stragglers import step_arrivals
+from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
 P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 # p2p op -> (direction, channel): sends pair with receives of the same channel
@@ -78,10 +79,11 @@ def match_collectives(df):
     """One row per collective (group, coll_seq) matched across ranks; p2p ops left out.
 
     Columns: group, coll_seq, op, dtype, bytes (of the earliest rank), step, ranks (how many
-    ranks recorded it), expected_ranks (members of the group that have a log here),
-    first_start_ns, last_start_ns, skew_us (latest minus earliest issue time), straggler (the
-    rank that issued it last), mean_duration_us, max_duration_us, op_mismatch, dtype_mismatch,
-    bytes_mismatch, missing (ranks < expected_ranks).
+    ranks recorded it), expected_ranks (members of the group that have a log here reaching it:
+    more collectives of the group, or none while the log goes on), first_start_ns, last_start_ns,
+    skew_us (latest minus earliest issue time), straggler (the rank that issued it last),
+    mean_duration_us, max_duration_us, op_mismatch, dtype_mismatch, bytes_mismatch, missing
+    (ranks < expected_ranks), ended (members with a log here that ends before it: not missing).
     """
     return _match(df)[0]
 
@@ -118,10 +120,22 @@ def _match(df):
         total_dur = np.add.reduceat(np.nan_to_num(dur_sorted), first) if len(first) else np.zeros(0)
         measured = np.add.reduceat((~np.isnan(dur_sorted)).astype(np.int64), first) if len(first) else np.zeros(0)
         max_dur = np.fmax.reduceat(dur_sorted, first) if len(first) else np.zeros(0)
-    expected_sets = _expected(sub["group_ranks"].cat.categories, _present_ranks(df))
     ranks_cat = sub["group_ranks"]
-    expected_n = np.array([len(expected_sets[s]) for s in ranks_cat.cat.categories], np.int64)
-    expected = expected_n[ranks_cat.cat.codes.to_numpy()[f_rows]] if len(first) else np.zeros(0, np.int64)
+    # the members whose log reaches each collective: a log that ends early (a torn tail, a write
+    # failure, a rank that stopped) ends the matching of its rank there, it does not make mismatches
+    counts, alive = log_ends(df, sub, cseq, group, rank)
+    present = _expected(ranks_cat.cat.categories, _present_ranks(df))
+    members = {code: sorted(present[s]) for code, s in enumerate(ranks_cat.cat.categories)}
+    g_first, c_first = group[f_rows], cseq[f_rows]
+    gr_first = ranks_cat.cat.codes.to_numpy()[f_rows] if len(first) else np.zeros(0, np.int64)
+    expected = np.zeros(len(first), np.int64)
+    present_n = np.zeros(len(first), np.int64)
+    for code, grc in {(int(a), int(b)) for a, b in zip(g_first, gr_first)}:
+        at = (g_first == code) & (gr_first == grc)
+        steps = reach_steps(members[grc], {r: n for (g, r), n in counts.items() if g == code}, alive.get(code, ()))
+        los = np.array([lo for lo, _ in steps])
+        expected[at] = np.array([n for _, n in steps])[np.searchsorted(los, c_first[at], side="right") - 1]
+        present_n[at] = len(members[grc])
     table = pd.DataFrame({
         "group": sub["group"].iloc[f_rows].to_numpy(),
         "coll_seq": cseq[f_rows],
@@ -142,6 +156,9 @@ def _match(df):
         "bytes_mismatch": differs(nbytes),
     })
     table["missing"] = table["ranks"] < table["expected_ranks"]
+    table["ended"] = present_n - table["expected_ranks"].to_numpy()     # members whose log ended before it
+    table.attrs["log_ends"] = counts
+    table.attrs["group_names"] = dict(enumerate(str(c) for c in sub["group"].cat.categories))
     # time each rank waited for the last arrival, bounded by the call's own measured duration
     wait, skew, arrival, coll = np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub), np.int64)
     wait[order] = (start[l_rows][run_of] - start[order]) / 1e3
@@ -150,10 +167,79 @@ def _match(df):
     coll[order] = run_of
     last = np.zeros(len(sub), bool)
     last[l_rows[size > 1]] = True
+    # the arrival-free transfer time: from the last rank's issue (or the end of the row's queueing
+    # behind earlier calls of its group, when later) to the row's completion; only where every
+    # member of the group has a log here and the row's duration is on the host's clock
+    own = own_durations(sub)
+    after_last = np.full(len(sub), np.nan)
+    after_last[order] = (start[order] - start[l_rows][run_of]) / 1e3 + duration[order]
+    group_size = np.array([len(expand_ranks(s)) for s in ranks_cat.cat.categories] or [0], np.int64)
+    complete = (size == group_size[gr_first]) if len(first) else np.zeros(0, bool)
+    host_clock = sub["timing"].isin(HOST_CLOCK_NAMES).to_numpy()
+    known = np.zeros(len(sub), bool)
+    known[order] = complete[run_of]
+    known &= host_clock & (after_last > 0)
+    transfer = np.where(known, np.fmin(own, after_last), own)
     waits = pd.DataFrame({"rank": rank, "collective": coll, "arrival_us": arrival,
                           "wait_us": np.minimum(wait, duration), "duration_us": duration,
-                          "last": last, "skew_us": skew})
+                          "last": last, "skew_us": skew, "step": sub["step"].to_numpy(),
+                          "ranks": size[coll] if len(coll) else np.zeros(0, np.int64), "transfer_us": transfer})
     return table, waits, sub, cseq
+
+
+def log_ends(df, sub, cseq, group, rank):
+    """({(group code, rank): collectives of the rank on the group}, {group code: members with no
+    collective on it whose log goes on after the group's first collective was issued: they never
+    took part, a mismatch}); ``sub`` the collective rows of ``df``, ``cseq`` / ``group`` / ``rank``
+    their columns as arrays."""
+    import pandas as pd
+
+    if not len(sub):
+        return {}, {}
+    per = pd.DataFrame({"g": group, "r": rank, "c": cseq}).groupby(["g", "r"])["c"].max() + 1
+    counts = {(int(g), int(r)): int(c) for (g, r), c in per.items()}
+    last_ns = df.groupby("rank")["start_ns"].max()
+    first_ns = pd.Series(sub["start_ns"].to_numpy()).groupby(group).min()
+    alive = {int(g): {int(r) for r, end in last_ns.items() if end > t} for g, t in first_ns.items()}
+    return counts, alive
+
+
+def log_end_table(collectives):
+    """Per group whose members' logs end at different points (``_match``): the ranks whose log ends
+    before the group's last collective (each with its last collective: '1 (#14), 2 (#22)'), the
+    last collective of the shortest, the group's last, and how many collectives after the shortest
+    end are matched over fewer ranks. Columns: group, ranks, last_coll_seq, group_last, unmatched."""
+    counts = collectives.attrs.get("log_ends", {})
+    codes = {name: code for code, name in collectives.attrs.get("group_names", {}).items()}
+    tail = collectives[collectives["ended"] > 0]
+    parts = tail.groupby("group", observed=True, sort=True)["coll_seq"].agg(["max", "size"])
+    return log_end_rows([(str(group), {r: n for (g, r), n in counts.items() if g == codes.get(str(group))},
+                          int(row["max"]), int(row["size"])) for group, row in parts.iterrows()])
+
+
+def log_end_rows(groups):
+    """``log_end_table`` from (group name, {rank: its collectives on the group}, the group's last
+    collective, collectives matched over fewer ranks) per group; shared with the engine."""
+    import pandas as pd
+
+    rows = []
+    for group, counts, last, unmatched in groups:
+        short = sorted((n, r) for r, n in counts.items() if n <= last)
+        shown = ", ".join(f"{r} (#{n - 1})" for n, r in short[:8]) + (f", ... ({len(short)} ranks)" if len(short) > 8 else "")
+        rows.append(dict(group=group, ranks=shown,
+                         last_coll_seq=short[0][0] - 1 if short else -1, group_last=last, unmatched=unmatched))
+    return pd.DataFrame(rows, columns=["group", "ranks", "last_coll_seq", "group_last", "unmatched"])
+
+
+def reach_steps(members, counts, alive):
+    """[(first cseq, members expected from it on)] for one group: a member is expected in collective
+    c when its log holds more than c collectives of the group, or holds none and goes on after the
+    group's first collective (``alive``: it never took part). Piecewise constant in c."""
+    reach = np.sort([counts.get(r, np.inf if r in alive else 0) for r in members])
+    out = [(0, int(np.sum(reach > 0)))]
+    for k in np.unique(reach[np.isfinite(reach) & (reach > 0)]):
+        out.append((int(k), int(np.sum(reach > k))))
+    return out
 
 
 def rank_table(df, matched=None):
@@ -262,6 +348,13 @@ def mismatches(df, matched=None, p2p=None):
     unmatched = p2p[~p2p["matched"].astype(bool)] if len(p2p) else p2p
     if len(unmatched):
         unmatched = unmatched[unmatched["src"].isin(present) & unmatched["dst"].isin(present)]
+        # the missing side's log goes on to the other side's issue: else it ended first (a log cut
+        # short, a rank that stopped), no mismatch (compared as float64: the joined times are)
+        no_recv = unmatched["recv_op"].isna().to_numpy()
+        missing_rank = np.where(no_recv, unmatched["dst"], unmatched["src"])
+        issued = np.where(no_recv, unmatched["send_start_ns"], unmatched["recv_start_ns"]).astype(np.float64)
+        last_ns = df.groupby("rank")["start_ns"].max()
+        unmatched = unmatched[last_ns.reindex(missing_rank).to_numpy(np.float64) >= issued]
     p2p_firsts = []
     for kind, bad in (("p2p_unmatched", unmatched), ("p2p_bytes", p2p[p2p["bytes_mismatch"].astype(bool)])):
         for group, part in bad.groupby("group", sort=True):
@@ -327,6 +420,9 @@ class CrossRank:
     mismatches: "object"    # mismatches
     p2p: "object"           # match_p2p
     missing_logs: list      # members of some group with no log file here
+    step_arrivals: "object" = None   # stragglers.step_arrivals: the straggler verdict's evidence
+    transfer_us: "object" = None     # transfer_times: per row of the log, aligned with it
+    log_ends: "object" = None        # log_end_table: logs that end before the others' (not mismatches)
 
 
 def cross_rank(df) -> CrossRank:
@@ -340,7 +436,32 @@ def cross_rank(df) -> CrossRank:
     return CrossRank(collectives=matched[0], arrivals=arrival_matrix(df, matched=matched),
                      ranks=rank_table(df, matched),
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,
-                     missing_logs=sorted(members - present))
+                     missing_logs=sorted(members - present),
+                     step_arrivals=step_arrivals(matched[1]), transfer_us=transfer_times(df, matched),
+                     log_ends=log_end_table(matched[0]))
+
+
+def transfer_times(df, matched=None) -> np.ndarray:
+    """Per row of ``df`` (us): the call's arrival-free transfer time, from the issue of the last rank
+    of its collective (or from the end of its queueing behind earlier calls of its group, when
+    later) to its completion: its own time (``own_us``) without the wait for ranks that issued it
+    later. Computed where every member of the group has a log in ``df`` and the duration is on the
+    host's clock (host, future, wait); elsewhere (point-to-point calls, a group with a rank's log
+    missing, device timings, clocks of different hosts that put the completion before the last
+    issue) the call's own time."""
+    waits = (matched or _match(df))[1]
+    out = np.array(own_durations(df), np.float64)        # a copy: never a view of the log's column
+    out[~df["op"].isin(P2P_OPS).to_numpy()] = waits["transfer_us"].to_numpy()     # _match's rows, in order
+    return out
+
+
+def with_transfer(df, cross=None):
+    """``df`` with a ``transfer_us`` column (``transfer_times``; from ``cross``, a ``cross_rank(df)``,
+    when given): the time the report's bandwidth is computed from."""
+    if "transfer_us" in df.columns:
+        return df
+    transfer = cross.transfer_us if cross is not None and cross.transfer_us is not None else transfer_times(df)
+    return df.assign(transfer_us=transfer)
 
 
 def top_skew(collectives, n: int = 10):

@@ -39,7 +39,9 @@ which ``per_step`` and ``scaling`` apply first):
   fraction of the step that would go if communication were free.
 
 Stages: step 0 is ``setup`` (process group creation, DDP construction and its parameter check and
-broadcast, the first iteration) when the log has later steps; the steps after it with a known step
+broadcast, the first iteration) when the log has later steps, and so are the steps before a rank's
+first step counted by its final step source (gradient accumulation: the first iteration's forwards
+were counted before its optimizer.step() was seen); the steps after it with a known step
 time are ``steady``; the last step has no next one to time it (``end``: tear-down, a partial
 step). DDP's bucket rebuild (before the second forward) is a set-up call wherever it falls.
 """
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .matching import with_transfer
 from .pattern import with_pattern_steps
 from .summaries import durations, size_bucket, summary
 
@@ -85,7 +88,8 @@ def _bucket_mask(df):
 def per_step(df, steps=None, by_rank: bool = True):
     """Communication per step, per rank (or, with ``by_rank=False``, averaged over ranks).
 
-    Columns (by_rank): rank, step, stage, step_source, calls, bytes, comm_us, busy_us, exposed_us,
+    Columns (by_rank): rank, step, stage, step_source, calls, unmeasured (calls without a duration:
+    a step of such calls only has its communication columns NaN, unknown), bytes, comm_us, busy_us, exposed_us,
     overlapped_us, overlap_unknown_us, setup_comm_us (set-up calls in the step), ddp_finalize_us,
     ddp_pack_us, step_us, step_time_from, comm_share, exposed_share (definitions in the module docstring).
 
@@ -147,9 +151,10 @@ def per_step(df, steps=None, by_rank: bool = True):
     known_busy = _union(gid[known], start[known], end_sync[known], n) + alone
 
     source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
+    unmeasured = total(np.isnan(durations(df)[order]).astype(np.float64))
     out = pd.DataFrame({
         "rank": rank[first], "step": step[first], "step_source": _step_source(source, gid, n),
-        "calls": np.diff(np.append(first, len(rank))),
+        "calls": np.diff(np.append(first, len(rank))), "unmeasured": unmeasured,
         "bytes": total(df["bytes"].to_numpy()[order]),
         "comm_us": total(dur0), "busy_us": _union(gid, start, end_sync, n) + alone, "exposed_us": exposed,
         "overlapped_us": np.clip(known_busy - exposed, 0, None),
@@ -157,6 +162,9 @@ def per_step(df, steps=None, by_rank: bool = True):
         "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
         "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail), "ddp_pack_us": packed,
         "first_ns": start_ns[first] - t0})   # small: exact as float
+    # a step none of whose calls has a duration (gloo's isend / irecv): its communication is unknown, not 0
+    unknown = (out["unmeasured"] >= out["calls"]).to_numpy()
+    out.loc[unknown, ["comm_us", "busy_us", "exposed_us", "overlapped_us", "overlap_unknown_us"]] = np.nan
     out = _step_time(out, steps)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["comm_share"] = out["busy_us"] / out["step_us"]
@@ -165,19 +173,38 @@ def per_step(df, steps=None, by_rank: bool = True):
     multi = out["step"].nunique() > 1
     stage = np.where(out["step_us"].notna(), "steady", "end")
     stage[(out["step"] == out["step"].min()).to_numpy() & multi] = "setup"
+    stage[_before_final_source(out) & multi] = "setup"
     out.insert(2, "stage", stage)
     if by_rank:
         return out
     means = out.groupby("step").agg(
         stage=("stage", "first"), step_source=("step_source", "first"), ranks=("rank", "size"),
-        calls=("calls", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
+        calls=("calls", "mean"), unmeasured=("unmeasured", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
         busy_us=("busy_us", "mean"), exposed_us=("exposed_us", "mean"), overlapped_us=("overlapped_us", "mean"),
         overlap_unknown_us=("overlap_unknown_us", "mean"), setup_comm_us=("setup_comm_us", "mean"),
         ddp_finalize_us=("ddp_finalize_us", "mean"), ddp_pack_us=("ddp_pack_us", "mean"),
         step_us=("step_us", "mean"), step_time_from=("step_time_from", "first"),
         comm_share=("comm_share", "mean"), exposed_share=("exposed_share", "mean"))
-    means["max_rank"] = out.loc[out.groupby("step")["comm_us"].idxmax(), ["step", "rank"]].set_index("step")["rank"]
+    most = out["comm_us"].fillna(-np.inf).groupby(out["step"]).idxmax()      # unknown: the first rank
+    means["max_rank"] = out.loc[most, ["step", "rank"]].set_index("step")["rank"]
     return means.reset_index()
+
+
+def _before_final_source(out) -> np.ndarray:
+    """Per (rank, step) row of ``out`` (sorted by rank, step): the step comes before the rank's first
+    step counted by its final step source. Those steps are set-up: an iteration whose forwards were
+    counted before its first optimizer.step() was seen (gradient accumulation: two forwards, one
+    optimizer step) is one half-counted iteration, not steps of the steady state."""
+    source = out["step_source"].astype(str).to_numpy()
+    rank = out["rank"].to_numpy()
+    before = np.zeros(len(out), bool)
+    if not len(out):
+        return before
+    bounds = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        final = np.flatnonzero(source[lo:hi] == source[hi - 1])
+        before[lo:lo + final[0]] = True
+    return before
 
 
 def _finalize(tail_hi, comm_hi, has_tail):
@@ -230,7 +257,7 @@ def steady_state(steps_table) -> dict:
     return dict(steps=int(len(steady)), step_p50_us=median("step_us"),
                 step_p95_us=float(np.nanpercentile(t, 95)) if len(t) else float("nan"),
                 step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
-                calls=median("calls"), comm_us=median("comm_us"), busy_us=median("busy_us"),
+                calls=median("calls"), unmeasured=median("unmeasured"), comm_us=median("comm_us"), busy_us=median("busy_us"),
                 exposed_us=median("exposed_us"), overlap_unknown_us=median("overlap_unknown_us"),
                 ddp_finalize_us=median("ddp_finalize_us"), ddp_pack_us=median("ddp_pack_us"),
                 comm_share=median("comm_share"), exposed_share=median("exposed_share"))
@@ -238,20 +265,17 @@ def steady_state(steps_table) -> dict:
 
 def setup_cost(df, steps_table) -> dict:
     """Set-up (see the module docstring), from the log and its ``per_step(by_rank=False)``:
-    setup_us (step 0's time, mean over ranks), setup_comm_us (its communication plus set-up calls
+    setup_us (the time of its set-up steps, mean over ranks), setup_comm_us (its communication plus set-up calls
     in later steps, per rank), comm_total_us (all communication per rank), and by_op (set-up
     communication per op, per rank)."""
     ranks = max(int(df["rank"].nunique()), 1)
     setup = steps_table[steps_table["stage"] == "setup"]
     later = steps_table[steps_table["stage"] != "setup"]
-    first_step = setup["step"].iloc[0] if len(setup) else None
-    mask = df["op"].isin(SETUP_OPS).to_numpy()
-    if first_step is not None:
-        mask = mask | (df["step"] == first_step).to_numpy()
+    mask = df["op"].isin(SETUP_OPS).to_numpy() | df["step"].isin(setup["step"].tolist()).to_numpy()
     dur = np.nan_to_num(durations(df))
     by_op = (df.loc[mask, ["op"]].assign(us=dur[mask] / ranks).groupby("op", observed=True)["us"].sum()
              .sort_values(ascending=False))
-    return dict(setup_us=float(setup["step_us"].iloc[0]) if len(setup) else float("nan"),
+    return dict(setup_us=float(setup["step_us"].sum(min_count=1)) if len(setup) else float("nan"),
                 setup_comm_us=float(dur[mask].sum() / ranks), comm_total_us=float(dur.sum() / ranks),
                 later_setup_comm_us=float(later["setup_comm_us"].sum()), by_op=by_op)
 
@@ -284,7 +308,7 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
         raise ValueError(f"scaling mode {mode!r}: choose weak or strong")
     rows = []
     for label, df in runs.items():
-        df = with_pattern_steps(df)
+        df = _with_transfer(with_pattern_steps(df))
         ps = per_step(df, by_rank=False)
         st = steady_state(ps)
         bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
@@ -312,6 +336,11 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
     return out
 
 
+def _with_transfer(df):
+    """A run's log with its arrival-free transfer times when it holds several ranks (bandwidth)."""
+    return with_transfer(df) if df["rank"].nunique() > 1 else df
+
+
 def scaling_by_op(runs):
     """Per run, collective and message size, over the steady state: world_size, calls_per_rank,
     p50_us and busbw_gbps (busbw against world size)."""
@@ -319,7 +348,7 @@ def scaling_by_op(runs):
 
     frames = []
     for label, df in runs.items():
-        df = with_pattern_steps(df)
+        df = _with_transfer(with_pattern_steps(df))
         rows = steady_rows(df, per_step(df, by_rank=False))
         if not len(rows):
             continue

@@ -70,7 +70,14 @@ def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.Data
         parts.check(paths, len(files))
     finally:
         notes.emit()
-    return parts.frame()
+    df = parts.frame()
+    if notes.run is not None:          # the report's first line names the run read and the others
+        df.attrs[RUN_ATTR] = notes.run
+    return df
+
+
+# df.attrs key: (the run directory read, how many runs its parent holds), when a directory of runs was given
+RUN_ATTR = "run"
 
 
 class _Plan:
@@ -424,20 +431,70 @@ def _log_files(directory: str) -> list[str]:
 
 
 def runs(directory: str) -> list[str]:
-    """Run directories (one per job and restart attempt) directly under ``directory``, oldest first."""
+    """Run directories (one per job and restart attempt) directly under ``directory``, oldest first
+    by the time each run started (``run_started``), not by the directory's time of change (converting
+    an old run, or copying it, would make it the latest)."""
     subdirs = [os.path.join(directory, d) for d in os.listdir(directory)]
     found = [d for d in subdirs if os.path.isdir(d) and _log_files(d)]
-    return sorted(found, key=lambda d: (os.path.getmtime(d), d))
+    return sorted(found, key=lambda d: (run_started(d), d))
+
+
+def run_started(directory: str) -> float:
+    """When the run of a directory started, in Unix seconds: the earliest creation time in the
+    headers of its binary rank logs; else the ``YYYYmmdd-HHMMSS`` in its name (``{run}``: local
+    time); else the time of change of its oldest log file."""
+    import re
+    import time
+
+    created = []
+    files = _log_files(directory)
+    for path in files:
+        if path.endswith(SUFFIX):
+            try:
+                with open(path, "rb") as f:
+                    ns = parse_header(f.read(1 << 16)).get("created_ns")
+            except OSError:
+                continue
+            if isinstance(ns, int) and ns > 0:
+                created.append(ns / 1e9)
+    if created:
+        return min(created)
+    m = re.search(r"(\d{8}-\d{6})", os.path.basename(os.path.normpath(directory)))
+    if m:
+        try:
+            return time.mktime(time.strptime(m.group(1), "%Y%m%d-%H%M%S"))
+        except (ValueError, OverflowError):
+            pass
+    times = []
+    for path in files:
+        try:
+            times.append(os.path.getmtime(path))
+        except OSError:
+            continue
+    return min(times, default=0.0)
+
+
+def chosen_run(paths):
+    """(the run directory, how many runs) when ``paths`` is one directory of runs (no log file of
+    its own: its latest run is read), else None; what ``read`` keeps in ``df.attrs["run"]``."""
+    if isinstance(paths, (list, tuple)) and len(paths) == 1:
+        paths = paths[0]
+    if not isinstance(paths, (str, os.PathLike)) or not os.path.isdir(paths) or _log_files(str(paths)):
+        return None
+    found = runs(str(paths))
+    return (found[-1], len(found)) if found else None
 
 
 def latest_run(directory: str, notes=None) -> str | None:
-    """The newest run directory under ``directory`` (None if there is none), said in a note."""
+    """The newest run directory under ``directory`` (None if there is none), said in a note and
+    kept in ``notes.run`` ((the run, how many runs)) for the report's first line."""
     found = runs(directory)
     if not found:
         return None
     if notes is not None:
         others = f"; the other run(s): {', '.join(os.path.basename(d) for d in found[:-1])}" if len(found) > 1 else ""
         notes.add(directory, f"holds {len(found)} run(s): reading the latest, {os.path.basename(found[-1])}{others}")
+        notes.run = (found[-1], len(found))
     return found[-1]
 
 
@@ -447,6 +504,7 @@ class _Notes:
 
     def __init__(self) -> None:
         self.problems: dict[str, list[str]] = {}
+        self.run = None      # (the run directory read, how many runs its parent holds): latest_run
 
     def add(self, path, problem: str) -> None:
         self.problems.setdefault(problem, []).append(str(path))

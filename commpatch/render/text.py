@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import analysis as _analysis
 from ..analysis import findings as _findings
 from ..analysis import matching, pattern, steps as _steps, summaries
 
@@ -112,9 +113,7 @@ SECTIONS = {   # key -> title, in the order they are rendered
 
 
 # the log columns build_report reads: enough to load for a report of a very large log
-REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
-                  "async_op", "start_ns", "duration_us", "own_us", "timing", "algbw_gbps", "busbw_gbps", "step", "bucket",
-                  "step_source")
+REPORT_COLUMNS = _analysis.REPORT_COLUMNS
 
 
 @dataclass
@@ -129,7 +128,7 @@ class Report:
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
-                 precomputed=None) -> Report:
+                 precomputed=None, run=None) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
@@ -143,7 +142,11 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         df = pattern.with_pattern_steps(df)      # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
     calls = pre.calls if pre is not None else len(df)
-    rep = Report(title=f"commpatch report: {calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    run = run if run is not None or df is None else df.attrs.get("run")     # (run read, runs in its directory)
+    rep = Report(title=f"commpatch report: {_run_text(run)}{calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
+    if pre is None and len(ranks) > 1:      # the bandwidth from the arrival-free transfer time
+        cross = cross if cross is not None else matching.cross_rank(df)
+        df = matching.with_transfer(df, cross)
     table = pre.summary if pre is not None else summaries.summary(df, by=by)
     table.insert(table.columns.get_loc("count") + 1, "per_rank", table["count"] / max(len(ranks), 1))
     rep.sections["summary"] = table
@@ -171,9 +174,17 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
             batch = pre.batch_calls if pre is not None else int((df["op"] == "batch_isend_irecv").sum())
             rep.notes.append(f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
                              + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
+        for e in (cr.log_ends.itertuples() if getattr(cr, "log_ends", None) is not None else ()):
+            rep.notes.append(f"group {e.group}: the log of rank(s) {e.ranks} ends before the others' last collective "
+                             f"#{e.group_last}: the {e.unmatched} collective(s) after the first end are matched "
+                             "over the ranks whose log reaches them, not reported as missing (a log cut short, a write "
+                             "failure, or a rank that stopped).")
         if cr.missing_logs:
             rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
                              "their collectives are not checked.")
+        rep.notes.append("bandwidth (algbw, busbw): bytes over transfer_us, from the last rank's issue to completion "
+                         "(where every member of the group has a log; else own_us); busbw_with_wait_gbps: over "
+                         "own_us, which counts each rank's wait for the ranks that issued later.")
         rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; it includes "
                          "clock differences between hosts. wait = time a rank's call spent until the last rank "
                          "issued it (bounded by its measured duration).")
@@ -181,6 +192,18 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
     return rep
+
+
+def _run_text(run) -> str:
+    """'run NAME (the latest of N in DIR; N-1 other(s)): ' for a report of a directory of runs."""
+    if not run:
+        return ""
+    import os
+
+    path, n = run
+    where = os.path.dirname(os.path.normpath(path)) or "."
+    return (f"run {os.path.basename(os.path.normpath(path))} (the latest of {n} in {where}; {n - 1} other(s)): "
+            if n > 1 else f"run {os.path.basename(os.path.normpath(path))} (the only one in {where}): ")
 
 
 def _span(ranks) -> str:
