@@ -6,7 +6,8 @@ completion callback fires), and this thread looks at that dict every ``min(1, th
 seconds. Once per stuck call it writes a dump (rank, pid, each pending call with its op, group,
 age and the Python stack of the thread that issued it, then the last recorded rows) to stderr
 and to ``hang_rank{rank}.txt`` in the output file's directory (the current directory when the
-output is 'none'). It never stops the job and never raises: a failure is an internal error of
+output is 'none'; ``hang_rank{rank}.1.txt``... when the name is taken: never over a file, never
+through a link). It never stops the job and never raises: a failure is an internal error of
 kind ``watchdog``, counted and warned once.
 
 Reading the log here needs neither pandas nor the DataFrame: the tail of ``Log.recent_rows()`` is
