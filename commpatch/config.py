@@ -8,6 +8,7 @@ naming the variable and what is allowed.
 from __future__ import annotations
 
 import os
+import string
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,17 +78,32 @@ _parse_seconds = _parse_number(float, "a number of seconds")
 _parse_count = _parse_number(int, "a whole number")
 
 
+TEMPLATE_FIELDS = ("run", "rank", "pid")
+
+
+def template_error(template: str) -> str:
+    """What is wrong with a path template ('' when nothing): only ``{run}``, ``{rank}`` and ``{pid}``
+    may appear, bare (no index, attribute, conversion or format spec); ``{{`` and ``}}`` are literal."""
+    try:
+        fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
+    except ValueError as exc:           # an unmatched brace
+        return f"only the fields {{run}}, {{rank}} and {{pid}} may appear ({exc})"
+    for name, conv, spec in fields:
+        if name not in TEMPLATE_FIELDS or conv or spec:
+            shown = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            return f"only the fields {{run}}, {{rank}} and {{pid}} may appear, as written here (not {shown})"
+    return ""
+
+
 def _parse_output(name: str, env: str, value: Any) -> str:
     text = "" if value is None else str(value).strip()
     if text.lower() in ("", "0", "none", "off"):
         return ""
     if not text.endswith((".csv", ".parquet")):
         raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .csv or .parquet, or be 'none' to write nothing at exit")
-    try:
-        text.format(rank=0, pid=0, run="r")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ConfigError(f"{env}={value!r} (setting {name!r}): only the fields {{run}}, {{rank}} and {{pid}} may "
-                          f"appear ({exc})") from None
+    problem = template_error(text)
+    if problem:
+        raise ConfigError(f"{env}={value!r} (setting {name!r}): {problem}")
     return text
 
 
@@ -115,7 +131,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed."),
     Setting("max_rows", "COMMPATCH_MAX_ROWS", 0, _parse_count,
             "With output 'none': rows kept in memory (0: no limit); beyond it the oldest are dropped and counted. "
-            "With an output file memory stays bounded anyway: rows go to disk as they are recorded."),
+            "With an output file: rows waiting for the disk (a slow, full or unwritable one) are bounded by it, "
+            "or by 262144 (~15 MB) if that is more; beyond it the oldest waiting rows are dropped, counted and noted "
+            "in the log: the training thread never waits for the disk."),
+    Setting("strict", "COMMPATCH_STRICT", False, _parse_bool,
+            "1: enable() refuses an output that cannot be written (ConfigError; with COMMPATCH=1 the process exits "
+            "with status 2 before the job starts). 0: a warning, and the rows are kept in memory (bounded as "
+            "COMMPATCH_MAX_ROWS says) while the file is retried every second."),
     Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
             "Print a per-op summary table to stderr at exit."),
     Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,

@@ -54,9 +54,10 @@ class Session:
                 return
             resolved = config.resolve(settings)
             output = resolved["output"]
+            problem = ""
             if output:
                 setting = "output" if "output" in settings else "COMMPATCH_OUTPUT"
-                check_writable(output, setting)
+                problem = check_writable(output, setting, strict=resolved["strict"])
                 world = os.environ.get("WORLD_SIZE", "")
                 if world.isdigit() and int(world) > 1 and "{rank}" not in output and "{pid}" not in output:
                     raise config.ConfigError(
@@ -74,6 +75,13 @@ class Session:
             log.max_rows = resolved["max_rows"]
             log.on_open = self._start_flusher
             log.on_warn = self._warn_once
+            if problem:
+                log.failing = problem       # said here once; the log retries quietly until it can write
+                self._warn_once(f"commpatch: {problem}: the job runs; the rows are kept in memory (bounded, "
+                                "COMMPATCH_MAX_ROWS) and the file is tried again every second (COMMPATCH_STRICT=1 "
+                                "refuses instead)")
+            if log.sink is not None and log.sink.path is not None or log.backlog:
+                self._start_flusher(log)    # rows recorded after a disable() reach the disk as before
             _register_fork_handler()
             self.patcher.apply(resolved["ops"], host_only=resolved["timing"] == "host")
             self.integrations = integrations.apply(log, self.timing, resolved)
@@ -94,8 +102,7 @@ class Session:
                 integrations.remove(self.integrations)
                 self.integrations = None
                 self.patcher.remove()
-                self._stop_flusher()
-                self.log.flush()
+                self.log.flush_soon()       # the flusher writes it: disable() never waits for the disk
                 state.enabled = False
 
     def close(self) -> None:
@@ -126,10 +133,14 @@ class Session:
 
     # ---- flusher, warnings ---------------------------------------------------------------------
     def _start_flusher(self, log) -> None:
-        """The first row of a rank with an output file: flush it now, then every FLUSH_S seconds."""
+        """The first row of a rank with an output file: open it now, then write every FLUSH_S
+        seconds. The flusher lives as long as the session (disable() leaves it running: late
+        durations and the last rows still reach the disk; enable() finds it running)."""
         log.open()
-        if self.flusher is None:
-            self.flusher = Flusher(log.flush)
+        if self.flusher is None or not self.flusher.alive():
+            self.flusher = Flusher(log.tick)
+            log.wake = self.flusher.wake
+        self.flusher.wake()                 # the file's first bytes (its header) right away
 
     def _stop_flusher(self) -> None:
         flusher, self.flusher = self.flusher, None
@@ -160,7 +171,11 @@ class Session:
             if reason == "destroy_process_group":
                 log.end_file()
             else:
+                log.closing = reason == "exit"
                 log.flush()
+                if log.unwritten():          # the file never took them: say how many
+                    _runtime.fail(f"export.{reason}", OSError(f"cannot write {log.failing or 'this rank'}"),
+                                  rows=log.unwritten())
             last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
             if reason == "exit" and isinstance(last, KeyboardInterrupt):
                 # Ctrl-C: the rows are on disk already; importing the writers' extension modules now

@@ -6,7 +6,8 @@ completion callback fires), and this thread looks at that dict every ``min(1, th
 seconds. Once per stuck call it writes a dump (rank, pid, each pending call with its op, group,
 age and the Python stack of the thread that issued it, then the last recorded rows) to stderr
 and to ``hang_rank{rank}.txt`` in the output file's directory (the current directory when the
-output is 'none'). It never stops the job and never raises: a failure is an internal error of
+output is 'none'; ``hang_rank{rank}.1.txt``... when the name is taken: never over a file, never
+through a link). It never stops the job and never raises: a failure is an internal error of
 kind ``watchdog``, counted and warned once.
 
 Reading the log here needs neither pandas nor the DataFrame: the tail of ``Log.recent_rows()`` is
@@ -25,11 +26,13 @@ import traceback
 from .data.ops import BY_NAME, OP_NAMES
 from .data.schema import TIMINGS, unpack_flags
 from .io.paths import rank_path
+from .io.writer import write_bytes
 from .record import state as _runtime
 
 LAST_ROWS = 20        # most recent rows shown after the pending calls
 STACK_LIMIT = 40      # frames per stack
 FILE_NAME = "hang_rank{rank}.txt"
+_NOFOLLOW, _CLOEXEC = getattr(os, "O_NOFOLLOW", 0), getattr(os, "O_CLOEXEC", 0)
 
 _lock = threading.Lock()
 _current: "Watchdog | None" = None
@@ -71,6 +74,7 @@ class Watchdog(threading.Thread):
         self.output_template = output_template
         self.reported: set[int] = set()      # seqs already dumped (each stuck call once)
         self.files_written = 0
+        self.dump_file = None                # (path, (st_dev, st_ino)) of this process's dump file
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -105,22 +109,45 @@ class Watchdog(threading.Thread):
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - a closed stderr: the file still gets it
             pass
-        path = self.path()
         try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)     # removed since enable()
-            if self.files_written == 0:
-                # the first dump of this process replaces a stale file from an earlier run,
-                # in one rename, so a peer waiting for the file never reads half of it
-                tmp = f"{path}.tmp{os.getpid()}"
-                with open(tmp, "w") as f:
-                    f.write(text)
-                os.replace(tmp, path)
-            else:
-                with open(path, "a") as f:
-                    f.write(text)
+            self._to_file(text)
             self.files_written += 1
         except OSError as exc:
             _runtime.fail("watchdog.file", exc)
+
+    def _to_file(self, text: str) -> None:
+        """The first dump of this process takes a new name (``hang_rank{r}.txt``, else ``.1``, ``.2``
+        ... as the logs do), whole at once: written to a temporary file created exclusively, then
+        hard-linked to its name, so neither is ever written through a planted link or over an
+        existing file, and a peer waiting for the file never reads half of it. Later dumps are
+        appended to that same file (opened without following a link, and checked to be it)."""
+        data = text.encode("utf-8", "backslashreplace")
+        if self.dump_file is not None:
+            path, ident = self.dump_file
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | _NOFOLLOW | _CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) != ident:
+                    raise FileExistsError(f"{path} was replaced by another file: not appended to")
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            return
+        base = self.path()
+        os.makedirs(os.path.dirname(base) or ".", exist_ok=True)     # removed since enable()
+        stem, suffix = os.path.splitext(base)
+        for n in range(1000):
+            path = base if n == 0 else f"{stem}.{n}{suffix}"
+            if os.path.lexists(path):
+                continue
+            try:
+                write_bytes(data, path, exclusive=True)
+            except FileExistsError:                   # taken meanwhile, or its temporary name is
+                continue
+            st = os.lstat(path)
+            self.dump_file = (path, (st.st_dev, st.st_ino))
+            return
+        raise FileExistsError(f"no free file name for {base}")
 
     def path(self) -> str:
         rank = self.rank()

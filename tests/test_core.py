@@ -139,11 +139,12 @@ def test_bad_keyword_settings_are_rejected():
         commpatch.enable(ops=["all_reduce", "nope"])
 
 
-def test_unwritable_output_is_reported_at_enable(tmp_path):
+def test_unwritable_output_is_refused_at_enable_when_strict(tmp_path):
+    """COMMPATCH_STRICT=1 keeps the refusal (the default warns and runs: tests/test_faults.py)."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(commpatch.ConfigError, match="COMMPATCH_OUTPUT|output"):
-        commpatch.enable(output=str(blocker / "rank{rank}.csv"))
+        commpatch.enable(output=str(blocker / "rank{rank}.csv"), strict=True)
     assert not commpatch.is_enabled()
 
 

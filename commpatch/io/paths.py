@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 
-from ..config import ConfigError
+from ..config import ConfigError, template_error
 from ..data.logfile import SUFFIX
 
 
 def rank_path(template: str, rank: int | None = None, pid: int | None = None, run: str = "") -> str:
-    """``template`` with ``{rank}`` (default: $RANK, else 0), ``{pid}`` and ``{run}`` filled in."""
+    """``template`` with ``{rank}`` (default: $RANK, else 0), ``{pid}`` and ``{run}`` filled in; any
+    other field is a ``ConfigError``."""
+    problem = template_error(template)
+    if problem:
+        raise ConfigError(f"{template!r}: {problem}")
     rank = _env_rank() if rank is None else rank
     return template.format(rank=rank, pid=os.getpid() if pid is None else pid, run=run)
 
@@ -24,13 +28,20 @@ def _env_rank() -> int:
     return int(env) if env and env.isdigit() else 0
 
 
-def check_writable(template: str, setting: str = "COMMPATCH_OUTPUT") -> None:
-    """Fail at enable() time, not at exit, when the output cannot be written; creates nothing
-    (a process that never records must leave no directory behind)."""
+def check_writable(template: str, setting: str = "COMMPATCH_OUTPUT", strict: bool = False) -> str:
+    """Why the output cannot be written ('' when it can), known at enable() time rather than at exit;
+    ``strict`` (COMMPATCH_STRICT): a ``ConfigError`` instead. Creates nothing (a process that never
+    records must leave no directory behind). Symbolic links among the parent directories are
+    followed, as ``mkdir -p`` does: the user chose the path (the file itself is never created
+    through a link)."""
     existing = os.path.dirname(os.path.abspath(template.split("{", 1)[0] + "x"))
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
+    problem = ""
     if not os.path.isdir(existing):
-        raise ConfigError(f"{setting}={template!r}: {existing!r} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"{setting}={template!r}: cannot create files under {existing!r} (not writable)")
+        problem = f"{setting}={template!r}: {existing!r} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{setting}={template!r}: cannot create files under {existing!r} (not writable)"
+    if problem and strict:
+        raise ConfigError(problem + " (COMMPATCH_STRICT=1; with 0 the job runs and the rows are kept in memory)")
+    return problem

@@ -86,12 +86,22 @@ class Log:
         self.max_rows = 0                    # with no output: rows kept in memory (0: no limit)
         self.on_open = None                  # called with (log) before a file is opened: e.g. start the flusher
         self.on_warn = None                  # called with a message the user should see once
+        self.wake = None                     # asks the flusher to write soon, without waiting for it
         self.sink = None                     # the current record.sinks sink
+        # The disk is written by one thread at a time, under io_lock (taken before self.lock, never
+        # inside it): frames wait in the backlog meanwhile, bounded (max_rows or BACKLOG_ROWS).
+        self.io_lock = threading.RLock()
+        self.backlog = sinks.MemorySink()    # frames for this rank's file not written yet
+        self.chain_written = False           # an earlier file of this rank holds the header: a new one needs it again
+        self.stem_cache = None               # (stem, export suffix) of this rank's files, once known
+        self.failing = ""                    # why this rank's file cannot be written now ('' : it can)
+        self.retry_at = 0.0                  # time.monotonic() of the next attempt after a failure
+        self.closing = False                 # the process exits: no file is re-created
         self.closed: list = []               # earlier sinks that log() still shows (re-initialised ranks)
         self.files: list = []                # every file sink this process opened (exported at exit)
-        self.written: dict[str, int] = {}    # registry -> entries already in the current sink
-        self.flushed_rows = 0                # rows in the sinks
-        self.dropped = 0                     # rows dropped by the in-memory cap (max_rows, no output)
+        self.written: dict[str, int] = {}    # registry -> entries already collected for the current sink
+        self.flushed_rows = 0                # rows collected (in the sinks or the backlog)
+        self.dropped = 0                     # rows dropped by a cap (max_rows; the backlog's bound), counted
         self.reset_seq = 0                   # log() shows rows from this seq on (commpatch.reset())
         self.recent = b""                    # the last flushed rows (the watchdog's view)
 
@@ -127,9 +137,10 @@ class Log:
             self.group_ids[group] = gid
             if not state.STATE.devices:
                 state.STATE.devices = accelerator_present()
-            if self.sink is None and self.output and self.on_open is not None:
-                self.on_open(self)
-            return gid
+            opening = self.sink is None and self.output and self.on_open is not None
+        if opening:
+            self.on_open(self)        # outside self.lock: it may touch the disk
+        return gid
 
     def forget_groups(self) -> None:
         """Called when process groups are destroyed: group objects may be reused or re-created."""
@@ -139,7 +150,7 @@ class Log:
     def end_file(self) -> None:
         """The default group is destroyed: flush and close this rank's file; a re-initialised
         process group (maybe with another rank) starts a new one."""
-        with self.lock:
+        with self.io_lock, self.lock:
             self._retire_sink()
             self.rank = self.world_size = -1
             self.forget_groups()
@@ -154,21 +165,50 @@ class Log:
 
     # ---- maintenance (every CHUNK rows, and on read) ---------------------------------
     def maintain(self, seq: int) -> None:
-        """Re-read the clock offset so long runs do not drift; flush what is new."""
+        """Re-read the clock offset so long runs do not drift; move what is new out of ``buf``
+        (the recording thread: never waits for the disk)."""
         with self.lock:
             self.offsets[0].append(seq)
             self.offsets[1].append(time.time_ns() - time.perf_counter_ns())
-            self.flush()
+            self.collect()
 
     def flush(self) -> int:
-        """Move new rows, late durations and registry entries to the sink; never raises.
+        """Collect what is new and write it to the disk now, waiting for it (log(), exit,
+        destroy_process_group); never raises. Returns the rows collected."""
+        with self.io_lock:
+            rows = self.collect()
+            self.drain(force=True)
+            return rows
+
+    def tick(self) -> None:
+        """The flusher's pass: collect, then write unless a failed file waits for its retry time."""
+        with self.io_lock:
+            self.collect()
+            self.drain()
+
+    def flush_soon(self) -> None:
+        """Collect what is new and have the flusher write it, without waiting (disable())."""
+        self.collect()
+        wake = self.wake
+        if wake is not None:
+            wake()
+
+    def wants_file(self) -> bool:
+        return bool(self.output) and self.rank >= 0
+
+    def collect(self) -> int:
+        """Move new rows, late durations and registry entries out of ``buf`` into frames in memory:
+        the backlog of this rank's file (bounded), or the in-memory sink. No I/O; never raises.
         Returns the rows moved."""
         with self.lock:
+            taken = 0
             try:
-                if self.sink is None:
+                if self.sink is None and not self.wants_file():
                     if not self.buf and not self.done:
                         return 0
-                    self._open_sink()
+                    self.sink = sinks.MemorySink()
+                    self.written = {}
+                target = self.sink if self.sink is not None and self.sink.path is None else self.backlog
                 other = bytearray(self._new_meta())
                 done = self.done
                 for kind, pairs in ((logfile.LATE, done), (logfile.OWN, self.own)):
@@ -177,41 +217,163 @@ class Log:
                 n = len(self.buf) // ROW.size * ROW.size
                 chunk = bytes(self.buf[:n])     # whole rows; appends meanwhile stay in buf
                 del self.buf[:n]
-                rows = n // ROW.size
+                rows = taken = n // ROW.size
                 if chunk:
                     self.recent = chunk[-_RECENT * ROW.size:]
                     chunk = logfile.frame(logfile.ROWS, chunk)
                 if other or chunk:
-                    self.sink.append(bytes(other), chunk, rows)
+                    target.append(bytes(other), chunk, rows)
                 self.flushed_rows += rows
-                if self.max_rows and self.sink.path is None:
-                    self.dropped += self.sink.cap_rows(self.max_rows, ROW.size)
+                if target is self.backlog:
+                    self._cap_backlog()
+                elif self.max_rows:
+                    self.dropped += target.cap_rows(self.max_rows, ROW.size)[0]
                 return rows
             except Exception as exc:  # noqa: BLE001 - the user's job goes on without us
-                state.fail("export.flush", exc, rows=len(self.buf) // ROW.size)
+                state.fail("export.flush", exc, rows=taken)
                 return 0
 
-    def open(self) -> None:
-        """Open this rank's sink now (the file exists from the first row's call on), never raising."""
-        with self.lock:
-            if self.sink is None:
-                try:
-                    self._open_sink()
-                except Exception as exc:  # noqa: BLE001
-                    state.fail("export.open", exc, rows=0)
+    def _cap_backlog(self) -> None:
+        """Past the bound, the oldest rows waiting for the disk are dropped: counted, warned once
+        and noted in the log (a "lost" record), never waited for."""
+        bound = self.backlog_bound()
+        if self.backlog.rows <= bound:
+            return
+        n, first, last = self.backlog.cap_rows(bound, ROW.size)
+        if n:
+            self.dropped += n
+            why = self.failing or "the disk is slower than the calls"
+            self.backlog.other += logfile.meta("lost", rows=n, first_seq=first, last_seq=last, why=why)
+            state.fail("export.dropped", OSError(
+                f"more than {bound} rows waited for this rank's log ({why}): the oldest are dropped, counted "
+                "(commpatch.internal_errors()) and noted in the log; the job is never made to wait"), rows=n)
 
-    def _open_sink(self) -> None:
-        if not self.output or self.rank < 0:
-            self.sink = sinks.MemorySink()
-        else:
-            stem, export_suffix = self.stem()
+    def drain(self, force: bool = False) -> None:
+        """Write the backlog to this rank's file, opening (or re-creating, or replacing) it first
+        when needed. The caller holds ``io_lock``; never raises. ``force``: even before the retry
+        time of a failed file."""
+        sink = None
+        try:
+            with self.lock:
+                if not self.wants_file() or not force and time.monotonic() < self.retry_at:
+                    return
+                sink = self.sink
+            if sink is not None and sink.removed():
+                self._forget_removed(sink)
+                if self.closing:
+                    return                        # at exit: no new file where the user removed one
+                sink = None
+            if sink is None or sink.torn:
+                if not self.backlog.rows:
+                    return                        # nothing worth a (new) file yet
+                sink = self._open_file()
+            with self.lock:
+                taken, self.backlog = self.backlog, sinks.MemorySink()
+            if not taken:
+                return
             try:
-                self.sink, _ = sinks.create_exclusive(stem, (logfile.SUFFIX, export_suffix))
-                self.files.append(self.sink)
-            except OSError as exc:
-                state.fail("export.open", exc, rows=0)
-                self.sink = sinks.MemorySink()
-        self.written = {}
+                sink.append(taken.payload(), taken.rows)
+            except OSError:
+                with self.lock:                   # kept, before what came meanwhile; bounded again
+                    taken.extend(self.backlog)
+                    self.backlog = taken
+                    self._cap_backlog()
+                raise
+            self.chain_written = True
+            if self.failing:
+                self.failing = ""
+                self.retry_at = 0.0
+                if self.on_warn is not None:
+                    self.on_warn(f"commpatch: {sink.path} is written again (rows dropped meanwhile: {self.dropped})")
+        except OSError as exc:
+            self._failed(exc, sink)
+        except Exception as exc:  # noqa: BLE001 - the user's job goes on without us
+            state.fail("export.flush", exc, rows=0)
+
+    def open(self) -> None:
+        """Open this rank's file now (it exists from the first row's call on), never raising and
+        never waiting: when the flusher is at the disk, it opens the file itself."""
+        if not self.io_lock.acquire(blocking=False):
+            return
+        try:
+            with self.lock:
+                if self.sink is not None or not self.wants_file():
+                    return
+            self._open_file()
+            self.failing = ""
+        except OSError as exc:
+            self._failed(exc, None)
+        except Exception as exc:  # noqa: BLE001
+            state.fail("export.open", exc, rows=0)
+        finally:
+            self.io_lock.release()
+
+    def _open_file(self):
+        """A new file for this rank (the caller holds io_lock); after an earlier file of this rank
+        (removed, or ending in a record that could not be cut back) it starts with the registries."""
+        if self.stem_cache is None:
+            self.stem_cache = self.stem()
+        stem, export_suffix = self.stem_cache
+        sink, _ = sinks.create_exclusive(stem, (logfile.SUFFIX, export_suffix))
+        with self.lock:
+            old = self.sink
+            if old is not None and old.path is not None:      # torn: its whole frames stay readable
+                old.close()
+                self.closed.append(old)
+            self.sink = sink
+            self.files.append(sink)
+            if self.chain_written:
+                self.backlog.other[:0] = self._new_meta(written={}, notes=False)
+        return sink
+
+    def _failed(self, exc: OSError, sink) -> None:
+        """This rank's file could not be opened or written: keep the rows (bounded), retry later,
+        say so once per episode."""
+        with self.lock:
+            self.retry_at = time.monotonic() + sinks.RETRY_S
+            first = not self.failing
+            where = sink.path if sink is not None else (self.stem_cache or ("this rank's log",))[0]
+            self.failing = f"{where}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+            message = (f"commpatch: cannot write {self.failing}; the rows are kept in memory (at most "
+                       f"{self.backlog_bound()}; beyond it the oldest are dropped and counted) and the file is tried "
+                       f"again every {sinks.RETRY_S:g} s")
+        if first and self.on_warn is not None:
+            self.on_warn(message)
+
+    def _forget_removed(self, sink) -> None:
+        """The file was deleted under us (with its directory, say): its rows are gone; say so once,
+        counting them. Later rows go to a new file of the same name (directories re-created),
+        except at exit: then the rows still waiting are counted with them (log() still shows them)."""
+        with self.lock:
+            sink.close()
+            if sink in self.files:
+                self.files.remove(sink)
+            if self.sink is sink:
+                self.sink = None
+            lost, later = sink.rows, "later rows go to a new file of that name"
+            if self.closing:
+                lost += self._keep_backlog_in_memory()
+                later = "at exit, no new file is made there"
+        state.fail("export.removed", FileNotFoundError(
+            f"{sink.path} was deleted while the job ran (its directory too?): the rows it held are lost; {later}"),
+            rows=lost)
+
+    def _keep_backlog_in_memory(self) -> int:
+        """Rows the file will not take: kept readable by log() (an in-memory sink), returned."""
+        n = self.backlog.rows
+        if self.backlog:
+            self.closed.append(self._backlog_sink())
+        self.backlog = sinks.MemorySink()
+        return n
+
+    def backlog_bound(self) -> int:
+        """Rows that may wait for the disk: never fewer than BACKLOG_ROWS (a healthy disk never
+        drops a row), more if COMMPATCH_MAX_ROWS says so."""
+        return max(self.max_rows, sinks.BACKLOG_ROWS)
+
+    def unwritten(self) -> int:
+        """Rows still waiting for this rank's file."""
+        return self.backlog.rows
 
     def stem(self) -> tuple[str, str]:
         """(path without suffix, export suffix) of this rank's files, from the output template."""
@@ -235,10 +397,12 @@ class Log:
                              f"this rank writes {stem}{suffix}")
         return stem, suffix
 
-    def _new_meta(self) -> bytes:
-        """Frames for what the current sink has not been told yet (registries only grow)."""
+    def _new_meta(self, written: dict | None = None, notes: bool = True) -> bytes:
+        """Frames for what the current sink has not been told yet (registries only grow); with
+        ``written={}`` every registry entry (the start of a new file), ``notes``: with the notes
+        taken since the last flush (each is written once)."""
         MODULES, TAGS = state.MODULES, state.TAGS
-        w, out = self.written, []
+        w, out = self.written if written is None else written, []
         if not w:
             out.append(logfile.meta("header", version=logfile.FORMAT_VERSION, schema=SCHEMA_VERSION, rank=self.rank,
                                      world_size=self.world_size, pid=self.pid, ops=list(OP_NAMES),
@@ -260,13 +424,13 @@ class Log:
             w[key] = stop
         # notes taken since the last flush, each once (appended to by other threads meanwhile: the
         # first k are taken, the rest wait for the next flush)
-        for kind, notes, fields in (("bucket", self.buckets, ("lo", "hi", "index", "params")),
+        for kind, taken, fields in (("bucket", self.buckets, ("lo", "hi", "index", "params")),
                                     ("sync", self.syncs, ("seq", "end")),
                                     ("pack", self.packs, ("seq", "ns", "alone"))):
-            if notes:
-                k = len(notes)
-                out.extend(logfile.meta(kind, **dict(zip(fields, note))) for note in notes[:k])
-                del notes[:k]
+            if taken and notes:
+                k = len(taken)
+                out.extend(logfile.meta(kind, **dict(zip(fields, note))) for note in taken[:k])
+                del taken[:k]
         return b"".join(out)
 
     def sinks(self) -> list:
@@ -281,7 +445,7 @@ class Log:
 
     def clear(self, next_seq: int) -> None:
         """Forget the rows recorded so far (``commpatch.reset()``): files keep them, log() does not."""
-        with self.lock:
+        with self.io_lock, self.lock:
             self.flush()
             self.reset_seq = next_seq
             self.closed = []
@@ -291,24 +455,45 @@ class Log:
 
     def set_output(self, output: str) -> None:
         """A new output template (enable() after disable()): later rows go to a new file."""
-        with self.lock:
+        with self.io_lock, self.lock:
             if output != self.output:
                 self._retire_sink()
                 self.output = output
 
     def _retire_sink(self) -> None:
         """Flush and close the current sink; log() still reads it, later rows go to a new one (an
-        in-memory sink too: its header names the rank it was opened for)."""
+        in-memory sink too: its header names the rank it was opened for). The caller holds
+        io_lock, then self.lock. Rows the file could not take stay readable by log(), counted."""
         self.flush()
         if self.sink is not None:
             self.sink.close()
             self.closed.append(self.sink)
             self.sink = None
+        where = self.failing or "this rank's log"
+        unwritten = self._keep_backlog_in_memory()
+        if unwritten:
+            state.fail("export.unwritten", OSError(f"cannot write {where}; log() still shows its rows"), rows=unwritten)
+        self.written = {}
+        self.chain_written = False
+        self.stem_cache = None
+        self.failing = ""
+        self.retry_at = 0.0
+
+    def _backlog_sink(self):
+        """The backlog as a readable in-memory log (the registries first)."""
+        kept = sinks.MemorySink()
+        kept.append(self._new_meta(written={}, notes=False) + bytes(self.backlog.other), b"", 0)
+        for frame in self.backlog.row_frames:
+            kept.append(b"", frame, (len(frame) - 5) // ROW.size)
+        return kept
 
     def after_fork(self) -> None:
         """In a forked child: the parent's rows and file are not ours; locks may be held by dead threads.
         A child that initialises its own process group is a rank of its own and opens its own file."""
         self.lock = threading.RLock()
+        self.io_lock = threading.RLock()
+        self.backlog = sinks.MemorySink()
+        self.chain_written, self.stem_cache, self.failing, self.retry_at, self.wake = False, None, "", 0.0, None
         del self.buf[:]
         self.done.clear()
         self.own.clear()
@@ -328,7 +513,7 @@ class Log:
 
     def nbytes(self) -> int:
         """Bytes of rows held in memory: the unflushed rows plus an in-memory sink."""
-        return len(self.buf) + sum(s.nbytes() for s in self.sinks() if s.path is None)
+        return len(self.buf) + self.backlog.nbytes() + sum(s.nbytes() for s in self.sinks() if s.path is None)
 
     # ---- derivation ---------------------------------------------------------------
     def to_dataframe(self):
@@ -336,14 +521,19 @@ class Log:
         with the SCHEMA's columns and dtypes."""
         import pandas as pd
 
-        with self.lock:
+        with self.io_lock:
             self.flush()
+            with self.lock:
+                current = self.sinks()
+                waiting = self._backlog_sink() if self.backlog else None
             datas = []
-            for sink in self.sinks():
+            for sink in current:
                 try:
                     datas.append(sink.read())
                 except OSError as exc:      # removed under us: its rows are gone
                     state.fail("export.read_back", exc, rows=0)
+            if waiting is not None:         # rows the file could not take yet
+                datas.append(waiting.read())
         frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
         if not frames:
             frames = [dataframe(parse_log(logfile.MAGIC))]
