@@ -41,7 +41,10 @@ def cmd_run(args) -> int:
         if settings["output"]:
             from .io.paths import check_writable  # lazy: the CLI's other commands never load numpy / pandas
 
-            check_writable(settings["output"])
+            problem = check_writable(settings["output"], strict=settings["strict"])
+            if problem:        # the job runs: each rank keeps its rows in memory and retries the file
+                print(f"commpatch run: warning: {problem}: the job runs, its rows are kept in memory (bounded) "
+                      "and the file is retried (COMMPATCH_STRICT=1 refuses instead)", file=sys.stderr)
     except _config.ConfigError as exc:
         print(f"commpatch: {exc}", file=sys.stderr)
         return 2

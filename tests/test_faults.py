@@ -236,6 +236,11 @@ def test_a_read_only_output_keeps_a_bounded_log_and_retries_the_file(tmpfs, fake
     lost = [json.loads(bytes(m)) for m in _meta_payloads(files[0].read_bytes()) if b'"lost"' in m]
     assert sum(m["rows"] for m in lost) == dropped and lost[0]["first_seq"] == seq0   # the loss is in the log
     assert _runtime.ERRORS["export.dropped"] == dropped
+    assert sum(n for n, _, _, _ in parsed.lost) == dropped               # ... and the reader says it
+    said = [p for p in parsed.damage() if "never written" in p]
+    assert len(said) == 1 and said[0].startswith(f"{dropped} row(s) recorded but never written"), parsed.damage()
+    with pytest.warns(Warning, match=f"{dropped} row\\(s\\) recorded but never written"):
+        commpatch.read_csv(str(files[0]))
 
 
 def _meta_payloads(data: bytes):
@@ -419,3 +424,22 @@ def test_a_symlinked_parent_directory_is_followed_and_the_file_is_never_a_link(t
         dist.destroy_process_group()
     assert not victim.exists() and os.path.islink(tmp_path / "logs")
     assert (real / "rank0.1.cplog").is_file() and not os.path.islink(real / "rank0.1.cplog")
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_commpatch_run_with_an_unwritable_output_runs_the_command_unless_strict(tmp_path, strict):
+    """Item 15 for ``commpatch run``: an output that cannot be written is a warning and the
+    command runs; with COMMPATCH_STRICT=1 it is refused (exit 2) and the command never starts."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    marker = tmp_path / "ran"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")}
+    env["COMMPATCH_STRICT"] = strict
+    res = subprocess.run([sys.executable, "-m", "commpatch", "run", "--output", str(blocker / "rank{rank}.csv"), "--",
+                          sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert "is not a directory" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    if strict == "1":
+        assert res.returncode == 2 and not marker.exists()
+    else:
+        assert res.returncode == 0 and marker.exists() and "warning" in res.stderr

@@ -96,6 +96,7 @@ class Parsed:
         self.repeated_rows = 0   # rows repeating the seq of an earlier row
         self.unknown_codes = 0   # codes used by rows whose registry record is lost: named "?"
         self.ranks_named = 0     # ranks named by the groups read so far (bounded: RANKS_NAMED)
+        self.lost: list[tuple[int, int, int, str]] = []   # rows the writer dropped: (rows, first seq, last seq, why)
 
     def damage(self) -> list[str]:
         """What was left out or guessed, one phrase per kind (none for an undamaged log)."""
@@ -117,6 +118,12 @@ class Parsed:
         if self.unknown_codes:
             out.append(f"{self.unknown_codes} group / dtype / tag / module code(s) used by rows but never "
                        "registered (their record was lost): named '?'")
+        if self.lost:
+            rows = sum(n for n, _, _, _ in self.lost)
+            whys = sorted({why for _, _, _, why in self.lost if why})
+            out.append(f"{rows} row(s) recorded but never written: dropped by the writer"
+                       + (f" ({'; '.join(whys)[:200]})" if whys else "")
+                       + f", seq {min(f for _, f, _, _ in self.lost)}-{max(last for _, _, last, _ in self.lost)}")
         return out
 
 
@@ -418,3 +425,5 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.syncs.append((_int(m, "seq"), _int(m, "end")))
     elif kind == "pack":
         out.packs.append((_int(m, "seq"), _int(m, "ns"), _int(m, "alone")))
+    elif kind == "lost":        # rows the writer dropped (a slow or full disk: record.log)
+        out.lost.append((_int(m, "rows", 0), _int(m, "first_seq"), _int(m, "last_seq"), _str(m, "why")))
