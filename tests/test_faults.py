@@ -149,7 +149,7 @@ def test_a_write_cut_short_is_truncated_back_to_the_last_whole_frame(tmpfs):
     sink = sinks.FileSink(str(mnt / "r.cplog"))
     rows = lambda lo, n: logfile.frame(logfile.ROWS, b"".join(  # noqa: E731
         ROW.pack(s, 0, 0, 0, 1, 0, 1, 2, -1, 0, 0, 0) for s in range(lo, lo + n)))
-    sink.append(rows(0, 100), 100)
+    sink.append(logfile.meta("header", rank=0, world_size=1, pid=os.getpid()) + rows(0, 100), 100)   # as a rank writes
     from tests.faults.job import fill
 
     filler = fill(str(mnt), 4096)

@@ -282,7 +282,10 @@ def _valid_rows(np, out: Parsed, raw: bytes, row_dtype, row_size: int, scan: _Sc
     rows = np.frombuffer(raw, dtype=row_dtype)
     if len(rows) == 0 or rows.dtype.names is None or "seq" not in rows.dtype.names:
         return rows
-    f = {name: rows[name] for name in ("seq", "op", "gid", "dtype", "flags", "start", "tag", "where")
+    # int64 copies of the packed (unaligned) fields, so every bound below is in the arrays' range:
+    # numpy 2.0.2 (Python 3.9) crashed here in one test process (a NULL ufunc loop under bitwise_and
+    # of these comparisons on the packed fields; not reproduced in isolation)
+    f = {name: rows[name].astype(np.int64) for name in ("seq", "op", "gid", "dtype", "flags", "start", "tag", "where")
          if name in rows.dtype.names}
     ok = f["seq"] >= 0
     for name, hi in (("op", scan.ops), ("gid", 1 << 15), ("dtype", 1 << 15), ("tag", scan.limit)):
