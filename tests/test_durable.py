@@ -28,6 +28,13 @@ SCENARIOS = {
 }
 
 
+def _default_signals():
+    """The job's signals as a terminal's job has them: a test run under ``nohup`` or as a
+    background job of a shell inherits SIGHUP / SIGINT ignored, and those scenarios never end."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _launch(tmp, mode, plain):
     out = tmp / ("plain" if plain else "cp") / mode
     out.mkdir(parents=True)
@@ -38,7 +45,7 @@ def _launch(tmp, mode, plain):
         cmd = [sys.executable, "-m", "tests.durable_worker", "--rank", str(rank), "--store", str(out / "store"),
                "--out", str(out), "--mode", "hang" if mode == "hang" else mode]
         procs.append(subprocess.Popen(cmd + (["--plain"] if plain else []), env=env, cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_signals))
     return out, procs
 
 
