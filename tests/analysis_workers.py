@@ -83,7 +83,13 @@ def pipeline_job(rank: int, n: int, steps: int = 8):
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01)
     commpatch.enable(output="none")
     try:
-        stage = PipelineStage(stage_mod, rank, n, torch.device("cpu"))
+        import inspect
+
+        kwargs = {}
+        needed = inspect.signature(PipelineStage).parameters.get("input_args")
+        if needed is not None and needed.default is inspect.Parameter.empty:   # torch 2.4: no shape inference
+            kwargs["input_args"] = (torch.randn(2, 8),)                          # a microbatch
+        stage = PipelineStage(stage_mod, rank, n, torch.device("cpu"), **kwargs)
         schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.pow(2).mean())
         for _ in range(steps):
             if rank == 0:
