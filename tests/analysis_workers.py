@@ -73,7 +73,9 @@ def ddp_jobs(rank: int, n: int, jobs: list):
 def pipeline_job(rank: int, n: int, steps: int = 8):
     """A two-stage GPipe pipeline trained with SGD (gloo's isend / irecv: no duration): its log."""
     import torch
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from tests.torch_compat import pipeline_stage
 
     import commpatch
 
@@ -83,13 +85,7 @@ def pipeline_job(rank: int, n: int, steps: int = 8):
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01)
     commpatch.enable(output="none")
     try:
-        import inspect
-
-        kwargs = {}
-        needed = inspect.signature(PipelineStage).parameters.get("input_args")
-        if needed is not None and needed.default is inspect.Parameter.empty:   # torch 2.4: no shape inference
-            kwargs["input_args"] = (torch.randn(2, 8),)                          # a microbatch
-        stage = PipelineStage(stage_mod, rank, n, torch.device("cpu"), **kwargs)
+        stage = pipeline_stage(stage_mod, rank, n, (2, 8))   # torch 2.4 needs a microbatch's shape
         schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.pow(2).mean())
         for _ in range(steps):
             if rank == 0:

@@ -380,22 +380,18 @@ def functional(rank, world_size):
 
 def pipeline(rank, world_size):
     """A two-stage GPipe schedule runs unchanged while patched; send/recv rows carry the peer."""
-    import inspect
-
     import torch
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import ScheduleGPipe
     from torch.profiler import profile
+
+    from tests.torch_compat import pipeline_stage
 
     import commpatch
 
     torch.manual_seed(0)
     stage_mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     commpatch.enable(output="none")
-    kwargs = {}
-    needed = inspect.signature(PipelineStage).parameters.get("input_args")
-    if needed is not None and needed.default is inspect.Parameter.empty:   # torch 2.4: no shape inference
-        kwargs["input_args"] = (torch.randn(2, 8),)                          # a microbatch
-    stage = PipelineStage(stage_mod, rank, world_size, torch.device("cpu"), **kwargs)
+    stage = pipeline_stage(stage_mod, rank, world_size, (2, 8))   # torch 2.4 needs a microbatch's shape
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.sum())
     x = torch.randn(4, 8)
     with commpatch.capture() as cap, profile(record_shapes=True) as prof:

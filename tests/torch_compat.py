@@ -66,3 +66,19 @@ def leaf(public: str) -> str:
 
     single = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}[public]
     return single if hasattr(dist, single) else public
+
+
+def pipeline_stage(stage_mod, rank: int, world_size: int, microbatch_shape: tuple):
+    """A ``PipelineStage`` on CPU: torch 2.4 requires the input shapes (``input_args``: an example
+    microbatch, zeros: no random numbers drawn), later torch infers them (given only where
+    required, so the p2p traffic is torch's own)."""
+    import inspect
+
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    kwargs = {}
+    needed = inspect.signature(PipelineStage).parameters.get("input_args")
+    if needed is not None and needed.default is inspect.Parameter.empty:
+        kwargs["input_args"] = (torch.zeros(microbatch_shape),)
+    return PipelineStage(stage_mod, rank, world_size, torch.device("cpu"), **kwargs)
