@@ -7,7 +7,8 @@ STAMP = .make-installed
 
 .PHONY: install demo test matrix bench clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c
+$(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
+	ci/apt.sh
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test,frameworks]"
 	$(PYTHON) -m commpatch install-hook
