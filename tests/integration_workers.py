@@ -469,6 +469,9 @@ def _forwarding_backend(store, rank, size, timeout):
         def allgather(self, outputs, inputs, opts=None):     # torch 2.4's all_gather passes no options
             return gloo.allgather(outputs, inputs) if opts is None else gloo.allgather(outputs, inputs, opts)
 
+        def all_gather_single(self, output, input, opts):   # torch >= 2.15's all_gather_object calls it
+            return gloo.all_gather_single(output, input, opts)
+
         def broadcast(self, tensors, opts):
             return gloo.broadcast(tensors, opts)
 

@@ -3,6 +3,7 @@ selective activation checkpointing over functional collectives, with torch.profi
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 from tests.integration_workers import claimed_bytes, claimed_counts, witness_bytes, witness_counts
@@ -18,19 +19,15 @@ def _sac_train(rank, world_size, layers, steps=STEPS):
     non-reentrant checkpoint whose policy saves the collectives' outputs, as torchtitan's SAC
     does; recomputation runs to the end (early stop off), so every forward collective is
     recomputed in backward. Returns (losses, gradients) of each step."""
-    import functools
-
     import torch
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
-    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
-                                        set_checkpoint_early_stop)
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from tests.torch_compat import selective_checkpoint_context
 
     c10d = torch.ops._c10d_functional
-    saved = {c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    context_fn = selective_checkpoint_context({c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default})
 
     group = dist.group.WORLD
 
@@ -47,7 +44,7 @@ def _sac_train(rank, world_size, layers, steps=STEPS):
         x = torch.randn(4, WIDTH, generator=gen)
         with set_checkpoint_early_stop(False):
             out = checkpoint(forward, x, use_reentrant=False,
-                             context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
+                             context_fn=context_fn)
             loss = out.square().sum()
             loss.backward()
         losses.append(loss.detach().clone())
@@ -81,7 +78,8 @@ def selective_checkpoint(rank, world_size):
 
     reference = _sac_train(rank, world_size, _layers())
     commpatch.enable(output="none")
-    with profile(record_shapes=True) as prof:
+    with warnings.catch_warnings(record=True) as said, profile(record_shapes=True) as prof:
+        warnings.simplefilter("always")
         got = _sac_train(rank, world_size, _layers())
     df = commpatch.log()
     errors = commpatch.internal_errors()
@@ -89,6 +87,7 @@ def selective_checkpoint(rank, world_size):
     identical = all(torch.equal(a, b) for a, b in zip(reference[0], got[0])) and all(
         torch.equal(a, b) for ga, gb in zip(reference[1], got[1]) for a, b in zip(ga, gb))
     return dict(identical=identical, ops=dict(Counter(df["op"].astype(str))), errors=errors,
+                said=[str(w.message) for w in said if "commpatch" in str(w.message)],
                 counts=(_as_gloo_runs(claimed_counts(df)), dict(witness_counts(prof))),
                 bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))))
 

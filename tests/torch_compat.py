@@ -82,3 +82,24 @@ def pipeline_stage(stage_mod, rank: int, world_size: int, microbatch_shape: tupl
     if needed is not None and needed.default is inspect.Parameter.empty:
         kwargs["input_args"] = (torch.zeros(microbatch_shape),)
     return PipelineStage(stage_mod, rank, world_size, torch.device("cpu"), **kwargs)
+
+
+def selective_checkpoint_context(saved_ops):
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` that saves the outputs of
+    ``saved_ops`` and recomputes the rest: torch >= 2.5's ``create_selective_checkpoint_contexts``
+    with a ``CheckpointPolicy``, torch 2.4's ``_pt2_selective_checkpoint_context_fn_gen`` (the
+    same two dispatch modes; its policy answers True for "do not recompute")."""
+    import functools
+
+    import torch.utils.checkpoint as ckpt
+
+    if hasattr(ckpt, "CheckpointPolicy"):
+        def policy(ctx, op, *args, **kwargs):
+            return ckpt.CheckpointPolicy.MUST_SAVE if op in saved_ops else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+        return functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+
+    def old_policy(mode, op, *args, **kwargs):
+        return op in saved_ops
+
+    return functools.partial(ckpt._pt2_selective_checkpoint_context_fn_gen, old_policy)

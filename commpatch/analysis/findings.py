@@ -143,7 +143,7 @@ def _unmeasured_ops(df, steps_table) -> str:
     ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
     if not ops:
         return ""
-    why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv"} & set(ops) else ""
+    why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv", "batch_isend_irecv"} & set(ops) else ""
     return f" ({', '.join(ops)}{why})"
 
 
