@@ -8,9 +8,10 @@ same words for the text and the HTML report.
 
 from __future__ import annotations
 
+import math
 import textwrap
 
-from ..analysis.findings import _ms, _pct, _size
+from ..analysis.findings import _ms, _pct
 
 WIDTH = 120
 
@@ -28,6 +29,19 @@ MAX_CELL = 28       # a longer name (group, op, tag) is cut, ending in '~'
 
 STRAGGLER_WHY = {"significance": "not more than chance explains", "consistency": "not late in most steps",
                  "effect": "too little to matter", "steps": "too few steady-state steps"}
+
+
+_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
+
+
+def human_bytes(n) -> str:
+    """Bytes in decimal units with two decimals ('4.19 MB'), as the tables show them."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit, scale in _UNITS:
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def wrap(text: str, first: str = "", rest: str = "  ", width: int = WIDTH) -> list:
@@ -53,7 +67,7 @@ def headline_lines(h: dict) -> list:
         out.append(("communication", "share of the step unknown (no step time, or no measured call)"))
     top = h.get("top_collective")
     if top:
-        name = " ".join(str(top[c]) if c != "size_bucket" else _size(top[c])
+        name = " ".join(str(top[c]) if c != "size_bucket" else "<= " + human_bytes(top[c])
                         for c in ("collective", "op", "api", "group", "dtype", "size_bucket") if c in top)
         bw = f", busbw {top['busbw_gbps']:.3g} GB/s" if top.get("busbw_gbps") is not None else ""
         out.append(("top collective", f"{name}: {_pct(top['time_share'])} of communication time "

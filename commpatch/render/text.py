@@ -15,8 +15,8 @@ from ..analysis import findings as _findings
 from ..analysis.headline import headline as _headline
 from ..analysis import matching, pattern, steps as _steps, summaries
 from . import people
+from .people import human_bytes
 
-_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
 
 # What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
 # line and paragraph separators and the bidirectional overrides (text shown in another order).
@@ -43,15 +43,6 @@ def render_csv(df) -> str:
 
     text = [c for c in df.columns if df[c].dtype.kind not in "iufbmM"]
     return df.assign(**{c: df[c].map(safe) for c in text}).to_csv(index=False)
-
-
-def human_bytes(n) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    for unit, scale in _UNITS:
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _fmt(value, col: str) -> str:

@@ -123,10 +123,11 @@
     if (caption) box.append(el("div", {class: "caption", text: caption}));
     return box;
   }
-  function legend(names, toggle) {
+  function legend(names, toggle, colors) {
     const lg = el("div", {class: "legend"});
     names.forEach((n, i) => {
-      const s = el("span", {title: "click to hide or show"}, el("i", {style: `background:${COLORS[i % COLORS.length]}`}), n);
+      const c = colors ? colors[i] : COLORS[i % COLORS.length];
+      const s = el("span", {title: "click to hide or show"}, el("i", {style: `background:${c}`}), n);
       s.addEventListener("click", () => { s.classList.toggle("off"); toggle(i, !s.classList.contains("off")); });
       lg.append(s);
     });
@@ -215,8 +216,8 @@
     if (!series || !series.length) return null;
     const data = series.map((d) => ({name: d.name, x: d.x, y: d.y,
       tip: (j) => `${d.name}\nsize <= ${bytes(d.x[j])}\nbusbw ${sig(d.y[j], 4)} GB/s\n${d.calls[j]} calls`}));
-    return lineChart("bandwidth", "Bus bandwidth vs message size", "one line per collective; busbw over the size " +
-                     "bucket's calls (the summary table's busbw_gbps); log axes", data,
+    return lineChart("bandwidth", "Bus bandwidth vs message size", "one line per op (the function called); busbw of " +
+                     "its calls per message size bucket; log axes", data,
                      {xlog: true, ylog: true, xlabel: "message size bucket (upper bound)", ylabel: "busbw (GB/s)",
                       xfmt: bytes, yfmt: (v) => sig(v, 2)});
   }
@@ -265,9 +266,12 @@
                         "stroke-width": 1.5, "stroke-dasharray": dash}, g);
         return g;
       });
-    const names = parts.map((p) => p[1]).concat(["communication share", "exposed share"].slice(0, lines.length));
+    const shares = [["comm_share", "communication share", "#1d2330"], ["exposed_share", "exposed share (dashed)", "#d1495b"]]
+      .filter((l) => d[l[0]]);
+    const names = parts.map((p) => p[1]).concat(shares.map((l) => l[1]));
     const targets = layers.concat(lines);
-    box.append(legend(names, (i, on) => { targets[i].style.display = on ? "" : "none"; }), s);
+    box.append(legend(names, (i, on) => { targets[i].style.display = on ? "" : "none"; },
+                      parts.map((p) => p[2]).concat(shares.map((l) => l[2]))), s);
     return box;
   }
   function heat(t) {        // 0..1 -> a magma-like colour
@@ -284,8 +288,8 @@
     const box = plotBox("heatmap", "Arrival delay behind the earliest rank", "per rank (rows) and collective " +
                         "(columns, binned: each column starts at the collective number shown), mean ms; dark: late");
     const R = h.ranks.length, C = h.columns.length;
-    const cw = Math.max(2, Math.min(24, Math.floor(900 / C))), rh = Math.max(1, Math.min(16, Math.floor(640 / R)));
-    const L = 56, T = 6, B = 34, RIGHT = 70;
+    const cw = Math.max(2, Math.min(24, Math.floor(900 / C))), rh = Math.max(1, Math.min(40, Math.floor(640 / R)));
+    const L = 56, T = 6, B = 34, RIGHT = 90;
     const cv = el("canvas", {width: L + C * cw + RIGHT, height: T + R * rh + B});
     const ctx = cv.getContext("2d");
     let hi = 0;
@@ -329,7 +333,20 @@
                         `nearest the median step time) on ${t.ranks.length} of ${t.of_ranks} rank(s), ms from its ` +
                         `first call; black ticks: each rank's step start${t.cut ? "; the first calls only" : ""}. ` +
                         "The whole run: --trace FILE (Perfetto).");
-    const lane = 18, W = 900, m = {l: 70, r: 16, t: 8, b: 42}, H = m.t + t.ranks.length * lane + m.b;
+    // calls that overlap on a rank (async, DDP's buckets) go to sub-lanes of its row
+    const sub = new Map(), lanesOf = {};
+    for (const r of t.ranks) {
+      const ends = [];
+      t.calls.map((c, i) => [c, i]).filter(([c]) => c[0] === r).sort((a, b) => a[0][3] - b[0][3]).forEach(([c, i]) => {
+        let k = ends.findIndex((e) => e <= c[3]);
+        if (k < 0) { k = ends.length; ends.push(0); }
+        ends[k] = c[3] + (c[4] || 0);
+        sub.set(i, k);
+      });
+      lanesOf[r] = Math.max(1, ends.length);
+    }
+    const lane = Math.max(18, 10 * Math.max(...Object.values(lanesOf)));
+    const W = 900, m = {l: 70, r: 16, t: 8, b: 42}, H = m.t + t.ranks.length * lane + m.b;
     const s = sv("svg", {viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "timeline excerpt"});
     const end = Math.max(...t.calls.map((c) => c[3] + (c[4] || 0)), 1e-6);
     const b = {x0: m.l, x1: W - m.r, y0: m.t, y1: H - m.b};
@@ -340,12 +357,13 @@
                                           fill: "#444", text: String(r)}, s));
     const ops = [...new Set(t.calls.map((c) => c[2]))];
     const groups = ops.map(() => sv("g", {}, s));
-    for (const [r, g, op, st, dur, nb] of t.calls) {
-      const k = ops.indexOf(op);
-      const rect = sv("rect", {x: xs(st), y: b.y0 + row[r] * lane + 2, width: Math.max(1, xs(st + (dur || 0)) - xs(st)),
-                               height: lane - 4, fill: COLORS[k % COLORS.length], opacity: 0.85}, groups[k]);
+    t.calls.forEach(([r, g, op, st, dur, nb], i) => {
+      const k = ops.indexOf(op), h = (lane - 4) / lanesOf[r];
+      const rect = sv("rect", {x: xs(st), y: b.y0 + row[r] * lane + 2 + sub.get(i) * h,
+                               width: Math.max(1, xs(st + (dur || 0)) - xs(st)), height: Math.max(1, h - 1),
+                               fill: COLORS[k % COLORS.length], stroke: "#fff", "stroke-width": 0.5}, groups[k]);
       hover(rect, `rank ${r}, group ${g}\n${op}, ${bytes(nb)}\nat ${sig(st, 4)} ms, ${dur == null ? "-" : sig(dur, 4) + " ms"}`);
-    }
+    });
     for (const [r, x] of Object.entries(t.step_starts))
       if (r in row) sv("line", {x1: xs(x), x2: xs(x), y1: b.y0 + row[r] * lane, y2: b.y0 + (row[r] + 1) * lane,
                                 stroke: "#000", "stroke-width": 2, "data-step-marker": r}, s);
