@@ -165,9 +165,9 @@ def _write_html(args, rep, df, by_op, arrivals, ranks) -> None:
     step = html.pick_step(steps)
     if df is None and step is not None:         # the engine's report: read the excerpt's rows only
         known = sorted(ranks) if ranks else sorted(rep.sections["ranks"]["rank"].tolist()) if "ranks" in rep.sections else []
-        chosen = set(([straggler] if straggler in known else []) + known[:html.EXCERPT_RANKS - 1])
-        df = io.read(args.paths, ranks=chosen, steps=(step, step + 1)) if chosen else None
-    excerpt = html.timeline_excerpt(df, steps, straggler) if df is not None else None
+        chosen = html.excerpt_ranks(known, straggler)
+        df = io.read(args.paths, ranks=set(chosen), steps=(step, step + 1)) if chosen else None
+    excerpt = html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
     with _writing("--html", args.html):
         path = html.write(html.page(rep, by_op, arrivals, excerpt), args.html)
     print(f"commpatch: HTML report written to {path} ({os.path.getsize(path) / 1e6:.2f} MB)", file=sys.stderr)

@@ -116,7 +116,7 @@ def test_page_is_sized_by_aggregates_at_1024_ranks(big):
     assert len(heat["ranks"]) == 1024 and len(heat["columns"]) <= 200
     timeline = data["plots"]["timeline"]
     assert len(timeline["ranks"]) <= html.EXCERPT_RANKS and 700 in timeline["ranks"]      # the latest rank shown
-    assert timeline["of_ranks"] == html.EXCERPT_RANKS or timeline["of_ranks"] == 1024
+    assert timeline["of_ranks"] == 1024
     assert all(len(t["rows"]) <= html.MAX_TABLE_ROWS for t in data["tables"].values())
 
 
@@ -243,6 +243,13 @@ def test_advice_items_are_listed_when_the_report_has_them(logs, tmp_path):
     out = load(path)
     assert out["console"] == [] and len(out["advice"]) == 1
     assert "Larger DDP buckets" in out["advice"][0] and "bucket_cap_mb=100" in out["advice"][0]
+    # or as a table of the report
+    import pandas as pd
+
+    del rep.advice
+    rep.sections["advice"] = pd.DataFrame([dict(title="Fewer small all_reduce calls", gain_us=3000.0)])
+    assert html.report_data(rep)["advice"] == [dict(title="Fewer small all_reduce calls", gain_us=3000.0)]
+    assert "advice" not in html.report_data(rep)["tables"]
 
 
 def test_compare_page_in_headless_chromium(tmp_path):
@@ -255,3 +262,23 @@ def test_compare_page_in_headless_chromium(tmp_path):
     out = load(path)
     check_page(out, ["scaling-step", "scaling-efficiency", "scaling-shares", "scaling-busbw"])
     assert page_data(path)["plots"]["scaling"]["world_size"] == [2, 4, 8]
+
+
+def test_engine_report_has_the_same_headline_and_a_timeline(tmp_path):
+    """At scale (DuckDB, no rows in memory) the headline is computed from the same tables; the
+    page's timeline excerpt reads that one step of a few ranks only."""
+    pytest.importorskip("duckdb", reason="DuckDB not installed (pip install 'commpatch[scale]')")
+    write_binary_run(str(tmp_path / "run"), 32, 200, straggler=9, mismatch=(5, 7))
+    heads = {}
+    for engine in ("pandas", "duckdb"):
+        heads[engine] = json.loads(report(str(tmp_path / "run"), "--engine", engine, "--format", "json")[1])["headline"]
+    a, b = heads["pandas"], heads["duckdb"]
+    assert a["straggler"]["verdict"] == b["straggler"]["verdict"] and a["straggler"]["rank"] == b["straggler"]["rank"] == 9
+    assert a["first_mismatch"] == b["first_mismatch"] and a["mismatches"] == b["mismatches"] >= 1
+    assert a["top_collective"]["collective"] == b["top_collective"]["collective"]
+    assert a["step_us"] == pytest.approx(b["step_us"], rel=1e-6) and a["steady_steps"] == b["steady_steps"]
+    path = str(tmp_path / "r.html")
+    assert report(str(tmp_path / "run"), "--engine", "duckdb", "--html", path)[0] == 0
+    timeline = page_data(path)["plots"]["timeline"]
+    assert timeline["of_ranks"] == 32 and 9 in timeline["ranks"] and len(timeline["ranks"]) == html.EXCERPT_RANKS
+    assert {c[0] for c in timeline["calls"]} == set(timeline["ranks"])

@@ -80,7 +80,8 @@ def test_markdown_and_json(logs, capsys, fmt):
         assert {f["kind"] for f in rep["findings"]} >= {"steps", "overhead", "setup", "mismatch", "straggler"}
         assert all(f["section"] in rep["sections"] for f in rep["findings"])
     else:
-        assert out.startswith("# commpatch report: 140 calls, 4 rank(s) 0-3\n\n## Findings\n\n- ERROR: bytes mismatch")
+        assert out.startswith("# commpatch report: 140 calls, 4 rank(s) 0-3\n\n## Headline\n\n- **step time**: ")
+        assert "\n\n## Findings\n\n- ERROR: bytes mismatch" in out
         assert "| collective | size_bucket |" in out
 
 

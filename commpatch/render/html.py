@@ -89,7 +89,7 @@ def heatmap_data(arrivals) -> dict | None:
     return dict(ranks=[int(r) for r in arrivals.index], columns=[int(c) for c in arrivals.columns], ms=cells)
 
 
-def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_RANKS) -> dict | None:
+def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_RANKS, of_ranks=None) -> dict | None:
     """The calls of one steady-state step (the one whose step time is nearest the median; else the
     first step) on at most ``max_ranks`` ranks (the straggler candidate first, then the lowest
     ranks), in ms from the step's first call, with each rank's step start as a marker."""
@@ -97,9 +97,7 @@ def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_R
         return None
     step = pick_step(steps_table)
     rows = df[df["step"] == step] if step is not None else df
-    ranks = sorted(rows["rank"].unique().tolist())
-    chosen = ([straggler] if straggler in ranks else []) + [r for r in ranks if r != straggler]
-    chosen = sorted(chosen[:max_ranks])
+    chosen = excerpt_ranks(rows["rank"].unique().tolist(), straggler, max_ranks)
     rows = rows[rows["rank"].isin(chosen)].sort_values("start_ns").head(EXCERPT_CALLS)
     if not len(rows):
         return None
@@ -110,9 +108,16 @@ def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_R
              for r, g, op, s, d, b in zip(rows["rank"], rows["group"].astype(str), rows["op"].astype(str),
                                           rows["start_ns"].tolist(), np.nan_to_num(dur), rows["bytes"])]
     starts = rows.groupby("rank")["start_ns"].min()
-    return dict(step=None if step is None else int(step), ranks=chosen, of_ranks=int(df["rank"].nunique()),
+    of_ranks = int(df["rank"].nunique()) if of_ranks is None else int(of_ranks)
+    return dict(step=None if step is None else int(step), ranks=chosen, of_ranks=of_ranks,
                 calls=calls, step_starts={str(r): float(f"{(s - t0) / 1e6:.6g}") for r, s in starts.items()},
                 cut=bool(len(rows) >= EXCERPT_CALLS))
+
+
+def excerpt_ranks(ranks, straggler=None, max_ranks: int = EXCERPT_RANKS) -> list:
+    """At most ``max_ranks`` of ``ranks``: the straggler candidate, then the lowest ranks; sorted."""
+    ranks = sorted(ranks)
+    return sorted((([straggler] if straggler in ranks else []) + [r for r in ranks if r != straggler])[:max_ranks])
 
 
 def pick_step(steps_table):
@@ -138,6 +143,14 @@ def _items(advice) -> list:
     return out
 
 
+def _advice(rep):
+    """The report's advice items: ``rep.advice`` (a list), or an ``advice`` section (a table)."""
+    items = getattr(rep, "advice", None)
+    if items is None and rep.sections.get("advice") is not None:
+        items = rep.sections["advice"].to_dict("records")
+    return items
+
+
 def report_data(rep, by_op=None, arrivals=None, excerpt=None) -> dict:
     findings = [dict(kind="error", text=terminal_safe(e), section="mismatches") for e in rep.errors]
     findings += [dict(kind=f.kind, text=f.text, section=f.section) for f in rep.findings
@@ -145,7 +158,7 @@ def report_data(rep, by_op=None, arrivals=None, excerpt=None) -> dict:
     tables = {key: table_data(rep.sections[key], SECTIONS[key]) for key in TABLE_KEYS if key in rep.sections}
     return dict(title=rep.title, headline=rep.headline,
                 headline_text=[[k, v] for k, v in people.headline_lines(rep.headline)] if rep.headline else [],
-                findings=findings, advice=_items(getattr(rep, "advice", None)), tables=tables,
+                findings=findings, advice=_items(_advice(rep)), tables=tables,
                 plots=dict(bandwidth=bandwidth_data(by_op), steps=steps_data(rep.sections.get("steps")),
                            heatmap=heatmap_data(arrivals), timeline=excerpt),
                 notes=list(rep.notes))

@@ -3,12 +3,14 @@
 tables are behind ``--wide``, ``--format csv`` and ``--format json``.
 
 ``headline_lines(headline)`` turns ``analysis.headline.headline`` into (label, text) pairs, the
-same words for the text and the HTML report.
+same words for the text, Markdown and HTML reports (names from the log ``terminal_safe``). Also
+the formatting every renderer shares: ``terminal_safe``, ``human_bytes``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 
 from ..analysis.findings import _ms, _pct
@@ -29,6 +31,24 @@ MAX_CELL = 28       # a longer name (group, op, tag) is cut, ending in '~'
 
 STRAGGLER_WHY = {"significance": "not more than chance explains", "consistency": "not late in most steps",
                  "effect": "too little to matter", "steps": "too few steady-state steps"}
+
+
+# What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
+# line and paragraph separators and the bidirectional overrides (text shown in another order).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(m) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def terminal_safe(text) -> str:
+    """``text`` (any string that came from a file: a group, op, tag, module or dtype name, a file
+    name) with every character a terminal could act on shown as a backslash escape (ESC as
+    ``\\x1b``): what reaches the terminal is only printable text, on one line."""
+    text = str(text)
+    return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
 
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
@@ -67,7 +87,7 @@ def headline_lines(h: dict) -> list:
         out.append(("communication", "share of the step unknown (no step time, or no measured call)"))
     top = h.get("top_collective")
     if top:
-        name = " ".join(str(top[c]) if c != "size_bucket" else "<= " + human_bytes(top[c])
+        name = " ".join(terminal_safe(top[c]) if c != "size_bucket" else "<= " + human_bytes(top[c])
                         for c in ("collective", "op", "api", "group", "dtype", "size_bucket") if c in top)
         bw = f", busbw {top['busbw_gbps']:.3g} GB/s" if top.get("busbw_gbps") is not None else ""
         out.append(("top collective", f"{name}: {_pct(top['time_share'])} of communication time "
@@ -86,7 +106,7 @@ def headline_lines(h: dict) -> list:
         out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(why, why)})" if why else "")))
     hang = h.get("hang") or {}
     word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(hang.get("verdict"), "unknown")
-    out.append(("hang", f"{word}: {hang['text']}" if hang.get("text") else word))
+    out.append(("hang", f"{word}: {terminal_safe(hang['text'])}" if hang.get("text") else word))
     n = h.get("mismatches")
     if n is None:
         out.append(("mismatches", "not checked (one rank's log)"))
@@ -94,8 +114,8 @@ def headline_lines(h: dict) -> list:
         out.append(("mismatches", "none: every rank issued the same collectives"))
     else:
         m = h["first_mismatch"]
-        out.append(("mismatches", f"{n}: first a {m['kind']} mismatch in group {m['group']} at collective "
-                                  f"#{m['coll_seq']} (step {m['step']}, {m['op']})"))
+        out.append(("mismatches", f"{n}: first a {m['kind']} mismatch in group {terminal_safe(m['group'])} at "
+                                  f"collective #{m['coll_seq']} (step {m['step']}, {terminal_safe(m['op'])})"))
     return out
 
 

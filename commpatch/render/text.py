@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 from dataclasses import dataclass, field
 
@@ -15,25 +14,7 @@ from ..analysis import findings as _findings
 from ..analysis.headline import headline as _headline
 from ..analysis import matching, pattern, steps as _steps, summaries
 from . import people
-from .people import human_bytes
-
-
-# What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
-# line and paragraph separators and the bidirectional overrides (text shown in another order).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def _escaped(m) -> str:
-    code = ord(m.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def terminal_safe(text) -> str:
-    """``text`` (any string that came from a file: a group, op, tag, module or dtype name, a file
-    name) with every character a terminal could act on shown as a backslash escape (ESC as
-    ``\\x1b``): what reaches the terminal is only printable text, on one line."""
-    text = str(text)
-    return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
+from .people import human_bytes, terminal_safe
 
 
 def render_csv(df) -> str:
@@ -276,6 +257,8 @@ def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> s
 
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     out = [f"# {terminal_safe(rep.title)}"]
+    if rep.headline:
+        out += ["", "## Headline", ""] + [f"- **{k}**: {v}" for k, v in people.headline_lines(rep.headline)]
     shown = _shown_findings(rep)
     if shown:
         out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
