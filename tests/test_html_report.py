@@ -226,6 +226,21 @@ def test_page_in_headless_chromium(logs, tmp_path):
     assert s["up"] == [0, 1, 2, 3] and s["down"] == [3, 2, 1, 0] and s["state"] == "descending"
 
 
+def test_pages_of_one_rank_and_of_one_step_in_headless_chromium(logs, tmp_path):
+    """What a log cannot show is left out (no heatmap for one rank), never drawn empty or broken."""
+    one = str(tmp_path / "one.html")
+    assert report(os.path.join(logs, "rank0.csv"), "--html", one)[0] == 0
+    out = load(one)
+    check_page(out, ["bandwidth", "steps", "timeline"])
+    assert out["sort"] is None and out["cards"][3] == "straggler"
+    write_rank_files(str(tmp_path / "single"), 2, 1)
+    single = str(tmp_path / "single.html")
+    assert report(str(tmp_path / "single"), "--html", single)[0] == 0
+    assert page_data(single)["headline"]["step_us"] is None
+    assert page_data(single)["plots"]["timeline"]["stage"] == "end"
+    check_page(load(single), ["bandwidth", "steps", "heatmap", "timeline"])
+
+
 def test_page_at_1024_ranks_in_headless_chromium(big):
     out = load(big["page"])
     check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])

@@ -109,7 +109,9 @@ def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_R
                                           rows["start_ns"].tolist(), np.nan_to_num(dur), rows["bytes"])]
     starts = rows.groupby("rank")["start_ns"].min()
     of_ranks = int(df["rank"].nunique()) if of_ranks is None else int(of_ranks)
-    return dict(step=None if step is None else int(step), ranks=chosen, of_ranks=of_ranks,
+    stage = steps_table.loc[steps_table["step"] == step, "stage"] if step is not None else ()
+    return dict(step=None if step is None else int(step), stage=str(stage.iloc[0]) if len(stage) else None,
+                ranks=chosen, of_ranks=of_ranks,
                 calls=calls, step_starts={str(r): float(f"{(s - t0) / 1e6:.6g}") for r, s in starts.items()},
                 cut=bool(len(rows) >= EXCERPT_CALLS))
 

@@ -329,8 +329,10 @@
   }
   function timelinePlot(t) {
     if (!t || !t.calls.length) return null;
-    const box = plotBox("timeline", `Timeline excerpt: step ${t.step}`, `the calls of one steady-state step (the one ` +
-                        `nearest the median step time) on ${t.ranks.length} of ${t.of_ranks} rank(s), ms from its ` +
+    const which = t.stage === "steady" ? "the steady-state step nearest the median step time"
+      : `step ${t.step} (${t.stage || "no step"}: no steady-state step to show)`;
+    const box = plotBox("timeline", `Timeline excerpt: step ${t.step}`, `the calls of ${which} ` +
+                        `on ${t.ranks.length} of ${t.of_ranks} rank(s), ms from its ` +
                         `first call; black ticks: each rank's step start${t.cut ? "; the first calls only" : ""}. ` +
                         "The whole run: --trace FILE (Perfetto).");
     // calls that overlap on a rank (async, DDP's buckets) go to sub-lanes of its row
