@@ -88,7 +88,7 @@ def _report(args) -> int:
     ranks = _parse_ranks(args.ranks) if args.ranks is not None else None
     window, step_times = _steps_option(args)
     # outputs and inputs other than the logs are checked before anything is read or computed
-    for option, path in (("--trace", args.trace), ("--module-tree", args.module_tree)):
+    for option, path in (("--trace", args.trace), ("--module-tree", args.module_tree), ("--html", args.html)):
         if path:
             _check_output(option, path, directory=False)
     if args.plots:
@@ -117,7 +117,7 @@ def _report(args) -> int:
     elif args.format == "markdown":
         sys.stdout.write(report.render_report_markdown(rep) + "\n")
     else:
-        sys.stdout.write(report.render_report_text(rep) + "\n")
+        sys.stdout.write(report.render_report_text(rep, wide=args.wide) + "\n")
     if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
         df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
@@ -137,19 +137,40 @@ def _report(args) -> int:
                 print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
-    if args.plots:
-        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
-
+    if args.plots or args.html:
         if pre is not None:
             by_op, arrivals = pre.by_op_size, pre.arrivals
         else:
             by_op = analysis.summary(analysis.with_transfer(df, cross) if cross is not None else df,
                                      by=["op", "size_bucket"])
             arrivals = cross.arrivals if cross is not None else None
+    if args.plots:
+        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
+
         with _writing("--plots", args.plots):
             written = plots.write_plots(args.plots, by_op, rep.sections.get("steps"), arrivals)
         print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
+    if args.html:
+        _write_html(args, rep, df, by_op, arrivals, ranks)
     return 1 if args.fail_on_mismatch and rep.errors else 0
+
+
+def _write_html(args, rep, df, by_op, arrivals, ranks) -> None:
+    """--html: the page, with a timeline excerpt of one step (at scale, only that step of a few
+    ranks is read)."""
+    from . import io  # lazy: the CLI's other commands never load numpy / pandas
+    from .render import html  # lazy: the CLI's other commands never load numpy / pandas
+
+    steps, straggler = rep.sections.get("steps"), (rep.headline.get("straggler") or {}).get("rank")
+    step = html.pick_step(steps)
+    if df is None and step is not None:         # the engine's report: read the excerpt's rows only
+        known = sorted(ranks) if ranks else sorted(rep.sections["ranks"]["rank"].tolist()) if "ranks" in rep.sections else []
+        chosen = html.excerpt_ranks(known, straggler)
+        df = io.read(args.paths, ranks=set(chosen), steps=(step, step + 1)) if chosen else None
+    excerpt = html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
+    with _writing("--html", args.html):
+        path = html.write(html.page(rep, by_op, arrivals, excerpt), args.html)
+    print(f"commpatch: HTML report written to {path} ({os.path.getsize(path) / 1e6:.2f} MB)", file=sys.stderr)
 
 
 def _check_rows(args, n, ranks, window) -> None:
@@ -199,8 +220,8 @@ def _engine_report(args, by, steps, ranks, window):
             eng.add(staged)
         _check_rows(args, eng.counts["calls"], ranks, window)
         try:
-            pre = eng.results(top=args.top, arrivals_bins=200 if args.plots else None)
-            pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots else None
+            pre = eng.results(top=args.top, arrivals_bins=200 if args.plots or args.html else None)
+            pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots or args.html else None
         except engine.EngineError as exc:      # out of memory or disk space: say so on one line
             raise _InputError(f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
                               "--engine pandas computes the same report in memory") from None
@@ -262,6 +283,8 @@ def _report_compare(args) -> int:
 
     if args.plots:
         _check_plots(args.plots)
+    if args.html:
+        _check_output("--html", args.html, directory=False)
     runs = {}
     for i, path in enumerate(args.compare):
         runs[path] = analysis.with_pattern_steps(io.read(path))
@@ -292,6 +315,13 @@ def _report_compare(args) -> int:
         with _writing("--plots", args.plots):
             path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
         print(f"commpatch: plots written: {path}", file=sys.stderr)
+    if args.html:
+        from .render import html  # lazy: the CLI's other commands never load numpy / pandas
+
+        with _writing("--html", args.html):
+            path = html.write(html.compare_page(table, by_op, f"commpatch scaling: {len(runs)} runs "
+                                                f"({_SCALING[args.scaling]})"), args.html)
+        print(f"commpatch: HTML report written to {path}", file=sys.stderr)
     return 0
 
 
@@ -604,6 +634,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
     p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)")
     p.add_argument("--plots", metavar="DIR", help="also write PNG plots (needs matplotlib)")
+    p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page (works offline)")
+    p.add_argument("--wide", action="store_true",
+                   help="text: every column of every table, sentences unwrapped (default: fits 120 columns)")
     p.add_argument("--module-tree", metavar="FILE",
                    help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR",

@@ -1,7 +1,7 @@
 """`make demo`: a real 2-process DDP training job (gloo) with one slow rank, instrumented with no
-code change; then the report, findings first, with the CSVs (one per rank), a Perfetto trace and
-PNG plots (when matplotlib is installed) written in a new run directory of its own under --out
-(``demo-YYYYmmdd-HHMMSS``). Nothing is ever deleted: earlier demos and your own runs stay."""
+code change; then the report, headline and findings first, with the CSVs (one per rank), a Perfetto
+trace, the HTML report and PNG plots (when matplotlib is installed) written in a new run directory
+of its own under --out (``demo-YYYYmmdd-HHMMSS``). Nothing is ever deleted: earlier demos and your own runs stay."""
 
 import argparse
 import importlib.util
@@ -30,12 +30,14 @@ def main() -> int:
     subprocess.run(cmd, check=True)
     print(f"\nper-rank logs: {sorted(os.listdir(run_dir))} in {run_dir}/\n", flush=True)
     trace = os.path.join(run_dir, "trace.json")
-    report = [sys.executable, "-m", "commpatch", "report", run_dir, "--trace", trace, "--no-progress"]
+    page = os.path.join(run_dir, "report.html")
+    report = [sys.executable, "-m", "commpatch", "report", run_dir, "--trace", trace, "--html", page, "--no-progress"]
     if importlib.util.find_spec("matplotlib") is not None:
         report += ["--plots", os.path.join(run_dir, "plots")]
     print("$", " ".join(report[2:]), flush=True)
     subprocess.run(report, check=True)
     print(f"\ntimeline for ui.perfetto.dev / chrome://tracing: {trace}")
+    print(f"the report as a web page (works offline): {page}")
     return 0
 
 

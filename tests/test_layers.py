@@ -71,6 +71,7 @@ LAZY = {
     ("commpatch.cli", "commpatch.render.text"),
     ("commpatch.cli", "commpatch.render.trace"),
     ("commpatch.cli", "commpatch.render.plots"),
+    ("commpatch.cli", "commpatch.render.html"),
     ("commpatch.cli", "commpatch.data.schema"),
     ("commpatch.cli", "commpatch.data.logfile"),
 }

@@ -25,20 +25,45 @@ def run_cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
+def report_title(out: str) -> str:
+    """The text report's title, its wrapped lines joined (the lines above its '===' underline)."""
+    lines = out.splitlines()
+    return " ".join(lines[:next(i for i, line in enumerate(lines) if line.startswith("==="))])
+
+
+def block(out: str, heading: str) -> list:
+    """The items ('- ...', wrapped lines joined) of a block of the text report ('Findings:', 'Notes:')."""
+    lines = out.splitlines()
+    items: list = []
+    for line in lines[lines.index(heading) + 1:]:
+        if not line.strip():
+            break
+        if line.startswith("- "):
+            items.append(line[2:])
+        else:
+            items[-1] += " " + line.strip()
+    return items
+
+
 def test_text_report_has_every_section_and_the_error(logs, capsys):
     code, out, _ = run_cli(capsys, logs)
     assert code == 0
     lines = out.splitlines()
-    assert lines[2] == "Findings:"     # the verdict first: the error, then the findings, each naming its table
-    assert lines[3].startswith("- ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
-    assert any(line.startswith("- rank 1 arrived last in 25 of 25 collectives") and "straggler" in line
-               and line.endswith("[table: ranks]") for line in lines[3:10])
-    assert any("steady-state step: median" in line and "exposed" in line for line in lines[3:10])
+    assert lines[2] == "Headline:"     # the key figures first, then the error and the findings, each naming its table
+    assert lines.index("Findings:") < 12
+    found = block(out, "Findings:")
+    assert found[0].startswith("ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
+    assert any(f.startswith("rank 1 arrived last in 25 of 25 collectives") and "straggler" in f
+               and f.endswith("[table: ranks]") for f in found)
+    assert any("steady-state step: median" in f and "exposed" in f for f in found)
     for title in ("Per collective and message size", "Per step", "stragglers first", "largest arrival skew",
                   "Point-to-point channels", "Notes:"):
         assert title in out
     assert "<= 4.19 MB" in out and "MiB" not in out        # size buckets in the bytes column's units
-    assert "0.00104" in out and " 0.000 " not in out        # small bandwidths keep their digits
+    assert max(map(len, lines)) <= 120                      # for people: fits 120 columns
+    wide = run_cli(capsys, logs, "--wide")[1]               # every column of every table
+    assert " busbw_with_wait_gbps " in wide and " busbw_with_wait_gbps " not in out     # a column of --wide only
+    assert "0.00104" in wide and " 0.000 " not in wide      # small bandwidths keep their digits
     assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
 
 
@@ -55,7 +80,8 @@ def test_markdown_and_json(logs, capsys, fmt):
         assert {f["kind"] for f in rep["findings"]} >= {"steps", "overhead", "setup", "mismatch", "straggler"}
         assert all(f["section"] in rep["sections"] for f in rep["findings"])
     else:
-        assert out.startswith("# commpatch report: 140 calls, 4 rank(s) 0-3\n\n## Findings\n\n- ERROR: bytes mismatch")
+        assert out.startswith("# commpatch report: 140 calls, 4 rank(s) 0-3\n\n## Headline\n\n- **step time**: ")
+        assert "\n\n## Findings\n\n- ERROR: bytes mismatch" in out
         assert "| collective | size_bucket |" in out
 
 
@@ -197,11 +223,34 @@ def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
     os.utime(old)
     capsys.readouterr()
     code, out, err = run_cli(capsys, str(tmp_path))
-    assert code == 0 and out.splitlines()[0].startswith(f"commpatch report: run aa-new (the latest of 2 in {tmp_path}; "
-                                                        "1 other(s)): 400 calls"), out.splitlines()[0]
+    assert code == 0 and report_title(out).startswith(f"commpatch report: run aa-new (the latest of 2 in {tmp_path}; "
+                                                      "1 other(s)): 400 calls"), report_title(out)
     assert "reading the latest, aa-new; the other run(s): zz-old" in err
     one = tmp_path / "one"
     write_binary_run(str(one / "r1"), 2, 100, straggler=None, mismatch=None)
     assert run_cli(capsys, str(one))[1].splitlines()[0].startswith(f"commpatch report: run r1 (the only one in {one}): ")
     # the run directory itself, or its files: no run named
     assert run_cli(capsys, str(one / "r1"))[1].splitlines()[0].startswith("commpatch report: 200 calls")
+
+
+def test_trace_marks_each_rank_s_step_starts(logs, capsys, tmp_path):
+    """Step markers: one instant event 'step N' per rank and step, at the rank's first call of the
+    step, on a 'steps' track of its own."""
+    from commpatch import io as cpio
+
+    df = cpio.read(logs)
+    path = tmp_path / "trace.json"
+    assert run_cli(capsys, logs, "--trace", str(path))[0] == 0
+    data = json.loads(path.read_text())
+    events = data["traceEvents"]
+    marks = [e for e in events if e["ph"] == "i" and e.get("cat") == "step"]
+    assert len(marks) == df.groupby(["rank", "step"]).ngroups == 4 * 5
+    origin = data["otherData"]["origin_unix_ns"]
+    first = df.groupby(["rank", "step"])["start_ns"].min()
+    for e in marks:
+        assert e["name"] == f"step {e['args']['step']}" and e["s"] == "t"
+        assert abs(e["ts"] - (first[(e["pid"], e["args"]["step"])] - origin) / 1e3) < 1e-3
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {tracks[(e["pid"], e["tid"])] for e in marks} == {"steps"}
+    slices = [e for e in events if e["ph"] == "X"]
+    assert not {(e["pid"], e["tid"]) for e in slices} & {(e["pid"], e["tid"]) for e in marks}

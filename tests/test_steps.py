@@ -55,7 +55,10 @@ def test_zero_code_ddp_demo(tmp_path, capsys):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "commpatch summary, rank 0 of 2" in res.stderr and "commpatch summary, rank 1 of 2" in res.stderr, res.stderr[:1500]
     text = res.stdout
+    shown = text[text.index("commpatch report: "):text.index("\ntimeline for ui.perfetto.dev")]
+    assert shown.splitlines()[2] == "Headline:" and max(map(len, shown.splitlines())) <= 120    # for people
     findings = text[text.index("Findings:"):text.index("\n\n", text.index("Findings:"))]
+    findings = " ".join(findings.split())                # the sentences, their wrapped lines joined
     assert "10 steady-state step(s) of 12, counted by each optimizer.step()" in findings, findings
     assert "steady-state step: median" in findings and "exposed" in findings, findings
     assert "set-up (step 0" in findings and "(largest: ddp_" in findings, findings     # DDP's own set-up calls
@@ -65,14 +68,15 @@ def test_zero_code_ddp_demo(tmp_path, capsys):
     assert sorted(os.listdir(mine)) == kept                           # nothing of the user's deleted
     os.utime(mine)                                                    # touched (converted, copied): still older
     assert cli.main(["report", str(out), "--no-progress"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    lines = capsys.readouterr().out.splitlines()
+    first = " ".join(lines[:next(i for i, line in enumerate(lines) if line.startswith("==="))])     # the title
     assert first.startswith(f"commpatch report: run {runs[0]} (the latest of 2 in {out}; 1 other(s)): "), first
     df = commpatch.read_csv(str(out))
     assert set(df["step_source"].astype(str)) == {"none", "optimizer"}
     buckets = df[(df["op"] == "ddp_bucket_allreduce") & (df["step"] > 0)].groupby(["rank", "step"]).size()
     assert len(buckets) == 22 and (buckets == 3).all()      # after the rebuild: 3 gradient buckets per step
     names = set(os.listdir(out / runs[0]))
-    assert {"rank0.csv", "rank1.csv", "trace.json"} <= names
+    assert {"rank0.csv", "rank1.csv", "trace.json", "report.html"} <= names
     if importlib.util.find_spec("matplotlib") is not None:
         assert set(os.listdir(out / runs[0] / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png",
                                                             "skew_heatmap.png"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 from dataclasses import dataclass, field
 
@@ -12,26 +11,10 @@ import numpy as np
 
 from .. import analysis as _analysis
 from ..analysis import findings as _findings
+from ..analysis.headline import headline as _headline
 from ..analysis import matching, pattern, steps as _steps, summaries
-
-_UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
-
-# What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
-# line and paragraph separators and the bidirectional overrides (text shown in another order).
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def _escaped(m) -> str:
-    code = ord(m.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def terminal_safe(text) -> str:
-    """``text`` (any string that came from a file: a group, op, tag, module or dtype name, a file
-    name) with every character a terminal could act on shown as a backslash escape (ESC as
-    ``\\x1b``): what reaches the terminal is only printable text, on one line."""
-    text = str(text)
-    return _UNSAFE.sub(_escaped, text) if _UNSAFE.search(text) else text
+from . import people
+from .people import human_bytes, terminal_safe
 
 
 def render_csv(df) -> str:
@@ -41,15 +24,6 @@ def render_csv(df) -> str:
 
     text = [c for c in df.columns if df[c].dtype.kind not in "iufbmM"]
     return df.assign(**{c: df[c].map(safe) for c in text}).to_csv(index=False)
-
-
-def human_bytes(n) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    for unit, scale in _UNITS:
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def _fmt(value, col: str) -> str:
@@ -125,6 +99,7 @@ class Report:
     errors: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
+    headline: dict = field(default_factory=dict)   # analysis.headline.headline: the key figures, shown first
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
@@ -191,6 +166,7 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     else:
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
+    rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
     return rep
 
 
@@ -239,19 +215,41 @@ def _p2p_channels(pairs):
     return out.reset_index()
 
 
-def render_report_text(rep: Report, max_rows: int = 20) -> str:
+def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> str:
+    """The report as text: headline, findings, tables, notes. By default every line fits
+    ``people.WIDTH`` (120) columns: sentences wrapped, each table cut to its key columns
+    (``people.COMPACT``); ``wide``: every column, sentences on one line each."""
+    width = None if wide else people.WIDTH
+
+    def para(text, first="", rest="  "):
+        return [first + text] if wide else people.wrap(text, first, rest)
+
     title = terminal_safe(rep.title)
-    out = [title, "=" * len(title)]
+    out = para(title, rest="")
+    out.append("=" * min(len(title), width or len(title)))
+    if rep.headline:
+        out += people.headline_text(rep.headline, width=width or 10**6)
     shown = _shown_findings(rep)
     if shown:
-        out += ["Findings:"] + [f"- {text} [table: {section}]" for text, section in shown]
+        out += ["", "Findings:"]
+        for text, section in shown:
+            out += para(f"{text} [table: {section}]", first="- ")
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
             continue
-        out += ["", render_text(_head(frame, max_rows), title=title) + _more(frame, max_rows)]
+        head = _head(frame, max_rows)
+        if wide:
+            out += ["", render_text(head, title=title) + _more(frame, max_rows)]
+            continue
+        table = people.fitted(people.compact(head, key), lambda f: render_text(f, title=""), width)
+        more = "" if head.shape[1] == people.compact(head, key).shape[1] else " (key columns; --wide for all)"
+        out += [""] + para(title + more, rest="") + table.splitlines()[1:]
+        out += _more(frame, max_rows).splitlines()[1:]
     if rep.notes:
-        out += ["", "Notes:"] + [f"- {terminal_safe(n)}" for n in rep.notes]
+        out += ["", "Notes:"]
+        for n in rep.notes:
+            out += para(terminal_safe(n), first="- ")
     return "\n".join(out)
 
 
@@ -259,6 +257,8 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
 
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     out = [f"# {terminal_safe(rep.title)}"]
+    if rep.headline:
+        out += ["", "## Headline", ""] + [f"- **{k}**: {v}" for k, v in people.headline_lines(rep.headline)]
     shown = _shown_findings(rep)
     if shown:
         out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
@@ -278,7 +278,7 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
 def render_report_json(rep: Report) -> str:
     sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
     return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings], "errors": rep.errors,
-                       "notes": rep.notes, "sections": sections}, indent=1)
+                       "notes": rep.notes, "headline": rep.headline, "sections": sections}, indent=1)
 
 
 

@@ -26,7 +26,8 @@ def chrome_trace(df) -> dict:
     Times are microseconds from the earliest call in the log, whose Unix time in ns is in
     ``otherData.origin_unix_ns``. Calls that overlap on one rank and group (async ops) go to
     extra lanes of that group ("group 0 #2") so that every track nests properly, as Perfetto
-    requires. Open the file in https://ui.perfetto.dev or chrome://tracing.
+    requires. Each rank's step starts (its first call of each step) are instant events "step N"
+    on a "steps" track above its groups. Open the file in https://ui.perfetto.dev or chrome://tracing.
     """
     n = len(df)
     start = df["start_ns"].to_numpy(np.int64)
@@ -48,6 +49,7 @@ def chrome_trace(df) -> dict:
     for r in np.unique(rank).tolist():
         events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+    events += _step_markers(df, rank, ts)
     for r, t in sorted(set(zip(rank.tolist(), tid.tolist()))):
         g, lane = group_names[(t - 1) // 64], (t - 1) % 64
         name = f"group {g} (ranks {ranks_of[g]})" + (f" #{lane + 1}" if lane else "")
@@ -65,6 +67,29 @@ def chrome_trace(df) -> dict:
                        "args": args})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"producer": "commpatch", "origin_unix_ns": origin, "rows": n}}
+
+
+STEPS_TID = 0x7FFF0000      # the "steps" track of each rank, above its groups' tracks
+
+
+def _step_markers(df, rank, ts) -> list:
+    """One instant event "step N" per rank and step, at the rank's first call of that step, on a
+    "steps" track of its own (the log's ``step`` column; nothing for a log without steps)."""
+    if "step" not in df.columns or not len(df):
+        return []
+    import pandas as pd
+
+    first = pd.DataFrame({"rank": rank, "step": df["step"].to_numpy(np.int64), "ts": ts})
+    first = first[first["step"] >= 0].groupby(["rank", "step"], sort=True)["ts"].min().reset_index()
+    if first["step"].nunique() < 2:
+        return []
+    out = []
+    for r in first["rank"].unique().tolist():
+        out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": STEPS_TID, "args": {"name": "steps"}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": STEPS_TID, "args": {"sort_index": -1}})
+    out += [{"ph": "i", "s": "t", "name": f"step {s}", "cat": "step", "pid": r, "tid": STEPS_TID, "ts": t,
+             "args": {"step": s}} for r, s, t in zip(first["rank"].tolist(), first["step"].tolist(), first["ts"].tolist())]
+    return out
 
 
 def write_chrome_trace(df, path: str) -> str:

@@ -1,0 +1,101 @@
+"""The report's headline: its key figures as numbers, computed once from the report's tables and
+shown the same by every output (text, JSON, HTML).
+
+``headline(steps_table, summary_table, cross, ranks, calls)`` returns a plain dict (JSON-ready:
+unknown figures are None, never 0):
+
+- ``step_us`` / ``step_p95_us``: median and p95 of the steady-state step time (``steady_state``);
+  ``steady_steps`` of ``steps`` steps;
+- ``comm_share`` / ``exposed_share``: medians over the steady state, as in the per-step table;
+  ``shares_at_least``: True when some steady-state calls have no duration (the shares are lower
+  bounds);
+- ``top_collective``: the summary row with the most communication time (its key columns,
+  ``time_share``, ``total_us``, ``busbw_gbps``): the same figures as that row of the summary table;
+- ``straggler``: ``verdict`` straggler / none / unknown with the evidence of
+  ``stragglers.verdict`` (rank, last_steps of steps, late_median_us, share_of_step, p_value, reason);
+- ``hang``: ``verdict`` possible (some ranks' logs stop before collectives the others issued) /
+  none_seen (every log reaches its groups' last collective) / unknown (one rank's log);
+- ``mismatches``: how many, and the first (kind, group, coll_seq, step, op).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .steps import steady_state
+from .stragglers import verdict as straggler_verdict
+
+KEY_COLUMNS = ("collective", "op", "api", "size_bucket", "group", "dtype")
+
+
+def _num(x):
+    """A JSON number, or None for unknown (NaN, None)."""
+    if x is None:
+        return None
+    x = float(x)
+    return None if math.isnan(x) or math.isinf(x) else x
+
+
+def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=()) -> dict:
+    st = steady_state(steps_table)
+    out = dict(ranks=int(ranks), calls=int(calls), steps=int(steps_table["step"].nunique()),
+               steady_steps=int(st["steps"]), step_us=_num(st["step_p50_us"]), step_p95_us=_num(st["step_p95_us"]),
+               comm_share=_num(st["comm_share"]), exposed_share=_num(st["exposed_share"]),
+               shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False)
+    out["top_collective"] = _top(summary_table)
+    out["straggler"] = _straggler(cross, steps_table)
+    out["hang"] = _hang(cross, findings)
+    mm = getattr(cross, "mismatches", None) if cross is not None else None
+    out["mismatches"] = int(len(mm)) if mm is not None else None
+    out["first_mismatch"] = None
+    if mm is not None and len(mm):
+        m = mm.iloc[0]
+        out["first_mismatch"] = dict(kind=str(m["kind"]), group=str(m["group"]), coll_seq=int(m["coll_seq"]),
+                                     step=int(m["step"]) if _num(m["step"]) is not None else None, op=str(m["op"]))
+    return out
+
+
+def _top(summary_table):
+    if summary_table is None or not len(summary_table) or "total_us" not in summary_table:
+        return None
+    row = summary_table.loc[summary_table["total_us"].fillna(-1).idxmax()]
+    top = {c: (row[c].item() if hasattr(row[c], "item") else row[c]) for c in KEY_COLUMNS if c in summary_table.columns}
+    top = {c: (str(v) if not isinstance(v, (int, float)) else v) for c, v in top.items()}
+    for col in ("time_share", "total_us", "busbw_gbps", "count"):
+        top[col] = _num(row[col]) if col in summary_table.columns else None
+    return top
+
+
+def _straggler(cross, steps_table) -> dict:
+    arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
+    if arrivals is None:
+        return dict(verdict="unknown", reason="one rank" if cross is None else "no per-step arrivals", rank=None)
+    v = straggler_verdict(arrivals, steps_table)
+    if v["rank"] is None:
+        state = "unknown"
+    else:
+        state = "straggler" if v["straggler"] else "none"
+    return dict(verdict=state, rank=v["rank"], last_steps=int(v["last_steps"]), steps=int(v["steps"]),
+                late_median_us=_num(v["late_median_us"]), share_of_step=_num(v["share_of_step"]),
+                p_value=_num(v["p_value"]), reason=None if v["straggler"] else v["reason"])
+
+
+def _hang(cross, findings) -> dict:
+    told = next((f for f in findings if getattr(f, "kind", None) == "hang"), None)
+    if told is not None:                    # a hang finding of its own: it has the last word
+        return dict(verdict="possible", text=told.text, group=None, ranks=None, last_coll_seq=None, group_last=None)
+    if cross is None:
+        return dict(verdict="unknown", text="one rank's log: nothing to compare", group=None, ranks=None,
+                    last_coll_seq=None, group_last=None)
+    ends = getattr(cross, "log_ends", None)
+    if ends is None or not len(ends):
+        return dict(verdict="none_seen", text="every rank's log reaches its groups' last collective", group=None,
+                    ranks=None, last_coll_seq=None, group_last=None)
+    e = ends.iloc[0]
+    return dict(verdict="possible", text=f"in group {e['group']} the log of rank(s) {e['ranks']} stops before "
+                                         f"collective #{int(e['group_last'])}, which other ranks issued",
+                group=str(e["group"]), ranks=str(e["ranks"]), last_coll_seq=int(e["last_coll_seq"]),
+                group_last=int(e["group_last"]))
+
+
+__all__ = ["headline"]

@@ -1,0 +1,299 @@
+"""The report for people: the headline (one computation, the same figures in text, JSON and HTML),
+the text report within 120 columns (at 1,024 ranks too), and the HTML page (``--html``) in a
+real headless Chromium driven by Playwright: no console error, every plot drawn, tables that
+sort on a click, nothing fetched from the network, sized by aggregates at 1,024 ranks."""
+
+import json
+import os
+import re
+import shutil
+import statistics
+
+import pytest
+
+from commpatch import cli
+from commpatch.render import html, people
+from commpatch.synthetic import write_binary_run, write_rank_files
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("logs")
+    write_rank_files(str(out), 4, 8, p2p=True, straggler=1, straggler_delay_us=8000.0, mismatch=(3, 12))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """1,024 ranks (tensor- and data-parallel groups, a world group, point-to-point pairs), 12 steps,
+    and their text report and HTML page."""
+    out = tmp_path_factory.mktemp("w1024")
+    write_binary_run(str(out / "run"), 1024, 120, straggler=700, mismatch=None)
+    page = str(out / "report.html")
+    code, text = report(str(out / "run"), "--html", page)
+    assert code == 0
+    return dict(dir=str(out / "run"), text=text, page=page)
+
+
+def report(*argv):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(["report", *argv, "--no-progress"])
+    return code, buf.getvalue()
+
+
+def page_data(path) -> dict:
+    text = open(path, encoding="utf-8").read()
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
+    code, out = report(logs, "--format", "json")
+    rep = json.loads(out)
+    h = rep["headline"]
+    steps = [s for s in rep["sections"]["steps"] if s["stage"] == "steady"]
+    times = sorted(s["step_us"] for s in steps)
+    assert h["steady_steps"] == len(steps) == 6 and h["steps"] == 8
+    assert h["step_us"] == pytest.approx((times[2] + times[3]) / 2)          # the median steady step
+    assert h["exposed_share"] == pytest.approx(statistics.median(s["exposed_share"] for s in steps))
+    assert h["comm_share"] == pytest.approx(statistics.median(s["comm_share"] for s in steps))
+    top = max(rep["sections"]["summary"], key=lambda r: r["total_us"])       # the summary's row, as it is there
+    assert {k: h["top_collective"][k] for k in ("collective", "size_bucket", "count")} == \
+           {k: top[k] for k in ("collective", "size_bucket", "count")}
+    for k in ("time_share", "busbw_gbps", "total_us"):       # the sections' JSON keeps 10 significant digits
+        assert h["top_collective"][k] == pytest.approx(top[k], rel=1e-9)
+    assert h["mismatches"] == len(rep["sections"]["mismatches"]) == 1
+    assert h["first_mismatch"] == dict(kind="bytes", group="0", coll_seq=12, step=2, op="broadcast")
+    s = h["straggler"]
+    assert s["verdict"] == "straggler" and s["rank"] == 1 and s["last_steps"] == s["steps"] == 6
+    straggler = next(f["text"] for f in rep["findings"] if f["kind"] == "straggler")
+    assert "the straggler" in straggler and f"{s['p_value']:.2g}" in straggler
+    assert h["hang"]["verdict"] == "none_seen"
+    # the text report's headline: the same words from the same numbers, first
+    code, text = report(logs)
+    lines = text.splitlines()
+    assert lines[2] == "Headline:"
+    shown = " ".join(" ".join(lines[3:lines.index("Findings:")]).split())
+    for label, sentence in people.headline_lines(h):
+        assert f"{label}: {sentence}" in shown
+    assert f"step time: {people._ms(h['step_us'])} median" in shown and "straggler: rank 1: last in 6 of 6" in shown
+    # the page holds the same headline
+    path = str(tmp_path / "r.html")
+    assert report(logs, "--html", path)[0] == 0
+    data = page_data(path)
+    assert data["headline"] == h
+    assert data["headline_text"] == [list(p) for p in people.headline_lines(h)]
+
+
+def test_headline_says_unknown_for_one_rank(logs):
+    rep = json.loads(report(os.path.join(logs, "rank0.csv"), "--format", "json")[1])
+    h = rep["headline"]
+    assert h["straggler"]["verdict"] == "unknown" and h["hang"]["verdict"] == "unknown" and h["mismatches"] is None
+    text = report(os.path.join(logs, "rank0.csv"))[1]
+    assert "straggler:      unknown (one rank)" in text and "mismatches:     not checked" in text
+
+
+def test_text_report_fits_120_columns_at_1024_ranks(big):
+    lines = big["text"].splitlines()
+    assert lines[2] == "Headline:" and "1024 rank(s) 0-1023" in lines[0]
+    assert max(map(len, lines)) <= people.WIDTH, max(lines, key=len)
+    # the full tables stay behind --wide
+    wide = report(big["dir"], "--wide")[1]
+    assert max(map(len, wide.splitlines())) > people.WIDTH and " overlap_unknown_us " in wide
+
+
+def test_page_is_sized_by_aggregates_at_1024_ranks(big):
+    size = os.path.getsize(big["page"])
+    assert size < 5e6, size
+    data = page_data(big["page"])
+    heat = data["plots"]["heatmap"]
+    assert len(heat["ranks"]) == 1024 and len(heat["columns"]) <= 200
+    timeline = data["plots"]["timeline"]
+    assert len(timeline["ranks"]) <= html.EXCERPT_RANKS and 700 in timeline["ranks"]      # the latest rank shown
+    assert timeline["of_ranks"] == 1024
+    assert all(len(t["rows"]) <= html.MAX_TABLE_ROWS for t in data["tables"].values())
+
+
+def test_page_offline_by_construction(logs, tmp_path):
+    path = str(tmp_path / "r.html")
+    assert report(logs, "--html", path)[0] == 0
+    text = open(path, encoding="utf-8").read()
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!#|data:)""", text)       # nothing loaded from anywhere
+    assert "default-src 'none'" in text
+    assert "</script>" not in re.search(r'id="data">(.*?)</script>', text, re.S).group(1)
+
+
+def test_html_option_refuses_a_directory_before_reading(logs, tmp_path, capsys):
+    assert cli.main(["report", logs, "--html", str(tmp_path), "--no-progress"]) == 2
+    assert "--html" in capsys.readouterr().err
+
+
+# ---- in a real browser --------------------------------------------------------------------------
+def _browser():
+    pw = pytest.importorskip("playwright.sync_api", reason="Playwright not installed (pip install playwright: "
+                                                           "the test extra)")
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (Debian package chromium: ci/apt.sh installs it)")
+    return pw
+
+
+def load(path, screenshot=None):
+    """Open the page in headless Chromium with the network off (an offline context, and every
+    request that is not the file itself aborted); returns what the page did."""
+    pw = _browser()
+    out = dict(console=[], requests=[])
+    with pw.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            ctx = browser.new_context(offline=True, viewport={"width": 1280, "height": 900})
+
+            def route(r):
+                if r.request.url.startswith("file://") and r.request.url.endswith(os.path.basename(path)):
+                    return r.continue_()
+                out["requests"].append(r.request.url)
+                return r.abort()
+
+            ctx.route("**/*", route)
+            page = ctx.new_page()
+            page.on("console", lambda m: out["console"].append(f"{m.type}: {m.text}") if m.type in ("error", "warning")
+                    else None)
+            page.on("pageerror", lambda e: out["console"].append(f"pageerror: {e}"))
+            page.goto("file://" + os.path.abspath(path))
+            page.wait_for_selector("html[data-ready='1']", timeout=60_000)
+            out["plots"] = page.evaluate("""() => [...document.querySelectorAll('[data-plot]')].map(p => {
+                const svg = p.querySelector('svg'), cv = p.querySelector('canvas');
+                let marks = 0, inked = 0;
+                if (svg) marks = svg.querySelectorAll('rect, circle, polyline[points]:not([points=""])').length;
+                if (cv) {
+                  const d = cv.getContext('2d').getImageData(0, 0, cv.width, cv.height).data;
+                  for (let i = 0; i < d.length; i += 4) if (d[i] < 250 || d[i+1] < 250 || d[i+2] < 250) inked++;
+                }
+                const box = (svg || cv).getBoundingClientRect();
+                return {name: p.dataset.plot, kind: svg ? 'svg' : 'canvas', marks, inked, w: box.width, h: box.height};
+            })""")
+            out["cards"] = page.eval_on_selector_all("[data-headline]", "els => els.map(e => e.dataset.headline)")
+            out["sections"] = page.eval_on_selector_all("main > section", "els => els.map(e => e.id)")
+            out["markers"] = page.eval_on_selector_all("[data-step-marker]", "els => els.length")
+            out["advice"] = page.eval_on_selector_all("#advice .advice", "els => els.map(e => e.innerText)")
+            out["sort"] = _sort_check(page) if page.query_selector("table[data-table='ranks']") else None
+            if screenshot:
+                page.screenshot(path=screenshot, full_page=True)
+        finally:
+            browser.close()
+    return out
+
+
+def _sort_check(page):
+    """Click the ranks table's 'rank' header twice: the column ascending, then descending."""
+    def column():
+        return page.eval_on_selector_all("table[data-table='ranks'] tbody tr td:first-child",
+                                         "els => els.map(e => Number(e.textContent))")
+    before = column()
+    header = page.locator("table[data-table='ranks'] th", has_text=re.compile(r"^rank$"))
+    header.click()
+    up = column()
+    header.click()
+    down = column()
+    return dict(before=before, up=up, down=down, state=header.get_attribute("aria-sort"))
+
+
+def check_page(out, plots):
+    assert out["console"] == []
+    assert out["requests"] == []
+    assert sorted(p["name"] for p in out["plots"]) == sorted(plots)
+    for p in out["plots"]:
+        assert p["w"] > 100 and p["h"] > 50, p
+        assert (p["marks"] if p["kind"] == "svg" else p["inked"]) > 0, p
+
+
+def test_page_in_headless_chromium(logs, tmp_path):
+    path = str(tmp_path / "r.html")
+    assert report(logs, "--html", path)[0] == 0
+    out = load(path)
+    check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])
+    assert out["cards"] == ["step time", "communication", "top collective", "straggler", "hang", "mismatches"]
+    assert out["sections"][:3] == ["headline", "findings", "plots"]
+    assert {"table-summary", "table-steps", "table-ranks", "table-mismatches"} <= set(out["sections"])
+    assert out["markers"] == 4                        # each rank's step start in the timeline excerpt
+    s = out["sort"]
+    assert s["before"][0] == 1                        # stragglers first, as the table comes
+    assert s["up"] == [0, 1, 2, 3] and s["down"] == [3, 2, 1, 0] and s["state"] == "descending"
+
+
+def test_pages_of_one_rank_and_of_one_step_in_headless_chromium(logs, tmp_path):
+    """What a log cannot show is left out (no heatmap for one rank), never drawn empty or broken."""
+    one = str(tmp_path / "one.html")
+    assert report(os.path.join(logs, "rank0.csv"), "--html", one)[0] == 0
+    out = load(one)
+    check_page(out, ["bandwidth", "steps", "timeline"])
+    assert out["sort"] is None and out["cards"][3] == "straggler"
+    write_rank_files(str(tmp_path / "single"), 2, 1)
+    single = str(tmp_path / "single.html")
+    assert report(str(tmp_path / "single"), "--html", single)[0] == 0
+    assert page_data(single)["headline"]["step_us"] is None
+    assert page_data(single)["plots"]["timeline"]["stage"] == "end"
+    check_page(load(single), ["bandwidth", "steps", "heatmap", "timeline"])
+
+
+def test_page_at_1024_ranks_in_headless_chromium(big):
+    out = load(big["page"])
+    check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])
+    assert out["sort"]["up"][:3] == [0, 1, 2] and out["sort"]["down"][:3] == [1023, 1022, 1021]
+
+
+def test_advice_items_are_listed_when_the_report_has_them(logs, tmp_path):
+    from commpatch import io as cpio
+    from commpatch.render import text
+
+    rep = text.build_report(cpio.read(logs))
+    rep.advice = [dict(title="Larger DDP buckets", evidence="41 all_reduce calls per step below 1 MB",
+                       change="DDP(bucket_cap_mb=100)", gain="about 3 ms per step")]
+    path = html.write(html.page(rep), str(tmp_path / "a.html"))
+    out = load(path)
+    assert out["console"] == [] and len(out["advice"]) == 1
+    assert "Larger DDP buckets" in out["advice"][0] and "bucket_cap_mb=100" in out["advice"][0]
+    # or as a table of the report
+    import pandas as pd
+
+    del rep.advice
+    rep.sections["advice"] = pd.DataFrame([dict(title="Fewer small all_reduce calls", gain_us=3000.0)])
+    assert html.report_data(rep)["advice"] == [dict(title="Fewer small all_reduce calls", gain_us=3000.0)]
+    assert "advice" not in html.report_data(rep)["tables"]
+
+
+def test_compare_page_in_headless_chromium(tmp_path):
+    runs = []
+    for n in (2, 4, 8):
+        runs.append(str(tmp_path / f"w{n}"))
+        write_rank_files(runs[-1], n, 5)
+    path = str(tmp_path / "scaling.html")
+    assert cli.main(["report", "--compare", *runs, "--html", path, "--no-progress"]) == 0
+    out = load(path)
+    check_page(out, ["scaling-step", "scaling-efficiency", "scaling-shares", "scaling-busbw"])
+    assert page_data(path)["plots"]["scaling"]["world_size"] == [2, 4, 8]
+
+
+def test_engine_report_has_the_same_headline_and_a_timeline(tmp_path):
+    """At scale (DuckDB, no rows in memory) the headline is computed from the same tables; the
+    page's timeline excerpt reads that one step of a few ranks only."""
+    pytest.importorskip("duckdb", reason="DuckDB not installed (pip install 'commpatch[scale]')")
+    write_binary_run(str(tmp_path / "run"), 32, 200, straggler=9, mismatch=(5, 7))
+    heads = {}
+    for engine in ("pandas", "duckdb"):
+        heads[engine] = json.loads(report(str(tmp_path / "run"), "--engine", engine, "--format", "json")[1])["headline"]
+    a, b = heads["pandas"], heads["duckdb"]
+    assert a["straggler"]["verdict"] == b["straggler"]["verdict"] and a["straggler"]["rank"] == b["straggler"]["rank"] == 9
+    assert a["first_mismatch"] == b["first_mismatch"] and a["mismatches"] == b["mismatches"] >= 1
+    assert a["top_collective"]["collective"] == b["top_collective"]["collective"]
+    assert a["step_us"] == pytest.approx(b["step_us"], rel=1e-6) and a["steady_steps"] == b["steady_steps"]
+    path = str(tmp_path / "r.html")
+    assert report(str(tmp_path / "run"), "--engine", "duckdb", "--html", path)[0] == 0
+    timeline = page_data(path)["plots"]["timeline"]
+    assert timeline["of_ranks"] == 32 and 9 in timeline["ranks"] and len(timeline["ranks"]) == html.EXCERPT_RANKS
+    assert {c[0] for c in timeline["calls"]} == set(timeline["ranks"])
