@@ -15,6 +15,16 @@ def witness_counts(prof) -> Counter:
     return Counter(e.name[len("gloo:"):] for e in prof.events() if e.name.startswith("gloo:"))
 
 
+def settle_gloo(seconds: float = 0.2) -> None:
+    """A pause before the profiler stops: it records a gloo work's event from gloo's thread when
+    the work ends, which can be after the work's future woke the caller (DDP's last bucket): on
+    torch 2.4 the witness was one all_reduce short twice in full suite runs (not reproduced in 16
+    runs of the scenario alone)."""
+    import time
+
+    time.sleep(seconds)
+
+
 def claimed_counts(df) -> Counter:
     """gloo ops commpatch's rows say ran (integration ops declare what they issue underneath)."""
     from commpatch.data.ops import BY_NAME
@@ -115,6 +125,7 @@ def ddp_default(rank, world_size):
     with _counting_installs() as installs, profile(record_shapes=True) as prof:
         ddp = DDP(_model(), bucket_cap_mb=0.0002)     # several buckets
         grads = _train(ddp, rank)
+        settle_gloo()
     df = commpatch.log()
     commpatch.disable()
     identical = all(torch.equal(a, b) for ga, gb in zip(reference, grads) for a, b in zip(ga, gb))
@@ -226,6 +237,7 @@ def ddp_unused(rank, world_size):
         for _ in range(5):
             ddp(torch.randn(4, 8)).sum().backward()
             kernels_between_steps.append(python_kernel("c10d::allreduce_") or python_kernel("c10d::broadcast_"))
+        settle_gloo()
     df = commpatch.log()
     commpatch.disable()
     return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size),
