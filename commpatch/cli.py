@@ -572,6 +572,25 @@ def cmd_install_hook(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """``commpatch watch RUN_DIR``: the live view of a running job (needs rich)."""
+    import importlib.util
+
+    if importlib.util.find_spec("rich") is None:
+        print("commpatch watch: needs the rich package: pip install 'commpatch[live]'", file=sys.stderr)
+        return 2
+    for option, value in (("--interval", args.interval), ("--idle", args.idle), ("--stuck", args.stuck)):
+        if not value > 0:
+            print(f"commpatch watch: {option} {value:g}: give a number of seconds > 0", file=sys.stderr)
+            return 2
+    if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
+        print(f"commpatch watch: {args.run_dir}: not a directory (give the run's directory of rank logs)", file=sys.stderr)
+        return 2
+    from .watch import watch  # lazy: the CLI's other commands never load rich, numpy or pandas
+
+    return watch(args.run_dir, interval=args.interval, idle=args.idle, stuck_s=args.stuck)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commpatch", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -629,6 +648,16 @@ def main(argv=None) -> int:
                    help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("watch", help="the live view of a running job: per rank its step, step time and shares "
+                                     "(reads its growing rank logs; needs rich)")
+    p.add_argument("run_dir", help="the run's directory of rank logs (or a directory of runs: the latest)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--idle", type=float, default=60.0,
+                   help="stop when no rank log grew for this many seconds (default 60)")
+    p.add_argument("--stuck", type=float, default=30.0,
+                   help="list a call in flight for longer than this many seconds (default 30)")
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("env", help="show settings and their environment variables")
     p.set_defaults(func=cmd_env)
