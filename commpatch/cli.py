@@ -93,7 +93,10 @@ def _report(args) -> int:
             _check_output(option, path, directory=False)
     if args.plots:
         _check_plots(args.plots)
+    if args.tensorboard:
+        _check_tensorboard(args.tensorboard)
     steps = _read_steps(step_times[0], step_times[1]) if step_times else None
+    cross = None
     if _use_engine(args):
         df, rep, pre = None, *_engine_report(args, by, steps, ranks, window)
     else:
@@ -137,6 +140,16 @@ def _report(args) -> int:
                 print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
+    if args.tensorboard:
+        from .render.tensorboard import write_tensorboard  # lazy: the CLI's other commands never load torch's writer
+
+        if df is None:
+            df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
+        with _writing("--tensorboard", args.tensorboard):
+            written = write_tensorboard(analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
+                                        args.tensorboard, steps=steps)
+        print(f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
+              f"tensorboard --logdir {args.tensorboard})", file=sys.stderr)
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -286,6 +299,16 @@ def _report_compare(args) -> int:
         sys.stdout.write(report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
                          + "\n\n" + report.render_text(by_op, title="steady-state collectives per message size "
                                                                     "and world size") + "\n")
+    if args.tensorboard:
+        from .render.tensorboard import write_tensorboard  # lazy: the CLI's other commands never load torch's writer
+
+        if df is None:
+            df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
+        with _writing("--tensorboard", args.tensorboard):
+            written = write_tensorboard(analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
+                                        args.tensorboard, steps=steps)
+        print(f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
+              f"tensorboard --logdir {args.tensorboard})", file=sys.stderr)
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -345,6 +368,20 @@ def _check_plots(directory: str) -> None:
     _check_output("--plots", directory, directory=True)
     if importlib.util.find_spec("matplotlib") is None:
         raise _InputError("--plots needs matplotlib: pip install 'commpatch[plots]' (or pip install matplotlib)")
+
+
+def _check_tensorboard(directory: str) -> None:
+    _check_output("--tensorboard", directory, directory=True)
+    try:
+        import tensorboard  # noqa: F401 - torch.utils.tensorboard writes with it
+    except ImportError:
+        raise _InputError("--tensorboard needs the tensorboard package: pip install 'commpatch[tensorboard]'") from None
+    from .render.tensorboard import taken  # lazy: the CLI's other commands never load numpy / pandas
+
+    earlier = taken(directory)
+    if earlier:
+        raise _InputError(f"--tensorboard {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
+                          "report?): give a new directory (TensorBoard would show both as one run)")
 
 
 @contextlib.contextmanager
@@ -623,6 +660,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
     p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)")
     p.add_argument("--plots", metavar="DIR", help="also write PNG plots (needs matplotlib)")
+    p.add_argument("--tensorboard", metavar="OUTDIR",
+                   help="also write TensorBoard scalars per step and rank (OUTDIR/rank{r}: step time, communication and "
+                        "exposed share, busbw per collective; needs pip install 'commpatch[tensorboard]')")
     p.add_argument("--module-tree", metavar="FILE",
                    help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR",

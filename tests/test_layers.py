@@ -77,6 +77,7 @@ LAZY = {
     ("commpatch.cli", "commpatch.data.schema"),
     ("commpatch.cli", "commpatch.data.logfile"),
     ("commpatch.cli", "commpatch.watch"),             # `commpatch watch` alone loads rich
+    ("commpatch.cli", "commpatch.render.tensorboard"),
 }
 
 

@@ -55,6 +55,11 @@ class FileFollower:
             self.fd = -1
 
 
+def _created(f: FileFollower) -> int:
+    created = f.follower.parsed.header.get("created_ns")
+    return created if isinstance(created, int) else 0
+
+
 class RunFollower:
     """Every rank log of a run directory (or of the latest run in a directory of runs)."""
 
@@ -86,13 +91,14 @@ class RunFollower:
         return sum(f.poll() for f in list(self.files.values()))
 
     def by_rank(self) -> dict:
-        """rank -> the FileFollower of its latest file (the rank from the file's header, else its name)."""
+        """rank -> the FileFollower of its latest file (created last, as its header says; the rank from
+        the header, else from the file's name)."""
         out = {}
         for path, f in self.files.items():
             rank = f.follower.parsed.header.get("rank")
             if not isinstance(rank, int) or rank < 0:
                 rank = file_rank(path)
-            if rank is not None and (rank not in out or f.offset and path > out[rank].path):
+            if rank is not None and (rank not in out or _created(f) > _created(out[rank])):
                 out[rank] = f
         return out
 
