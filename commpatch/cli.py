@@ -275,6 +275,8 @@ def _report_compare(args) -> int:
 
     if args.plots:
         _check_plots(args.plots)
+    if args.tensorboard:
+        raise _InputError("--tensorboard writes one run's steps: give the run without --compare")
     runs = {}
     for i, path in enumerate(args.compare):
         runs[path] = analysis.with_pattern_steps(io.read(path))
@@ -299,16 +301,6 @@ def _report_compare(args) -> int:
         sys.stdout.write(report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
                          + "\n\n" + report.render_text(by_op, title="steady-state collectives per message size "
                                                                     "and world size") + "\n")
-    if args.tensorboard:
-        from .render.tensorboard import write_tensorboard  # lazy: the CLI's other commands never load torch's writer
-
-        if df is None:
-            df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
-        with _writing("--tensorboard", args.tensorboard):
-            written = write_tensorboard(analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
-                                        args.tensorboard, steps=steps)
-        print(f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
-              f"tensorboard --logdir {args.tensorboard})", file=sys.stderr)
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 

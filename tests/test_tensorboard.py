@@ -88,3 +88,10 @@ def test_tensorboard_without_the_extra_names_it(run_logs, tmp_path):
     assert done.stderr.strip() == ("commpatch report: --tensorboard needs the tensorboard package: "
                                    "pip install 'commpatch[tensorboard]'")
     assert not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_with_compare_is_refused_in_one_line(run_logs, tmp_path):
+    done = _report("--compare", run_logs, run_logs, "--tensorboard", str(tmp_path / "tb"))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("commpatch report: --tensorboard writes one run's steps: give the run without "
+                                   "--compare")
