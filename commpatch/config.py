@@ -183,7 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
             "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
             "Needs pip install 'commpatch[metrics]'. 0: none."),
     Setting("metrics_file", "COMMPATCH_METRICS_FILE", "", _parse_metrics_file,
-            "Write the same metrics every second to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
+            "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
             "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
             "'none': no file."),
 )

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from .data.follow import Follower
-from .data.frame import Cat
+from .analysis import REPORT_COLUMNS
 from .analysis.steps import per_step
 from .io.paths import rank_path
 from .io.writer import write_bytes
@@ -36,8 +36,9 @@ DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.
 BUSBW_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 STEP_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 HORIZON_S = 10.0       # an async call's row waits this long for its duration, then counts as unmeasured
-STEPS_EVERY_S = 1.0    # per-step figures and the text file, at most this often
+STEPS_EVERY_S = 2.0    # per-step figures and the text file, at most this often (per_step: ~50 ms a pass)
 KEEP_STEPS = 16        # steps of rows kept for the per-step figures
+COUNTED = ("seq", "collective", "group", "phase", "dtype", "bytes", "duration_us", "own_us", "busbw_gbps")
 
 # name -> (type, help): every metric this module exposes (the Grafana dashboard's test reads it)
 METRICS = {
@@ -96,6 +97,7 @@ class Exporter:
     text file (``collect``: a prometheus-client custom collector)."""
 
     def __init__(self, log, port=None, file_template: str = "", warn=None) -> None:
+        import pandas  # noqa: F401 - the per-step figures need it: imported now, not by the flusher mid-job
         import prometheus_client  # noqa: F401 - checked by config already; a clear error if not
 
         self.log = log
@@ -156,7 +158,7 @@ class Exporter:
         for data in frames:
             follower.feed(data)
         now = time.time_ns()
-        cols = follower.take_settled(now, int(HORIZON_S * 1e9), final=final)
+        cols = follower.take_settled(now, int(HORIZON_S * 1e9), final=final, names=COUNTED)
         with self.lock:
             if follower.parsed.header and not self.who:
                 self.who = (str(follower.parsed.header.get("rank", -1)), self.host, self._run())
@@ -186,18 +188,23 @@ class Exporter:
         n = len(cols["seq"])
         if not n:
             return
-        parts = []
+        # one integer key per row from the label columns' codes (-1, missing, as the last value)
+        key, names = np.zeros(n, np.int64), []
         for name in LABELS:
             c = cols[name]
-            names = list(c.categories) if isinstance(c, Cat) else []
-            if name == "group":
-                names = [self._label("group", v, MAX_GROUPS) for v in names]
-            elif name == "dtype":
-                names = [self._label("dtype", v, MAX_DTYPES) for v in names]
-            parts.append(np.asarray(names + ["?"], dtype=object)[c.codes])
-        keyed = np.array(["\x00".join(t) for t in zip(*parts)], dtype=object)
-        uniq, inverse = np.unique(keyed, return_inverse=True)
-        keys = [tuple(u.split("\x00")) + self.who for u in uniq]
+            values = [self._label(name, v, MAX_GROUPS if name == "group" else MAX_DTYPES)
+                      if name in self.names else v for v in c.categories] + ["?"]
+            codes = np.where(c.codes < 0, len(values) - 1, c.codes).astype(np.int64)
+            key = key * len(values) + codes
+            names.append(values)
+        uniq, inverse = np.unique(key, return_inverse=True)
+        keys = []
+        for k in uniq.tolist():
+            parts = []
+            for values in reversed(names):
+                k, i = divmod(k, len(values))
+                parts.append(values[i])
+            keys.append(tuple(reversed(parts)) + self.who)
         duration = cols["duration_us"] / 1e6
         calls = np.bincount(inverse, minlength=len(keys))
         nbytes = np.bincount(inverse, weights=cols["bytes"].astype(np.float64), minlength=len(keys))
@@ -218,7 +225,7 @@ class Exporter:
         follower = self.follower
         if not len(follower.window) or not self.who:
             return
-        table = per_step(follower.dataframe())
+        table = per_step(follower.dataframe(names=REPORT_COLUMNS))
         known = table[table["step_us"].notna()]
         if self.last_step_seen is not None:
             fresh = known[known["step"] > self.last_step_seen]

@@ -181,12 +181,12 @@ class Follower:
             setattr(view, dur_name, np.array([pairs[k] for k in keys], np.int64))
         return view
 
-    def take_settled(self, now_ns: int, horizon_ns: int, final: bool = False):
+    def take_settled(self, now_ns: int, horizon_ns: int, final: bool = False, names=None):
         """The columns of the rows that settled since the last call, in seq order: a row settles
         when its duration is known, or its timing never gives one, or it is older than
         ``horizon_ns`` (its duration stays unknown), or ``final``. A row waits while an earlier
         one does (own times follow the order of calls); the rows before them in the window are
-        the context of their own times. None when no row settled."""
+        the context of their own times. None when no row settled. ``names``: only these columns."""
         np = self.np
         w = self.window
         if not len(w):
@@ -208,7 +208,7 @@ class Follower:
             if not len(new):
                 return None
         upto = int(new[-1]) + 1
-        cols = self.frame(w[:upto])
+        cols = self.frame(w[:upto], names)
         self.taken[new] = True
         out = {name: _pick(c, new) for name, c in cols.items()}
         self._trim()
