@@ -188,3 +188,79 @@ def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the
                 p.wait()
         server.terminate()
         server.wait(timeout=20)
+
+
+def _scrape(port):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("commpatch_inflight")}
+
+
+def _inflight_worker(rank, world_size, base, out_dir):
+    """Rank 0 issues an async all_reduce that rank 1 joins only 3 s later: rank 0's own endpoint,
+    scraped meanwhile, shows one call in flight for over a second; afterwards none."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    commpatch.enable(output=os.path.join(out_dir, "rank{rank}.csv"), metrics_port=f"127.0.0.1:{base}")
+    t = torch.ones(8)
+    dist.all_reduce(t)                   # the rank's first row: its labels are known from here on
+    if rank == 1:
+        time.sleep(3.0)
+        dist.all_reduce(t, async_op=True).wait()
+        return None
+    work = dist.all_reduce(t, async_op=True)
+    time.sleep(1.5)
+    during = _scrape(base + rank)
+    work.wait()
+    deadline = time.monotonic() + 10
+    after = _scrape(base + rank)
+    while after.get("commpatch_inflight_calls") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        after = _scrape(base + rank)
+    return during, after
+
+
+@pytest.mark.slow
+def test_the_hang_alarm_shows_the_age_of_a_call_in_flight(tmp_path):
+    from tests.multiproc import run_ranks
+
+    base = _free_ports(2)
+    during, after = run_ranks(_inflight_worker, 2, timeout=120, base=base, out_dir=str(tmp_path))[0]
+    assert during["commpatch_inflight_calls"] == 1
+    assert 1.0 <= during["commpatch_inflight_oldest_seconds"] < 60
+    assert after["commpatch_inflight_calls"] == 0 and after["commpatch_inflight_oldest_seconds"] == 0
+
+
+def test_label_values_are_bounded():
+    """40 process groups and 12 dtypes: 16 group names and 8 dtypes keep their name, the rest
+    are counted as 'other' (the counts are all kept)."""
+    import types
+
+    import numpy as np
+
+    from commpatch.data.frame import Cat
+    from commpatch.metrics import MAX_DTYPES, MAX_GROUPS, Exporter
+
+    log = types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: [])
+    exporter = Exporter(log)
+    exporter.who = ("0", "host", "run")
+    n = 480
+    rng = np.arange(n)
+    cols = {"seq": rng, "collective": Cat(np.zeros(n, np.int8), ["all_reduce"]),
+            "group": Cat(rng % 40, [f"g{i}" for i in range(40)]), "phase": Cat(np.zeros(n, np.int8), ["other"]),
+            "dtype": Cat(rng % 12, [f"d{i}" for i in range(12)]), "bytes": np.full(n, 4),
+            "duration_us": np.full(n, 10.0), "own_us": np.full(n, 10.0), "busbw_gbps": np.full(n, 1.0)}
+    exporter._count(cols)
+    groups = {key[1] for key in exporter.counts}
+    dtypes = {key[3] for key in exporter.counts}
+    assert len(groups) == MAX_GROUPS + 1 and "other" in groups
+    assert len(dtypes) == MAX_DTYPES + 1 and "other" in dtypes
+    assert sum(v[0] for v in exporter.counts.values()) == n
+    assert sum(v[1] for v in exporter.counts.values()) == 4 * n
