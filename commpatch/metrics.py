@@ -22,6 +22,7 @@ import numpy as np
 
 from .data.follow import Follower
 from .analysis import REPORT_COLUMNS
+from .analysis.live import counted_steps
 from .analysis.steps import per_step
 from .io.paths import rank_path
 from .io.writer import write_bytes
@@ -225,7 +226,10 @@ class Exporter:
         follower = self.follower
         if not len(follower.window) or not self.who:
             return
-        table = per_step(follower.dataframe(names=REPORT_COLUMNS))
+        df = follower.dataframe(names=REPORT_COLUMNS)
+        if not counted_steps(df):            # steps found from a pattern would be the window's: left out
+            return
+        table = per_step(df)
         known = table[table["step_us"].notna()]
         if self.last_step_seen is not None:
             fresh = known[known["step"] > self.last_step_seen]

@@ -205,7 +205,10 @@ class Session:
                 log.closing = reason == "exit"
                 log.flush()
                 if self.metrics is not None and reason == "exit":
-                    self.metrics.update(final=True)      # the text file's last figures
+                    try:
+                        self.metrics.update(final=True)      # the text file's last figures
+                    except Exception as exc:  # noqa: BLE001 - the export below still runs
+                        _runtime.fail("metrics", exc)
                 if log.unwritten():          # the file never took them: say how many
                     _runtime.fail(f"export.{reason}", OSError(f"cannot write {log.failing or 'this rank'}"),
                                   rows=log.unwritten())

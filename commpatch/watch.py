@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 from .analysis.live import in_flight, rank_live, slowest
 from .io.follow import RunFollower
@@ -29,7 +30,10 @@ def snapshot(follower: RunFollower, now_ns: int, stuck_s: float) -> dict:
         if not len(live.window):
             continue
         df = live.dataframe()
-        ranks.append(rank_live(df))
+        with warnings.catch_warnings(record=True) as said:      # shown under the table, not over it
+            warnings.simplefilter("always")
+            ranks.append(rank_live(df))
+        notes += sorted({f"rank {rank}: {str(w.message).splitlines()[0][:200]}" for w in said})
         stuck.append(in_flight(df, now_ns, stuck_s))
         if live.skipped_bytes or live.bad_rows or live.bad_records:
             notes.append(f"rank {rank}: {live.skipped_bytes} byte(s) that are no frame, {live.bad_rows} impossible "

@@ -147,6 +147,30 @@ def test_file_follower_reads_each_byte_once_as_the_file_grows(finished_log, tmp_
     reader.close()
 
 
+def test_without_a_step_boundary_the_live_step_figures_are_unknown(finished_log):
+    """Steps found from the pattern of a window of recent rows would be the window's numbers, not
+    the job's: without a recorded step boundary the live step figures are unknown, not made up."""
+    import pandas as pd
+
+    from commpatch.analysis.live import rank_live
+    from commpatch.render.live import screen
+
+    with open(finished_log, "rb") as f:
+        df = parsed_frame(f.read())
+    counted = rank_live(df)
+    assert counted["current_step"] == 29 and counted["last_step"] == 28 and counted["step_us"] > 0
+    stepless = df.assign(step=0, step_source=pd.Categorical(["none"] * len(df)))
+    live = rank_live(stepless)
+    assert live["current_step"] == -1 and live["calls"] == -1 and live["last_step"] == -1
+    assert np.isnan(live["step_us"]) and np.isnan(live["comm_share"]) and np.isnan(live["exposed_share"])
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(screen(dict(ranks=[live], now_ns=int(df["start_ns"].max()))))
+    row = [ln for ln in console.export_text().splitlines() if ln.startswith("│")][0]
+    assert [c.strip() for c in row.split("│")[1:-1]][:6] == ["0", "?", "?", "?", "?", "?"]
+
+
 def _watch(run_dir, *args, timeout=120):
     return subprocess.Popen([sys.executable, "-m", "commpatch", "watch", run_dir, *args], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

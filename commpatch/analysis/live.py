@@ -9,19 +9,31 @@ import math
 
 import numpy as np
 
+from ..data.schema import BOUNDARY_SOURCES
 from .steps import per_step
 from .summaries import durations
 
 LIVE_COLUMNS = ("rank", "current_step", "calls", "last_step", "step_us", "comm_share", "exposed_share", "last_start_ns")
 
 
+def counted_steps(df) -> bool:
+    """Whether the rows' steps were counted by a step boundary (optimizer.step, a DDP / FSDP root
+    forward, commpatch.step()). Without one, steps can only be found from the pattern of calls,
+    numbered from the start of what is read: in a window of recent rows, not the job's steps."""
+    return bool(len(df)) and bool(df["step_source"].isin(BOUNDARY_SOURCES).any())
+
+
 def rank_live(df) -> dict:
-    """One rank's figures from its window of rows: current_step (of its latest call), last_step (the
+    """One rank's figures from its window of rows: current_step (of its latest call; -1, unknown,
+    without a step boundary in the log: then every step figure is unknown), last_step (the
     latest step whose time is known: the next step has begun) with its step_us, comm_share and
     exposed_share (NaN: unknown), calls in the current step, last_start_ns (its latest call's
     issue). Empty dict for no rows."""
     if not len(df):
         return {}
+    if not counted_steps(df):            # no step boundary: the figures of steps are unknown
+        return dict(rank=int(df["rank"].iloc[0]), current_step=-1, calls=-1, last_step=-1, step_us=math.nan,
+                    comm_share=math.nan, exposed_share=math.nan, last_start_ns=int(df["start_ns"].max()))
     table = per_step(df)
     current = int(df["step"].max())
     known = table[table["step_us"].notna()]
@@ -66,4 +78,4 @@ def in_flight(df, now_ns: int, threshold_s: float):
     return out.reset_index(drop=True)
 
 
-__all__ = ["LIVE_COLUMNS", "in_flight", "rank_live", "slowest"]
+__all__ = ["LIVE_COLUMNS", "counted_steps", "in_flight", "rank_live", "slowest"]

@@ -33,7 +33,8 @@ def screen(snapshot: dict):
             continue
         age = (now_ns - r["last_start_ns"]) / 1e9 if now_ns else math.nan
         style = "bold red" if slow and r["rank"] == slow.get("rank") else None
-        table.add_row(str(r["rank"]), str(r["current_step"]), str(r["calls"]),
+        table.add_row(str(r["rank"]), str(r["current_step"]) if r["current_step"] >= 0 else "?",
+                      str(r["calls"]) if r["calls"] >= 0 else "?",
                       _ms(r["step_us"]) + (f" (step {r['last_step']})" if r["last_step"] >= 0 else ""),
                       _share(r["comm_share"]), _share(r["exposed_share"]),
                       "?" if math.isnan(age) else f"{age:.1f} s ago", style=style)
