@@ -178,11 +178,11 @@ SETTINGS: tuple[Setting, ...] = (
             "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call)."),
     Setting("ddp_packing", "COMMPATCH_DDP_PACKING", True, _parse_bool,
             "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.6-2.1 us per parameter per step. 0: not timed, and not in the shares."),
-    Setting("metrics_port", "COMMPATCH_METRICS_PORT", None, _parse_metrics_port,
+    Setting("metrics_port", "COMMPATCH_METRICS_PORT", "0", _parse_metrics_port,
             "Serve live Prometheus metrics over HTTP on PORT (or HOST:PORT; all interfaces by default) plus the "
             "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
             "Needs pip install 'commpatch[metrics]'. 0: none."),
-    Setting("metrics_file", "COMMPATCH_METRICS_FILE", "", _parse_metrics_file,
+    Setting("metrics_file", "COMMPATCH_METRICS_FILE", "none", _parse_metrics_file,
             "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
             "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
             "'none': no file."),
