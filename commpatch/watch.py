@@ -76,7 +76,8 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
                     reason = "the job ended: every rank wrote its export at exit"
                     break
                 if quiet >= idle:
-                    reason = (f"no rank's log grew for {idle:g} s" if seen else
+                    last = time.strftime("%H:%M:%S", time.localtime(time.time() - quiet))
+                    reason = (f"no rank's log grew for {idle:g} s (last growth at {last})" if seen else
                               f"no rank log appeared in {idle:g} s")
                     break
                 time.sleep(interval)

@@ -1,8 +1,9 @@
 """One rank of a small running job for the live tests (tests/test_metrics.py, tests/test_watch.py):
 started as a process per rank (``python tests/live_workers.py --rank R ...``), so that a test can
 watch or scrape it while it runs. Each step: a synchronous all_reduce, a broadcast, an async
-all_reduce and an all_gather; after the steps it writes ``--done``.rank{R} and waits (at most
-``--hold`` seconds) for the file ``--release`` before it ends."""
+all_reduce and an all_gather; after the steps (and, with ``--lag``, an async all_reduce that rank 1
+joins late) it writes ``--done``.rank{R} and waits (at most ``--hold`` seconds) for the file
+``--release`` before it ends."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def main() -> None:
     p.add_argument("--done", default="")
     p.add_argument("--release", default="")
     p.add_argument("--hold", type=float, default=60.0)
+    p.add_argument("--lag", type=float, default=0.0,
+                   help="after the steps, rank 0 issues an async all_reduce that rank 1 joins this many seconds later")
     args = p.parse_args()
     os.environ["LOCAL_RANK"] = str(args.rank)
     import torch
@@ -43,6 +46,10 @@ def main() -> None:
         out = [torch.empty(256) for _ in range(args.world)]
         dist.all_gather(out, torch.ones(256))
         time.sleep(args.sleep * (1 + args.rank))       # rank 1 computes longer: rank 0 waits for it
+    if args.lag:
+        if args.rank == 1:
+            time.sleep(args.lag)
+        dist.all_reduce(t, async_op=True).wait()
     dist.barrier()
     if args.done:
         with open(f"{args.done}.rank{args.rank}", "w") as f:

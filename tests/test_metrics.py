@@ -269,3 +269,23 @@ def test_label_values_are_bounded():
     assert len(dtypes) == MAX_DTYPES + 1 and "other" in dtypes
     assert sum(v[0] for v in exporter.counts.values()) == n
     assert sum(v[1] for v in exporter.counts.values()) == 4 * n
+
+
+def test_a_taken_port_is_a_warning_and_the_job_runs_on(monkeypatch):
+    import types
+
+    from commpatch.metrics import Exporter
+
+    base = _free_ports(1)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", base))
+    taken.listen(1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    said = []
+    try:
+        exporter = Exporter(types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: []),
+                            ("127.0.0.1", base), warn=said.append)
+    finally:
+        taken.close()
+    assert exporter.server is None and exporter.address is None
+    assert len(said) == 1 and f"metrics not served on 127.0.0.1:{base}" in said[0] and "the job runs on" in said[0]

@@ -213,6 +213,36 @@ def test_watch_stops_when_the_logs_stop_growing(tmp_path):
     assert "Traceback" not in err + out
 
 
+@pytest.mark.slow
+def test_the_live_view_lists_a_call_in_flight_too_long(tmp_path):
+    """Rank 0's async all_reduce waits 6 s for rank 1: the view, reading the growing logs, lists it
+    once it is older than --stuck (1 s), and no more once it completed."""
+    from commpatch.io.follow import RunFollower
+    from commpatch.watch import snapshot
+
+    tmp = str(tmp_path)
+    procs, logs, release = start_job(tmp, steps=5, sleep=0.0, lag=6.0)
+    follower = RunFollower(logs)
+    try:
+        seen, deadline = None, time.monotonic() + 90
+        while seen is None and time.monotonic() < deadline:
+            follower.poll()
+            snap = snapshot(follower, time.time_ns(), stuck_s=1.0)
+            if snap["stuck"] is not None and len(snap["stuck"]):
+                seen = snap["stuck"]
+            time.sleep(0.2)
+        assert seen is not None, "the call in flight was never listed"
+        assert seen["rank"].tolist() == [0] and seen["op"].tolist() == ["all_reduce"]
+        assert (seen["age_s"] > 1.0).all()
+        wait_done(tmp, procs)
+        time.sleep(0.5)                      # the flusher's next pass writes the completion
+        follower.poll()
+        assert snapshot(follower, time.time_ns(), stuck_s=1.0)["stuck"] is None
+    finally:
+        follower.close()
+        finish(procs, release)
+
+
 def _tmux(*args, check=True):
     return subprocess.run(["tmux", "-L", "commpatch-test", *args], capture_output=True, text=True, check=check)
 
