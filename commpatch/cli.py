@@ -93,7 +93,10 @@ def _report(args) -> int:
             _check_output(option, path, directory=False)
     if args.plots:
         _check_plots(args.plots)
+    if args.tensorboard:
+        _check_tensorboard(args.tensorboard)
     steps = _read_steps(step_times[0], step_times[1]) if step_times else None
+    cross = None
     if _use_engine(args):
         df, rep, pre = None, *_engine_report(args, by, steps, ranks, window)
     else:
@@ -137,6 +140,16 @@ def _report(args) -> int:
                 print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
             except ValueError as exc:
                 raise _InputError(str(exc)) from None
+    if args.tensorboard:
+        from .render.tensorboard import write_tensorboard  # lazy: the CLI's other commands never load torch's writer
+
+        if df is None:
+            df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
+        with _writing("--tensorboard", args.tensorboard):
+            written = write_tensorboard(analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
+                                        args.tensorboard, steps=steps)
+        print(f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
+              f"tensorboard --logdir {args.tensorboard})", file=sys.stderr)
     if args.plots or args.html:
         if pre is not None:
             by_op, arrivals = pre.by_op_size, pre.arrivals
@@ -285,6 +298,8 @@ def _report_compare(args) -> int:
         _check_plots(args.plots)
     if args.html:
         _check_output("--html", args.html, directory=False)
+    if args.tensorboard:
+        raise _InputError("--tensorboard writes one run's steps: give the run without --compare")
     runs = {}
     for i, path in enumerate(args.compare):
         runs[path] = analysis.with_pattern_steps(io.read(path))
@@ -375,6 +390,20 @@ def _check_plots(directory: str) -> None:
     _check_output("--plots", directory, directory=True)
     if importlib.util.find_spec("matplotlib") is None:
         raise _InputError("--plots needs matplotlib: pip install 'commpatch[plots]' (or pip install matplotlib)")
+
+
+def _check_tensorboard(directory: str) -> None:
+    _check_output("--tensorboard", directory, directory=True)
+    try:
+        import tensorboard  # noqa: F401 - torch.utils.tensorboard writes with it
+    except ImportError:
+        raise _InputError("--tensorboard needs the tensorboard package: pip install 'commpatch[tensorboard]'") from None
+    from .render.tensorboard import taken  # lazy: the CLI's other commands never load numpy / pandas
+
+    earlier = taken(directory)
+    if earlier:
+        raise _InputError(f"--tensorboard {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
+                          "report?): give a new directory (TensorBoard would show both as one run)")
 
 
 @contextlib.contextmanager
@@ -602,6 +631,25 @@ def cmd_install_hook(args) -> int:
     return 0
 
 
+def cmd_watch(args) -> int:
+    """``commpatch watch RUN_DIR``: the live view of a running job (needs rich)."""
+    import importlib.util
+
+    if importlib.util.find_spec("rich") is None:
+        print("commpatch watch: needs the rich package: pip install 'commpatch[live]'", file=sys.stderr)
+        return 2
+    for option, value in (("--interval", args.interval), ("--idle", args.idle), ("--stuck", args.stuck)):
+        if not value > 0:
+            print(f"commpatch watch: {option} {value:g}: give a number of seconds > 0", file=sys.stderr)
+            return 2
+    if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
+        print(f"commpatch watch: {args.run_dir}: not a directory (give the run's directory of rank logs)", file=sys.stderr)
+        return 2
+    from .watch import watch  # lazy: the CLI's other commands never load rich, numpy or pandas
+
+    return watch(args.run_dir, interval=args.interval, idle=args.idle, stuck_s=args.stuck)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commpatch", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -637,6 +685,9 @@ def main(argv=None) -> int:
     p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page (works offline)")
     p.add_argument("--wide", action="store_true",
                    help="text: every column of every table, sentences unwrapped (default: fits 120 columns)")
+    p.add_argument("--tensorboard", metavar="OUTDIR",
+                   help="also write TensorBoard scalars per step and rank (OUTDIR/rank{r}: step time, communication and "
+                        "exposed share, busbw per collective; needs pip install 'commpatch[tensorboard]')")
     p.add_argument("--module-tree", metavar="FILE",
                    help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
     p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
@@ -662,6 +713,16 @@ def main(argv=None) -> int:
                    help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("watch", help="the live view of a running job: per rank its step, step time and shares "
+                                     "(reads its growing rank logs; needs rich)")
+    p.add_argument("run_dir", help="the run's directory of rank logs (or a directory of runs: the latest)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    p.add_argument("--idle", type=float, default=60.0,
+                   help="stop when no rank log grew for this many seconds (default 60)")
+    p.add_argument("--stuck", type=float, default=30.0,
+                   help="list a call in flight for longer than this many seconds (default 30)")
+    p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("env", help="show settings and their environment variables")
     p.set_defaults(func=cmd_env)

@@ -107,6 +107,40 @@ def _parse_output(name: str, env: str, value: Any) -> str:
     return text
 
 
+def _needs_metrics_extra(env: str, value: Any) -> None:
+    try:
+        import prometheus_client  # noqa: F401 - only asked when a metrics setting is given
+    except ImportError:
+        raise ConfigError(f"{env}={value!r} needs the prometheus-client package: pip install 'commpatch[metrics]'") from None
+
+
+def _parse_metrics_port(name: str, env: str, value: Any) -> tuple[str, int] | None:
+    """'' / 0 / off: no server; PORT or HOST:PORT (each rank serves on PORT + its LOCAL_RANK)."""
+    text = "" if value is None else str(value).strip()
+    if text.lower() in ("", "0", "none", "off"):
+        return None
+    host, sep, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) < 65536 or (sep and not host):
+        raise ConfigError(f"{env}={value!r} (setting {name!r}) must be a port 1-65535 or HOST:PORT (each rank serves "
+                          "on the port plus its LOCAL_RANK), or 0 for none")
+    _needs_metrics_extra(env, value)
+    return host.strip("[]") if sep else "0.0.0.0", int(port)
+
+
+def _parse_metrics_file(name: str, env: str, value: Any) -> str:
+    text = "" if value is None else str(value).strip()
+    if text.lower() in ("", "0", "none", "off"):
+        return ""
+    if not text.endswith(".prom"):
+        raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .prom (node-exporter's textfile collector "
+                          "reads only those), or be 'none'")
+    problem = template_error(text)
+    if problem:
+        raise ConfigError(f"{env}={value!r} (setting {name!r}): {problem}")
+    _needs_metrics_extra(env, value)
+    return text
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -144,6 +178,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call)."),
     Setting("ddp_packing", "COMMPATCH_DDP_PACKING", True, _parse_bool,
             "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.6-2.1 us per parameter per step. 0: not timed, and not in the shares."),
+    Setting("metrics_port", "COMMPATCH_METRICS_PORT", "0", _parse_metrics_port,
+            "Serve live Prometheus metrics over HTTP on PORT (or HOST:PORT; all interfaces by default) plus the "
+            "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
+            "Needs pip install 'commpatch[metrics]'. 0: none."),
+    Setting("metrics_file", "COMMPATCH_METRICS_FILE", "none", _parse_metrics_file,
+            "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
+            "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
+            "'none': no file."),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 
-from . import config, integrations, watchdog
+from . import config, integrations, metrics, watchdog
 from .analysis.summaries import summary as _summary
 from .io.paths import check_writable, export_path, rank_path
 from .io.writer import convert, write
@@ -39,6 +39,7 @@ class Session:
         self.patcher = Patcher(self.log, self.timing, on_destroy=self._on_destroy)
         self.integrations = None           # integrations.Context while enabled
         self.flusher: Flusher | None = None
+        self.metrics: metrics.Exporter | None = None     # live Prometheus metrics, when asked for
         self.lock = threading.RLock()
         self.warned: set[str] = set()
         self.exit_lock = threading.Lock()
@@ -63,6 +64,12 @@ class Session:
                     raise config.ConfigError(
                         f"{setting}={output!r} has no {{rank}} in a {world}-rank job (WORLD_SIZE={world}): every rank "
                         "writes its own file, e.g. 'commpatch_logs/{run}/rank{rank}.csv'")
+            for key, env in (("metrics_file", "COMMPATCH_METRICS_FILE"),):
+                template = resolved[key]
+                world = os.environ.get("WORLD_SIZE", "")
+                if template and world.isdigit() and int(world) > 1 and "{rank}" not in template and "{pid}" not in template:
+                    raise config.ConfigError(f"{env}={template!r} has no {{rank}} in a {world}-rank job: every rank "
+                                             "writes its own file, e.g. 'commpatch_rank{rank}.prom'")
             state.settings = resolved
             log = self.log
             log.set_output(output)
@@ -83,6 +90,7 @@ class Session:
             if log.sink is not None and log.sink.path is not None or log.backlog:
                 self._start_flusher(log)    # rows recorded after a disable() reach the disk as before
             _register_fork_handler()
+            self._start_metrics(resolved)
             self.patcher.apply(resolved["ops"], host_only=resolved["timing"] == "host")
             self.integrations = integrations.apply(log, self.timing, resolved)
             state.enabled = True
@@ -106,9 +114,13 @@ class Session:
                 state.enabled = False
 
     def close(self) -> None:
-        """Disable, stop the flusher and drop the exit handler: a session replaced by another."""
+        """Disable, stop the flusher and the metrics, and drop the exit handler: a session replaced by another."""
         self.disable()
         self._stop_flusher()
+        exporter, self.metrics = self.metrics, None
+        if exporter is not None:
+            exporter.close()
+            self.log.observed = None
         if self.exit_handler:
             atexit.unregister(self.write_at_exit)
             self.exit_handler = False
@@ -138,9 +150,28 @@ class Session:
         durations and the last rows still reach the disk; enable() finds it running)."""
         log.open()
         if self.flusher is None or not self.flusher.alive():
-            self.flusher = Flusher(log.tick)
+            self.flusher = Flusher(self._tick)
             log.wake = self.flusher.wake
         self.flusher.wake()                 # the file's first bytes (its header) right away
+
+    def _tick(self) -> None:
+        """The flusher's pass: the log to its file, then the live metrics from what was written."""
+        self.log.tick()
+        exporter = self.metrics
+        if exporter is not None:
+            try:
+                exporter.update()
+            except Exception as exc:  # noqa: BLE001 - the job goes on; the metrics say no more
+                _runtime.fail("metrics", exc)
+
+    def _start_metrics(self, resolved) -> None:
+        """COMMPATCH_METRICS_PORT / _FILE: the exporter, fed by the flusher (started now, also
+        with output 'none')."""
+        if self.metrics is not None or not (resolved["metrics_port"] or resolved["metrics_file"]):
+            return
+        self.metrics = metrics.Exporter(self.log, resolved["metrics_port"], resolved["metrics_file"], warn=self._warn_once)
+        self.log.observed = []
+        self._start_flusher(self.log)
 
     def _stop_flusher(self) -> None:
         flusher, self.flusher = self.flusher, None
@@ -173,6 +204,11 @@ class Session:
             else:
                 log.closing = reason == "exit"
                 log.flush()
+                if self.metrics is not None and reason == "exit":
+                    try:
+                        self.metrics.update(final=True)      # the text file's last figures
+                    except Exception as exc:  # noqa: BLE001 - the export below still runs
+                        _runtime.fail("metrics", exc)
                 if log.unwritten():          # the file never took them: say how many
                     _runtime.fail(f"export.{reason}", OSError(f"cannot write {log.failing or 'this rank'}"),
                                   rows=log.unwritten())
@@ -217,6 +253,7 @@ class Session:
         parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
         self.lock = threading.RLock()
         self.flusher = None                 # threads do not survive fork
+        self.metrics = None                 # the parent's metrics, not a child's
         self.exit_lock = threading.Lock()
         self.exported.clear()
         self.log.after_fork()

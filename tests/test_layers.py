@@ -22,12 +22,14 @@ LAYER_OF = (
     ("commpatch.patch", "patch"),
     ("commpatch.integrations", "integrations"),
     ("commpatch.watchdog", "watchdog"),
+    ("commpatch.metrics", "metrics"),
     ("commpatch.io", "io"),
     ("commpatch.analysis", "analysis"),
     ("commpatch.render", "render"),
     ("commpatch.synthetic", "tools"),
     ("commpatch.session", "session"),
     ("commpatch.cli", "cli"),
+    ("commpatch.watch", "cli"),
     ("commpatch.__main__", "cli"),
     ("commpatch.export", "compat"), ("commpatch.merge", "compat"), ("commpatch.report", "compat"),
     ("commpatch.trace", "compat"), ("commpatch.plots", "compat"),
@@ -45,14 +47,15 @@ MAY_IMPORT = {
     "analysis": {"data"},
     "render": {"data", "analysis"},
     "watchdog": {"data", "record", "io"},
+    "metrics": {"data", "io", "analysis"},        # live Prometheus metrics: fed by the session's flusher
     "tools": {"data", "io", "analysis"},
-    "session": {"data", "config", "record", "patch", "integrations", "watchdog", "io", "analysis", "render"},
+    "session": {"data", "config", "record", "patch", "integrations", "watchdog", "metrics", "io", "analysis", "render"},
     "cli": {"data", "config", "io", "analysis", "render"},
     "compat": {"io", "analysis", "render"},
     "entry": {"config", "session", "io", "data"},
 }
 OFFLINE = {"data", "io", "analysis", "render"}
-RUNTIME = {"record", "patch", "integrations", "watchdog", "session"}
+RUNTIME = {"record", "patch", "integrations", "watchdog", "metrics", "session"}
 
 # (importing module, imported module): the function-level imports of commpatch modules allowed,
 # each with a '# lazy: <reason>' comment on its line
@@ -74,6 +77,8 @@ LAZY = {
     ("commpatch.cli", "commpatch.render.html"),
     ("commpatch.cli", "commpatch.data.schema"),
     ("commpatch.cli", "commpatch.data.logfile"),
+    ("commpatch.cli", "commpatch.watch"),             # `commpatch watch` alone loads rich
+    ("commpatch.cli", "commpatch.render.tensorboard"),
 }
 
 

@@ -104,6 +104,8 @@ class Log:
         self.dropped = 0                     # rows dropped by a cap (max_rows; the backlog's bound), counted
         self.reset_seq = 0                   # log() shows rows from this seq on (commpatch.reset())
         self.recent = b""                    # the last flushed rows (the watchdog's view)
+        self.observed = None                 # frames collected, for the live metrics (a list when on)
+        self.unobserved = 0                  # frames the live metrics never took (bounded list)
 
     # ---- registries (slow path, first sight only) -------------------------------------
     def group_id(self, group) -> int:
@@ -222,7 +224,10 @@ class Log:
                     self.recent = chunk[-_RECENT * ROW.size:]
                     chunk = logfile.frame(logfile.ROWS, chunk)
                 if other or chunk:
-                    target.append(bytes(other), chunk, rows)
+                    meta = bytes(other)
+                    target.append(meta, chunk, rows)
+                    if self.observed is not None:      # the live metrics' copy (no bytes copied)
+                        self._observe(meta, chunk)
                 self.flushed_rows += rows
                 if target is self.backlog:
                     self._cap_backlog()
@@ -232,6 +237,22 @@ class Log:
             except Exception as exc:  # noqa: BLE001 - the user's job goes on without us
                 state.fail("export.flush", exc, rows=taken)
                 return 0
+
+    def _observe(self, meta: bytes, chunk: bytes) -> None:
+        observed = self.observed
+        if len(observed) >= OBSERVED_FRAMES:           # nobody takes them: bounded, counted
+            self.unobserved += len(observed)
+            del observed[:]
+        if meta:
+            observed.append(meta)
+        if chunk:
+            observed.append(chunk)
+
+    def take_observed(self) -> list:
+        """The frames collected since the last call, in order (the live metrics, on the flusher)."""
+        with self.lock:
+            taken, self.observed = self.observed or [], []
+        return taken
 
     def _cap_backlog(self) -> None:
         """Past the bound, the oldest rows waiting for the disk are dropped: counted, warned once
@@ -504,6 +525,7 @@ class Log:
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""
+        self.observed = None                 # the parent's live metrics do not follow a forked child
         self.rank = self.world_size = -1
         self.group_ids.clear()
         self.pid = os.getpid()
@@ -545,6 +567,7 @@ class Log:
 
 
 _RECENT = 64
+OBSERVED_FRAMES = 1 << 12
 
 
 def accelerator_present() -> bool:
