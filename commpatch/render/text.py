@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import analysis as _analysis
-from ..analysis import findings as _findings
+from ..analysis import advice as _advice, findings as _findings
 from ..analysis import matching, pattern, steps as _steps, summaries
 
 _UNITS = (("GB", 1e9), ("MB", 1e6), ("KB", 1e3))
@@ -125,6 +125,7 @@ class Report:
     errors: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
+    advice: list = field(default_factory=list)     # analysis.advice.Advice, rendered after the findings
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
@@ -191,6 +192,7 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     else:
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
+    rep.advice = _advice.advice(df, per_step, cr)
     return rep
 
 
@@ -245,6 +247,10 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
     shown = _shown_findings(rep)
     if shown:
         out += ["Findings:"] + [f"- {text} [table: {section}]" for text, section in shown]
+    if rep.advice:
+        out += ["", "Advice (each from the measurements quoted; the gain is an estimate: run again to check):"]
+        out += [f"- {terminal_safe(a.title)}: {terminal_safe(a.text)}\n  change: {terminal_safe(a.change)}"
+                f"\n  expected gain: {_gain(a)} [rule: {a.rule}; table: {a.section}]" for a in rep.advice]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
@@ -263,6 +269,10 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     if shown:
         out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
                                           for text, section in shown]
+    if rep.advice:
+        out += ["", "## Advice", ""] + [f"- **{terminal_safe(a.title)}**: {terminal_safe(a.text)} Change: "
+                                        f"`{terminal_safe(a.change)}`; expected gain: {_gain(a)} (rule `{a.rule}`)."
+                                        for a in rep.advice]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or key == "mismatches":
@@ -277,8 +287,17 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
 
 def render_report_json(rep: Report) -> str:
     sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
-    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings], "errors": rep.errors,
+    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings],
+                       "advice": [a.as_dict() for a in rep.advice], "errors": rep.errors,
                        "notes": rep.notes, "sections": sections}, indent=1)
+
+
+def _gain(a) -> str:
+    """'up to 3.2 ms per step (12% of the step)' for an advice item; 'unknown' without an estimate."""
+    if not a.gain_us == a.gain_us:      # NaN
+        return "unknown"
+    ms = f"{a.gain_us / 1e3:.3g} ms" if a.gain_us >= 100 else f"{a.gain_us:.3g} us"
+    return f"up to {ms} per step ({100 * a.gain_share:.0f}% of the step)"
 
 
 
