@@ -249,16 +249,16 @@ def latency_fit(times, nbytes):
 def small_messages(df, steps_table, st) -> list:
     """Coalesce the calls below the latency-bound size on a group when they are many per step."""
     rows = steady_rows(df, steps_table)
-    rows = rows[~_bucket_mask(rows) & (rows["bytes"].to_numpy() > 0)]
+    rows = rows[~_bucket_mask(rows) & (rows["bytes"].to_numpy() > 0)].reset_index(drop=True)
     if not len(rows):
         return []
-    times = transfer_durations(rows)
+    times = transfer_durations(rows)        # by position: rows' index is 0..n-1
     step_us = st["step_p50_us"]
     steps = rows["step"].nunique()
     out = []
     keys = rows[["group", "collective"]].astype(str)
     for (group, collective), part in rows.groupby([keys["group"], keys["collective"]], sort=True):
-        fit = latency_fit(times[rows.index.get_indexer(part.index)], part["bytes"])
+        fit = latency_fit(times[part.index], part["bytes"])
         if fit is None:
             continue
         latency_us, us_per_byte = fit
@@ -270,7 +270,7 @@ def small_messages(df, steps_table, st) -> list:
         calls = float(per_step.groupby(level="rank").median().median()) if len(per_step) else 0.0
         if calls < MIN_SMALL_CALLS or small["step"].nunique() < min(MIN_STEPS, steps):
             continue
-        small_us = float(np.nansum(times[rows.index.get_indexer(small.index)])) / max(len(per_step), 1)
+        small_us = float(np.nansum(times[small.index])) / max(len(per_step), 1)
         gain = (calls - 1) * latency_us
         if gain < max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US):
             continue
