@@ -69,7 +69,7 @@ def test_one_bucket_holding_all_gradients_gets_a_smaller_cap():
     assert a.setting == {"bucket_cap_mb": 2.0} and a.change == "DistributedDataParallel(model, bucket_cap_mb=2)"
     ev = a.evidence
     assert ev["buckets"] == 1 and ev["last_bucket_bytes"] == 8 * MIB and ev["tail_us"] == pytest.approx(10_200.0)
-    assert ev["hidden_share"] == pytest.approx(0.0, abs=1e-9)
+    assert ev["hidden_share"] == pytest.approx(0.0, abs=1e-9) and ev["us_per_mib"] == pytest.approx(1250.0)
     # the new tail: a 2 MiB bucket at the measured 1.25 ms per MiB, the finalize; the rest fits the backward
     assert ev["predicted_tail_us"] == pytest.approx(2 * 1250.0 + 200.0)
     assert a.gain_us == pytest.approx(10_200.0 - 2700.0) and a.gain_share == pytest.approx(7500.0 / 50_000.0)

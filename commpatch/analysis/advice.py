@@ -67,7 +67,7 @@ MIN_SIZE_SPAN = 16.0
 @dataclass
 class Advice:
     """One item of advice. ``rule``: the rule's name (stable); ``title``: one line; ``evidence``: the
-    measurements behind it, name -> number (units in the names: _us, _bytes, _share, _mb); ``change``:
+    measurements behind it, name -> number (units in the names: _us, _bytes, _share, _mib); ``change``:
     the exact argument or code to change; ``setting``: the same, machine-readable (argument -> value;
     {} when the change is code); ``gain_us``: expected gain per step (an upper estimate: NaN when
     unknown), ``gain_share``: of the median steady-state step; ``text``: why, in a sentence or two;
@@ -154,7 +154,7 @@ def bucket_steps(df, steps_table):
     return out.drop(columns=["first", "end", "sync_end"]).reset_index()
 
 
-def _step_times(df, steps_table):
+def _step_times(steps_table):
     """step_us per steady (rank, step): the per-step table's mean over ranks (by_rank=False) or its own."""
     cols = ["rank", "step", "step_us", "exposed_us"] if "rank" in steps_table.columns else ["step", "step_us", "exposed_us"]
     return steps_table.loc[steps_table["stage"] == "steady", cols]
@@ -165,7 +165,7 @@ def ddp_bucket_size(df, steps_table, st) -> list:
     bs = bucket_steps(df, steps_table)
     if bs["step"].nunique() < MIN_STEPS:
         return []
-    bs = bs.merge(_step_times(df, steps_table), on=[c for c in ("rank", "step") if c in steps_table.columns])
+    bs = bs.merge(_step_times(steps_table), on=[c for c in ("rank", "step") if c in steps_table.columns])
     step_us = float(np.nanmedian(bs["step_us"]))
     tail_us = float(np.nanmedian(bs["tail_us"]))
     total = float(np.median(bs["bucket_bytes"]))
@@ -192,7 +192,7 @@ def ddp_bucket_size(df, steps_table, st) -> list:
     evidence = dict(steps=int(bs["step"].nunique()), step_us=step_us, buckets=float(np.median(bs["buckets"])),
                     bucket_bytes=total, last_bucket_bytes=last, last_bucket_params=params, tail_us=tail_us,
                     tail_share=tail_us / step_us, hidden_share=max(hidden, 0.0), comm_us=comm_us,
-                    us_per_mb=us_per_byte * MIB, issue_span_us=float(np.median(bs["issue_span_us"])),
+                    us_per_mib=us_per_byte * MIB, issue_span_us=float(np.median(bs["issue_span_us"])),
                     backward_estimate_us=backward_us, predicted_tail_us=predicted_us)
     text = (f"the last gradient bucket ({_mb(last)} of the step's {_mb(total)}, {_n(evidence['buckets'])} bucket(s)) "
             f"is all-reduced only when the backward is over: the training thread waits {_ms(tail_us)} per step for it "
@@ -276,7 +276,7 @@ def small_messages(df, steps_table, st) -> list:
             continue
         ops = sorted(set(small["op"].astype(str)))
         evidence = dict(steps=int(small["step"].nunique()), step_us=step_us, calls_per_step=calls,
-                        latency_us=latency_us, us_per_mb=us_per_byte * MIB, latency_bound_bytes=bound,
+                        latency_us=latency_us, us_per_mib=us_per_byte * MIB, latency_bound_bytes=bound,
                         small_bytes_median=float(small["bytes"].median()), small_us_per_step=small_us,
                         latency_share=min(calls * latency_us / small_us, 1.0) if small_us > 0 else math.nan)
         text = (f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(ops)}) move messages below "
