@@ -73,7 +73,7 @@ def test_one_bucket_holding_all_gradients_gets_a_smaller_cap():
     # the new tail: a 2 MiB bucket at the measured 1.25 ms per MiB, the finalize; the rest fits the backward
     assert ev["predicted_tail_us"] == pytest.approx(2 * 1250.0 + 200.0)
     assert a.gain_us == pytest.approx(10_200.0 - 2700.0) and a.gain_share == pytest.approx(7500.0 / 50_000.0)
-    assert "10.2 ms per step" in a.text
+    assert "10.2 ms per step" in a.text and "On CPU" in a.text
 
 
 def test_split_buckets_get_no_bucket_advice():
@@ -193,3 +193,4 @@ def test_real_one_bucket_job_gets_a_smaller_cap(tmp_path):
     data = _train_ddp(tmp_path, 35202, "--steps", "30", "--bucket-mb", "1000")
     (a,) = [a for a in data["advice"] if a["rule"] == "ddp_bucket_size"]
     assert a["setting"] == {"bucket_cap_mb": 1.0} and a["evidence"]["buckets"] == 1
+    assert a["evidence"]["last_bucket_params"] == 8 and "On CPU" in a["text"]     # columns the report reads

@@ -41,6 +41,7 @@ def test_report_columns_are_what_the_analyses_read(ddp_logs):
     a = report.build_report(full)
     b = report.build_report(full[list(analysis.REPORT_COLUMNS)])
     assert [f.text for f in a.findings] == [f.text for f in b.findings]
+    assert [x.as_dict() for x in a.advice] == [x.as_dict() for x in b.advice]
     for key, frame in a.sections.items():
         assert frame.to_json() == b.sections[key].to_json(), key
 

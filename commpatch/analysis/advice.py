@@ -201,6 +201,9 @@ def ddp_bucket_size(df, steps_table, st) -> list:
             f"{_mb(new_last)}; at the measured {_ms(us_per_byte * MIB)} per MiB the tail would be about "
             f"{_ms(predicted_us)}, if the other buckets' all-reduce ({_ms((total - new_last) * us_per_byte)}) fits "
             f"under the backward (taken as {_ms(backward_us)}).")
+    if "device" in df.columns and (df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all():
+        text += (" On CPU the all-reduce under the backward competes with it for the cores: on a busy machine the "
+                 "step gains less than the tail loses.")
     return [Advice("ddp_bucket_size", f"DDP: buckets of {cap_mb:g} MiB to overlap the gradient all-reduce with the backward",
                    evidence, f"DistributedDataParallel(model, bucket_cap_mb={cap_mb:g})", {"bucket_cap_mb": cap_mb},
                    gain, gain / step_us, text, "steps")]
