@@ -247,10 +247,7 @@ def render_report_text(rep: Report, max_rows: int = 20) -> str:
     shown = _shown_findings(rep)
     if shown:
         out += ["Findings:"] + [f"- {text} [table: {section}]" for text, section in shown]
-    if rep.advice:
-        out += ["", "Advice (each from the measurements quoted; the gain is an estimate: run again to check):"]
-        out += [f"- {terminal_safe(a.title)}: {terminal_safe(a.text)}\n  change: {terminal_safe(a.change)}"
-                f"\n  expected gain: {_gain(a)} [rule: {a.rule}; table: {a.section}]" for a in rep.advice]
+    out += advice_lines(rep)
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
@@ -290,6 +287,19 @@ def render_report_json(rep: Report) -> str:
     return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings],
                        "advice": [a.as_dict() for a in rep.advice], "errors": rep.errors,
                        "notes": rep.notes, "sections": sections}, indent=1)
+
+
+def advice_lines(rep: Report, para=lambda text, first="", rest="  ": [first + text]) -> list:
+    """The text report's advice section (none without advice): per item its title and why, the change and
+    the expected gain, each a paragraph made lines by ``para(text, first, rest)`` (one line each by default)."""
+    if not rep.advice:
+        return []
+    out = ["", "Advice (each from the measurements quoted; the gain is an estimate: run again to check):"]
+    for a in rep.advice:
+        out += para(f"{terminal_safe(a.title)}: {terminal_safe(a.text)}", first="- ")
+        out += para(f"change: {terminal_safe(a.change)}", first="  ", rest="    ")
+        out += para(f"expected gain: {_gain(a)} [rule: {a.rule}; table: {a.section}]", first="  ", rest="    ")
+    return out
 
 
 def _gain(a) -> str:
