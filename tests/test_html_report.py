@@ -218,7 +218,8 @@ def test_page_in_headless_chromium(logs, tmp_path):
     out = load(path)
     check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])
     assert out["cards"] == ["step time", "communication", "top collective", "straggler", "hang", "mismatches"]
-    assert out["sections"][:3] == ["headline", "findings", "plots"]
+    advised = bool(json.loads(report(logs, "--format", "json")[1])["advice"])    # advice, when given, after the findings
+    assert out["sections"][:3 + advised] == ["headline", "findings"] + ["advice"] * advised + ["plots"]
     assert {"table-summary", "table-steps", "table-ranks", "table-mismatches"} <= set(out["sections"])
     assert out["markers"] == 4                        # each rank's step start in the timeline excerpt
     s = out["sort"]

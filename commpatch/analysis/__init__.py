@@ -17,7 +17,7 @@ from ..data.ops import bus_factor
 # ``tests/test_shares.py`` checks that a report read with these equals one read with every column.
 REPORT_COLUMNS = ("seq", "op", "collective", "rank", "group", "group_ranks", "group_seq", "dtype", "bytes", "peer",
                   "async_op", "start_ns", "host_us", "duration_us", "own_us", "timing", "algbw_gbps", "busbw_gbps",
-                  "step", "bucket", "step_source", "sync_end_us", "pack_us", "pack_alone_us")
+                  "step", "bucket", "bucket_params", "device", "step_source", "sync_end_us", "pack_us", "pack_alone_us")
 
 __all__ = ["BLOCKING_TIMINGS", "CrossRank", "P2P_OPS", "REPORT_COLUMNS", "SETUP_OPS", "setup_cost", "steady_rows", "steady_state", "add_bandwidth", "arrival_matrix", "bus_factor",
            "collective_seq", "cross_rank", "durations", "match_collectives", "match_p2p", "mismatches", "per_step",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import analysis as _analysis
-from ..analysis import findings as _findings
+from ..analysis import advice as _advice, findings as _findings
 from ..analysis.headline import headline as _headline
 from ..analysis import matching, pattern, steps as _steps, summaries
 from . import people
@@ -100,6 +100,7 @@ class Report:
     notes: list = field(default_factory=list)
     findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
     headline: dict = field(default_factory=dict)   # analysis.headline.headline: the key figures, shown first
+    advice: list = field(default_factory=list)     # analysis.advice.Advice, rendered after the findings
 
 
 def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
@@ -167,6 +168,7 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
     rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
+    rep.advice = _advice.advice(df, per_step, cr)
     return rep
 
 
@@ -234,6 +236,7 @@ def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> s
         out += ["", "Findings:"]
         for text, section in shown:
             out += para(f"{text} [table: {section}]", first="- ")
+    out += advice_lines(rep, para)
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
@@ -263,6 +266,10 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     if shown:
         out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
                                           for text, section in shown]
+    if rep.advice:
+        out += ["", "## Advice", ""] + [f"- **{terminal_safe(a.title)}**: {terminal_safe(a.text)} Change: "
+                                        f"`{terminal_safe(a.change)}`; expected gain: {_gain(a)} (rule `{a.rule}`)."
+                                        for a in rep.advice]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or key == "mismatches":
@@ -277,8 +284,30 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
 
 def render_report_json(rep: Report) -> str:
     sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
-    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings], "errors": rep.errors,
+    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings],
+                       "advice": [a.as_dict() for a in rep.advice], "errors": rep.errors,
                        "notes": rep.notes, "headline": rep.headline, "sections": sections}, indent=1)
+
+
+def advice_lines(rep: Report, para=lambda text, first="", rest="  ": [first + text]) -> list:
+    """The text report's advice section (none without advice): per item its title and why, the change and
+    the expected gain, each a paragraph made lines by ``para(text, first, rest)`` (one line each by default)."""
+    if not rep.advice:
+        return []
+    out = ["", "Advice (each from the measurements quoted; the gain is an estimate: run again to check):"]
+    for a in rep.advice:
+        out += para(f"{terminal_safe(a.title)}: {terminal_safe(a.text)}", first="- ")
+        out += para(f"change: {terminal_safe(a.change)}", first="  ", rest="    ")
+        out += para(f"expected gain: {_gain(a)} [rule: {a.rule}; table: {a.section}]", first="  ", rest="    ")
+    return out
+
+
+def _gain(a) -> str:
+    """'up to 3.2 ms per step (12% of the step)' for an advice item; 'unknown' without an estimate."""
+    if not a.gain_us == a.gain_us:      # NaN
+        return "unknown"
+    ms = f"{a.gain_us / 1e3:.3g} ms" if a.gain_us >= 100 else f"{a.gain_us:.3g} us"
+    return f"up to {ms} per step ({100 * a.gain_share:.0f}% of the step)"
 
 
 
