@@ -8,6 +8,7 @@ outrun. Below them, the analysis (``analysis.hangs``) and the log records on sma
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -52,8 +53,8 @@ def _kill(procs):
         p.wait(timeout=30)
 
 
-def _report(tmp, fmt="json"):
-    out = subprocess.run([sys.executable, "-m", "commpatch", "report", "--format", fmt, str(tmp)], cwd=ROOT,
+def _report(tmp, fmt="json", *options):
+    out = subprocess.run([sys.executable, "-m", "commpatch", "report", "--format", fmt, *options, str(tmp)], cwd=ROOT,
                          capture_output=True, text=True, timeout=TIMEOUT,
                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.returncode == 0, out.stderr
@@ -115,6 +116,11 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
     assert (row["kind"], row["verdict"], row["group"], row["number"], row["op"], row["waiting"], row["missing"]) == \
         ("collective", "hang", "0", last, "all_reduce", "0-2", "3")
     assert row["issued_exact"] == watchdog      # the watchdog's pending entries know the issue time
+    for rank in range(4):       # one record per hung call, whichever way the flusher saw it
+        with open(tmp_path / f"rank{rank}.cplog", "rb") as f:
+            calls = logfile.in_flight(parse_log(f.read()))["calls"]
+        assert [(c["op"], c["group"], c["seq"] >= 0) for c in calls] == \
+            ([("all_reduce", "0", watchdog)] if rank < 3 else []), calls
     assert not len(_section(rep, "mismatches")), "the hung call is no row: no false mismatch"
     assert not [f for f in rep["findings"] if f["kind"] == "mismatch"]
     assert not any("the straggler" in f["text"] for f in rep["findings"] if f["kind"] == "straggler")
@@ -129,6 +135,9 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
             assert str(tmp_path / name) in first["text"]
     else:
         assert dumps == []
+    if importlib.util.find_spec("duckdb") is not None:      # the engine says what it cannot tell, first
+        first = _report(tmp_path, "json", "--engine", "duckdb")["findings"][0]
+        assert first["kind"] == "hang" and first["text"].startswith("3 call(s) were in flight at the end of the logs")
 
 
 @pytest.mark.parametrize("how", ["send", "isend"])

@@ -57,7 +57,7 @@ def hangs(df, flights=None):
 
     if STEPLESS_ATTR in df.attrs:       # read with a window of steps: the numbers need every row
         return pd.DataFrame(columns=list(COLUMNS))
-    flights = _merge(df.attrs.get(IN_FLIGHT_ATTR, []) if flights is None else flights)
+    flights = merge_flights(df.attrs.get(IN_FLIGHT_ATTR, []) if flights is None else flights)
     unmatched = _unmatched_sends(df)
     if not unmatched and not any(f["calls"] for f in flights.values()):
         return pd.DataFrame(columns=list(COLUMNS))          # the usual case: nothing in flight, cheaply
@@ -117,7 +117,7 @@ def _issued(call) -> int:
     return call["start_ns"] if call["start_ns"] > 0 else call["seen_ns"]
 
 
-def _merge(flights) -> dict:
+def merge_flights(flights) -> dict:
     """rank -> {'alive_ns', 'calls', 'dumps'}: one per rank (a file read twice, a rank's several
     files merged). A watchdog dump (an entry with ``dump``: its path) gives a rank's calls only
     when its logs say nothing of its last moments (no record in flight, no 'alive' time)."""

@@ -152,7 +152,8 @@ class _Parts:
             if old:
                 df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
         df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
-        flight = self.notes.flight + dumps_beside([path for path, _ in self.keys])
+        here = {k["rank"] for _, keys in self.keys for k in keys}      # the ranks read: their dumps only
+        flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
         df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
         if self.plan.steps is not None:
             df.attrs[STEPLESS_ATTR] = sorted(self.whole)

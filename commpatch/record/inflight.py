@@ -85,7 +85,7 @@ class InFlight:
             except Exception:  # noqa: BLE001 - a frame that cannot be read: not noted
                 continue
             seq = local.get("seq")
-            if type(seq) is int and ("seq", seq) in pending:
+            if type(seq) is int and seq in pending:
                 continue                            # the pending entry says it (exact)
             first = self.sightings.get(ident)
             if first is None or first[0] != id(frame) or first[1] != counter:
@@ -94,7 +94,7 @@ class InFlight:
             seen[ident] = first
             if now - first[2] < self.period_ns:
                 continue
-            key = ("frame", ident, id(frame), first[1])
+            key = ("seq", seq) if type(seq) is int else ("frame", ident, id(frame), first[1])
             live[key] = lambda frame=frame, local=local, ident=ident, first=first: _from_frame(
                 log, frame, local, ident, first, wall - now)
         self.sightings = seen

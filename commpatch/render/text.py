@@ -206,6 +206,10 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         if len(waits):
             rep.sections["hangs"] = waits
             rep.findings[:0] = _findings.hang_findings(waits)
+    elif getattr(pre, "in_flight", 0):     # the engine's count (the hang finding needs every row in one frame)
+        rep.findings.insert(0, _findings.Finding(
+            "hang", f"{pre.in_flight} call(s) were in flight at the end of the logs (a hang?): the DuckDB engine does "
+                    "not tell who waits for whom; `commpatch report --engine pandas` does (docs/hangs.md).", "summary"))
     return rep
 
 
