@@ -228,9 +228,11 @@ def _engine_report(args, by, steps, ranks, window):
     try:
         transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps, window=window)
         columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
+        in_flight = 0
         for staged in io.read_ranks(args.paths, transform, columns=columns, ranks=ranks, steps=window,
                                     progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):
             eng.add(staged)
+            in_flight += staged.in_flight
         _check_rows(args, eng.counts["calls"], ranks, window)
         try:
             pre = eng.results(top=args.top, arrivals_bins=200 if args.plots or args.html else None)
@@ -242,6 +244,7 @@ def _engine_report(args, by, steps, ranks, window):
         eng.close()
     from .io.reader import chosen_run  # lazy: the CLI's other commands never load numpy / pandas
 
+    pre.in_flight = in_flight
     return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre,
                                run=chosen_run(args.paths)), pre
 

@@ -3,8 +3,10 @@
 Off by default (``COMMPATCH_WATCHDOG`` / ``enable(watchdog=SECONDS)``; 0 is off). When on, the
 wrappers register every call in ``Log.pending`` while it is in flight (async ones until their
 completion callback fires), and this thread looks at that dict every ``min(1, threshold / 4)``
-seconds. Once per stuck call it writes a dump (rank, pid, each pending call with its op, group,
-age and the Python stack of the thread that issued it, then the last recorded rows) to stderr
+seconds. Once per stuck call it writes a dump (rank, pid, each pending call with its op, its
+number in its group (``collective #k of group g``: the same on every rank, the report's
+``coll_seq``; this process's ``seq`` too), group, age and the Python stack of the thread that
+issued it, then the last recorded rows) to stderr
 and to ``hang_rank{rank}.txt`` in the output file's directory (the current directory when the
 output is 'none'; ``hang_rank{rank}.1.txt``... when the name is taken: never over a file, never
 through a link). It never stops the job and never raises: a failure is an internal error of
@@ -23,7 +25,7 @@ import threading
 import time
 import traceback
 
-from .data.ops import BY_NAME, OP_NAMES
+from .data.ops import BY_NAME, OP_CODE, OP_NAMES, P2P_OPS
 from .data.schema import TIMINGS, unpack_flags
 from .io.paths import rank_path
 from .io.writer import write_bytes
@@ -171,27 +173,53 @@ class Watchdog(threading.Thread):
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         over = sum(1 for e in pending.values() if now_ns - e[4] > self.threshold_ns)
         lines = [
-            f"===== commpatch watchdog: rank {rank} pid {os.getpid()} host {socket.gethostname()} at {stamp} =====",
+            f"===== commpatch watchdog: rank {rank} pid {os.getpid()} host {socket.gethostname()} at {stamp} "
+            f"(unix_ns {now_ns + self.log.offsets[1][-1]}) =====",
             f"{over} collective call(s) in flight for more than {threshold:g} s "
             f"({len(pending)} in flight in all). commpatch does not stop the job.",
         ]
         frames = sys._current_frames()
         threads = {t.ident: t.name for t in threading.enumerate()}
+        numbers = self._numbers(pending)
         for seq in sorted(pending):
-            lines += self._pending_lines(seq, pending[seq], now_ns, frames, threads)
+            lines += self._pending_lines(seq, pending[seq], now_ns, frames, threads, numbers.get(seq))
         lines += self._recent_lines(now_ns)
         lines.append(f"===== end of commpatch watchdog dump (rank {rank}) =====\n")
         return "\n".join(lines)
 
-    def _pending_lines(self, seq, entry, now_ns, frames, threads) -> list[str]:
+    def _numbers(self, pending: dict) -> dict:
+        """seq -> (kind, number) of each pending call, the same on every rank: ('collective', k) for
+        the k-th collective of its group on this rank (point-to-point calls left out, as the report's
+        matching numbers them), ('call', k) for a point-to-point call (the k-th call on the group).
+        Counted from this process's rows (read back: once per dump); {} when they cannot be read."""
+        if not pending:
+            return {}
+        try:
+            import numpy as np
+
+            rows = self.log.all_rows()
+            seq, gid = rows["seq"].astype(np.int64), rows["gid"].astype(np.int64)
+            p2p = np.isin(rows["op"].astype(np.int64), [OP_CODE[n] for n in P2P_OPS if n in OP_CODE])
+        except Exception as exc:  # noqa: BLE001 - the dump goes out without the numbers
+            _runtime.fail("watchdog.numbers", exc)
+            return {}
+        out = {}
+        for s, entry in pending.items():
+            before = (gid == entry[1]) & (seq < s)
+            out[s] = ("call", int(before.sum())) if OP_NAMES[entry[0]] in P2P_OPS else \
+                ("collective", int((before & ~p2p).sum()))
+        return out
+
+    def _pending_lines(self, seq, entry, now_ns, frames, threads, number=None) -> list[str]:
         code, gid, numel, ident, start_ns, issue_stack = entry[:6]
         op, numel = OP_NAMES[code], self._numel(code, gid, numel)
         age = (now_ns - start_ns) / 1e9
         stuck = "STUCK" if now_ns - start_ns > self.threshold_ns else "in flight"
         name, size, ranks, backend = self._group(gid)
+        where = f"{number[0]} #{number[1]} of group {name}" if number else f"group {name}, number unknown"
         lines = [
             "",
-            f"[{stuck}] {op}  seq={seq}  group={name} (ranks {ranks}; size {size}; {backend})  "
+            f"[{stuck}] {op}  seq={seq}  {where}  group={name} (ranks {ranks}; size {size}; {backend})  "
             f"numel={numel}  pending for {age:.1f} s  thread {threads.get(ident, '?')!r} ({ident})",
         ]
         if issue_stack is not None:      # (file, line, function) per frame, from record.wrapper._issue_stack

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..data.logfile import IN_FLIGHT_ATTR
+from .hangs import merge_flights
 from ..data.schema import expand_ranks
 from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
                        reach_steps)
@@ -67,6 +69,7 @@ class Staged:
     p2p_calls: int
     batch_calls: int
     pattern: dict = field(default_factory=dict)     # rank -> pattern.Found or why not (no step boundary)
+    in_flight: int = 0      # calls its logs say were in flight at the end (data.logfile.in_flight): a hang?
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -157,7 +160,8 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
                   unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
                   batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
-                  pattern=df.attrs.get(PATTERN_ATTR, {}))
+                  pattern=df.attrs.get(PATTERN_ATTR, {}),
+                  in_flight=sum(len(f["calls"]) for f in merge_flights(df.attrs.get(IN_FLIGHT_ATTR, ())).values()))
 
 
 def _p2p_rows(df, op_local, op_names, rows):
@@ -210,6 +214,7 @@ class Results:
     by_op_size: object = None    # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: object = None  # stragglers.step_arrivals
+    in_flight: int = 0           # calls the logs say were in flight at the end (Staged.in_flight, summed)
     log_ends: object = None       # matching.log_end_table
     rank_list: list = field(default_factory=list)
     calls: int = 0

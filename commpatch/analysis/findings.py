@@ -19,7 +19,7 @@ SLOW_RATIO = 0.5
 
 
 class Finding(NamedTuple):
-    kind: str       # steps, overhead, setup, ends, straggler, mismatch, bandwidth
+    kind: str       # hang, steps, overhead, setup, ends, straggler, mismatch, bandwidth
     text: str
     section: str    # the report table behind it
 
@@ -222,6 +222,27 @@ def _signed_ms(us) -> str:
     return ("-" + _ms(-us)) if us < 0 else _ms(us)
 
 
+def hang_findings(table, most: int = 3) -> list:
+    """The hang findings (``hangs.hangs``'s table), first in the report: the hangs and unmatched
+    sends, then calls in flight too briefly to call a hang."""
+    out = []
+    for h in table.head(most).itertuples():
+        when = f"issued {'' if h.issued_exact else 'at least '}{h.waited_s:.3g} s before the end of the logs"
+        where = f"{h.op} #{h.number} of group {h.group}"
+        if h.kind == "p2p":
+            where = f"{h.op} #{h.number} {'to' if h.op in ('send', 'isend', 'send_object_list') else 'from'} " \
+                    f"rank {h.peer} of group {h.group}"
+        if h.verdict == "unmatched":
+            text = f"unmatched {h.op}: rank {h.waiting}'s {where} ({when}) was never received"
+        else:
+            many = "-" in h.waiting or " " in h.waiting
+            text = f"rank{'s' if many else ''} {h.waiting} wait{'' if many else 's'} in {where} ({when})"
+            if h.verdict != "hang":
+                text = f"in flight at the end of the logs, too briefly to call a hang: {text}"
+        out.append(Finding("hang", f"{'hang: ' if h.verdict == 'hang' else ''}{text}; {h.detail}.", "hangs"))
+    return out
+
+
 def _slowest_bus(rows):
     """The collective whose bus bandwidth is lowest relative to the best of the same message size."""
     if not len(rows):
@@ -249,4 +270,4 @@ def _size(nbytes) -> str:
     return f"<= {int(nbytes)} B"
 
 
-__all__ = ["Finding", "findings"]
+__all__ = ["Finding", "findings", "hang_findings"]

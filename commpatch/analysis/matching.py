@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data.ops import P2P_OPS
 from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
-P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 # p2p op -> (direction, channel): sends pair with receives of the same channel
 P2P_SIDES = {"send": ("send", "tensor"), "isend": ("send", "tensor"), "recv": ("recv", "tensor"),
              "irecv": ("recv", "tensor"), "send_object_list": ("send", "object"),

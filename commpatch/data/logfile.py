@@ -14,7 +14,9 @@ File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``
   the later of its start and the previous call's completion on the group, measured on the device);
 - ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket,
   step_source, device (the accelerator type that rows flagged "on the device" ran on), sync (the
-  end of DDP's finalize after a backward, ns after the start of the row of its last bucket).
+  end of DDP's finalize after a backward, ns after the start of the row of its last bucket);
+  inflight / landed / alive (a call in flight longer than the flusher's period, its completion,
+  the process alive at a time: ``record.inflight``). A reader ignores the kinds it does not know.
 A frame cut short (a crash, a short write on a full disk: also mid-file, with frames appended
 after it), zeros or garbage are skipped and counted, never fatal: the reader keeps the whole rows
 and resynchronises on the next whole frame (see ``_Scanner``).
@@ -97,6 +99,9 @@ class Parsed:
         self.unknown_codes = 0   # codes used by rows whose registry record is lost: named "?"
         self.ranks_named = 0     # ranks named by the groups read so far (bounded: RANKS_NAMED)
         self.lost: list[tuple[int, int, int, str]] = []   # rows the writer dropped: (rows, first seq, last seq, why)
+        self.inflight: dict[int, dict] = {}   # id -> a call noted in flight (record.inflight), its fields checked
+        self.landed: dict[int, int] = {}      # id -> Unix ns when that call was seen completed
+        self.alive_ns = 0                     # the latest 'alive' record: the process ran until then at least
 
     def damage(self) -> list[str]:
         """What was left out or guessed, one phrase per kind (none for an undamaged log)."""
@@ -428,5 +433,42 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.syncs.append((_int(m, "seq"), _int(m, "end")))
     elif kind == "pack":
         out.packs.append((_int(m, "seq"), _int(m, "ns"), _int(m, "alone")))
+    elif kind == "inflight":    # a call in flight longer than the flusher's period (record.inflight)
+        out.inflight[_int(m, "id", 0)] = {
+            "seq": _int(m, "seq", -1), "below": _int(m, "below", 0), "op": _int(m, "op", 0, 1 << 15),
+            "gid": _int(m, "gid", 0, min(limit, 1 << 15) - 1), "peer": _int(m, "peer", -1, MAX_WORLD),
+            "numel": _int(m, "numel", -1), "bytes": _int(m, "bytes", -1), "start_ns": _int(m, "start", -1),
+            "seen_ns": _int(m, "seen", 0), "thread": _str(m, "thread")[:200],
+            "stack": [line[:500] for line in _strs(m, "stack", 64)]}
+    elif kind == "landed":
+        out.landed[_int(m, "id", 0)] = _int(m, "ns", 0)
+    elif kind == "alive":
+        out.alive_ns = max(out.alive_ns, _int(m, "ns", 0))
     elif kind == "lost":        # rows the writer dropped (a slow or full disk: record.log)
         out.lost.append((_int(m, "rows", 0), _int(m, "first_seq"), _int(m, "last_seq"), _str(m, "why")))
+
+
+# df.attrs key of the readers (io.read): per rank log read, its ``in_flight`` dict
+IN_FLIGHT_ATTR = "in_flight"
+
+
+def in_flight(parsed: Parsed) -> dict:
+    """What a parsed rank log says about its last moments: ``rank``, ``pid``, ``alive_ns`` (the
+    latest time the process was seen alive: its last 'alive' record, else 0) and ``calls``: the
+    calls noted in flight (``record.inflight``) and never seen completing, each a dict with ``op``,
+    ``group``, ``group_ranks``, ``peer`` (-1: none or unknown), ``seq`` (-1: unknown), ``below``
+    (the call's seq is below it: every row recorded before it has a lower seq), ``numel``,
+    ``bytes`` (-1: unknown), ``start_ns`` (-1: unknown), ``seen_ns`` (first seen in flight: it was
+    issued before), ``thread`` and ``stack`` ('file:line in function', innermost last)."""
+    ops = parsed.header.get("ops", OP_NAMES)
+    calls = []
+    for key in sorted(parsed.inflight):
+        if key in parsed.landed:
+            continue
+        c = dict(parsed.inflight[key])
+        group = parsed.groups.get(c.pop("gid"), _UNKNOWN_GROUP)
+        op = c.pop("op")
+        calls.append({"op": ops[op] if op < len(ops) else "?", "group": group["name"], "group_ranks": group["ranks"],
+                      **c})
+    return {"rank": parsed.header.get("rank", -1), "pid": parsed.header.get("pid", -1),
+            "alive_ns": parsed.alive_ns, "calls": calls}

@@ -155,6 +155,8 @@ def describe_op(name: str) -> tuple[str, str, str]:
     return collective, api, source
 BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}
 OP_CODE = {name: i for i, name in enumerate(OP_NAMES)}
+# point-to-point ops: two ranks only, numbered apart from a group's collectives (analysis.matching)
+P2P_OPS = ("send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list", "recv_object_list")
 
 # dtype name of the rows of object collectives (their bytes are those of the tensors they moved)
 OBJECT = "object"

@@ -10,11 +10,12 @@ import os
 from typing import TYPE_CHECKING
 
 from ..data.frame import arrow_table, dataframe, own_times, parse_log
-from ..data.logfile import MAX_WORLD, RANKS_NAMED, SUFFIX, parse_header, rank_count
+from ..data.logfile import IN_FLIGHT_ATTR, MAX_WORLD, RANKS_NAMED, SUFFIX, in_flight, parse_header, rank_count
 from ..data.ops import describe_op
 from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
                            SCHEMA_VERSION, SCHEMA_VERSION_KEY, STEPLESS_ATTR, TIMINGS)
 from . import writer as _writer
+from .dumps import dumps_beside
 from .problems import LogFileError, LogFileNotFoundError, LogFileWarning, _NotALog
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.Data
 
 # df.attrs key: (the run directory read, how many runs its parent holds), when a directory of runs was given
 RUN_ATTR = "run"
+
 
 
 class _Plan:
@@ -150,6 +152,9 @@ class _Parts:
             if old:
                 df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
         df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
+        here = {k["rank"] for _, keys in self.keys for k in keys}      # the ranks read: their dumps only
+        flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
+        df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
         if self.plan.steps is not None:
             df.attrs[STEPLESS_ATTR] = sorted(self.whole)
         return df
@@ -505,6 +510,7 @@ class _Notes:
     def __init__(self) -> None:
         self.problems: dict[str, list[str]] = {}
         self.run = None      # (the run directory read, how many runs its parent holds): latest_run
+        self.flight: list[dict] = []   # per binary log read: data.logfile.in_flight (its calls in flight at the end)
 
     def add(self, path, problem: str) -> None:
         self.problems.setdefault(problem, []).append(str(path))
@@ -656,6 +662,7 @@ def _read_binary(pa, path, schema, notes):
         raise LogFileError(path, str(exc).split(": ", 1)[-1]) from None
     for problem in parsed.damage():
         notes.add(path, problem)
+    notes.flight.append(in_flight(parsed))
     names = [c.name for c in schema]
     if pa is not None:
         table = arrow_table(parsed, set(names)).select(names)

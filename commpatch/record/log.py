@@ -22,7 +22,7 @@ from ..data import logfile
 from ..data.frame import concat_frames, dataframe, parse_log
 from ..data.ops import OBJECT, OP_NAMES
 from ..data.schema import ROW, SCHEMA_VERSION, TIMINGS, compact_ranks, row_dtype
-from . import sinks, state
+from . import inflight, sinks, state
 
 CHUNK_BITS = 14
 CHUNK = 1 << CHUNK_BITS           # rows between maintenance passes (late timings, clock offset)
@@ -106,6 +106,7 @@ class Log:
         self.recent = b""                    # the last flushed rows (the watchdog's view)
         self.observed = None                 # frames collected, for the live metrics (a list when on)
         self.unobserved = 0                  # frames the live metrics never took (bounded list)
+        self.inflight = inflight.InFlight(sinks.FLUSH_S)   # the flusher's notes on calls in flight
 
     # ---- registries (slow path, first sight only) -------------------------------------
     def group_id(self, group) -> int:
@@ -178,15 +179,21 @@ class Log:
         """Collect what is new and write it to the disk now, waiting for it (log(), exit,
         destroy_process_group); never raises. Returns the rows collected."""
         with self.io_lock:
-            rows = self.collect()
+            rows = self.collect(self._in_flight_notes())
             self.drain(force=True)
             return rows
 
     def tick(self) -> None:
-        """The flusher's pass: collect, then write unless a failed file waits for its retry time."""
+        """The flusher's pass: note the calls in flight too long (``record.inflight``), collect,
+        then write unless a failed file waits for its retry time."""
         with self.io_lock:
-            self.collect()
+            self.collect(self._in_flight_notes())
             self.drain()
+
+    def _in_flight_notes(self) -> bytes:
+        """Records of the calls in flight too long and of those since completed (``record.inflight``),
+        for a rank's file (the caller holds io_lock)."""
+        return self.inflight.scan(self) if self.wants_file() else b""
 
     def flush_soon(self) -> None:
         """Collect what is new and have the flusher write it, without waiting (disable())."""
@@ -198,10 +205,10 @@ class Log:
     def wants_file(self) -> bool:
         return bool(self.output) and self.rank >= 0
 
-    def collect(self) -> int:
+    def collect(self, notes: bytes = b"") -> int:
         """Move new rows, late durations and registry entries out of ``buf`` into frames in memory:
-        the backlog of this rank's file (bounded), or the in-memory sink. No I/O; never raises.
-        Returns the rows moved."""
+        the backlog of this rank's file (bounded), or the in-memory sink; ``notes``: more records
+        (frames) after the registries. No I/O; never raises. Returns the rows moved."""
         with self.lock:
             taken = 0
             try:
@@ -212,6 +219,7 @@ class Log:
                     self.written = {}
                 target = self.sink if self.sink is not None and self.sink.path is None else self.backlog
                 other = bytearray(self._new_meta())
+                other += notes
                 done = self.done
                 for kind, pairs in ((logfile.LATE, done), (logfile.OWN, self.own)):
                     if pairs:
@@ -519,6 +527,7 @@ class Log:
         self.done.clear()
         self.own.clear()
         self.pending.clear()
+        self.inflight.after_fork()
         self.buckets.clear()
         self.syncs.clear()
         self.packs.clear()
@@ -543,6 +552,18 @@ class Log:
         with the SCHEMA's columns and dtypes."""
         import pandas as pd
 
+        datas = self._read_back()
+        frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
+        if not frames:
+            frames = [dataframe(parse_log(logfile.MAGIC))]
+        df = frames[0] if len(frames) == 1 else concat_frames(pd, frames)
+        if self.reset_seq:
+            df = df[df["seq"] >= self.reset_seq].reset_index(drop=True)
+        df.attrs["dropped_rows"] = self.dropped
+        return df
+
+    def _read_back(self) -> list:
+        """The bytes of every sink of this process (the backlog last), flushed first."""
         with self.io_lock:
             self.flush()
             with self.lock:
@@ -556,14 +577,16 @@ class Log:
                     state.fail("export.read_back", exc, rows=0)
             if waiting is not None:         # rows the file could not take yet
                 datas.append(waiting.read())
-        frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
-        if not frames:
-            frames = [dataframe(parse_log(logfile.MAGIC))]
-        df = frames[0] if len(frames) == 1 else concat_frames(pd, frames)
-        if self.reset_seq:
-            df = df[df["seq"] >= self.reset_seq].reset_index(drop=True)
-        df.attrs["dropped_rows"] = self.dropped
-        return df
+        return datas
+
+    def all_rows(self):
+        """Every row of this process since the last reset, as one numpy structured array in no
+        particular order (the watchdog's count of the calls before a stuck one)."""
+        import numpy as np
+
+        parts = [parse_log(d).rows for d in self._read_back()]
+        rows = np.concatenate(parts) if parts else np.zeros(0, row_dtype(np))
+        return rows[rows["seq"] >= self.reset_seq] if self.reset_seq else rows
 
 
 _RECENT = 64

@@ -12,7 +12,7 @@ import numpy as np
 from .. import analysis as _analysis
 from ..analysis import advice as _advice, findings as _findings
 from ..analysis.headline import headline as _headline
-from ..analysis import matching, pattern, steps as _steps, summaries
+from ..analysis import hangs, matching, pattern, steps as _steps, summaries
 from . import people
 from .people import human_bytes, terminal_safe
 
@@ -75,6 +75,7 @@ def render_markdown(df) -> str:
 
 # ---- the full report ----------------------------------------------------------------------
 SECTIONS = {   # key -> title, in the order they are rendered
+    "hangs": "Calls in flight at the end of the logs (hangs first; who never joined them: in the findings)",
     "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
     "summary": "Per collective and message size (count, total_us, own_us, bytes: summed over all ranks' calls; "
                "per_rank: count per rank; mean, p50, p95, max: per call)",
@@ -84,6 +85,15 @@ SECTIONS = {   # key -> title, in the order they are rendered
     "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
     "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
 }
+
+
+# columns of a section left out of the text and Markdown tables (said in its findings; in JSON and CSV)
+_NOT_IN_TABLES = {"hangs": ("detail", "issued_ns", "end_ns")}
+
+
+def _table(key, frame):
+    hidden = [c for c in _NOT_IN_TABLES.get(key, ()) if c in frame.columns]
+    return frame.drop(columns=hidden) if hidden else frame
 
 
 # the log columns build_report reads: enough to load for a report of a very large log
@@ -167,6 +177,15 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     else:
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
+    if df is not None:          # first: what the ranks wait in at the end of the logs (analysis.hangs)
+        waits = hangs.hangs(df)
+        if len(waits):
+            rep.sections["hangs"] = waits
+            rep.findings[:0] = _findings.hang_findings(waits)
+    elif getattr(pre, "in_flight", 0):     # the engine's count (the hang finding needs every row in one frame)
+        rep.findings.insert(0, _findings.Finding(
+            "hang", f"{pre.in_flight} call(s) were in flight at the end of the logs (a hang?): the DuckDB engine does "
+                    "not tell who waits for whom; `commpatch report --engine pandas` does (docs/hangs.md).", "summary"))
     rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
     rep.advice = _advice.advice(df, per_step, cr)
     return rep
@@ -241,7 +260,7 @@ def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> s
         frame = rep.sections.get(key)
         if frame is None or (key == "mismatches"):
             continue
-        head = _head(frame, max_rows)
+        head = _head(_table(key, frame), max_rows)
         if wide:
             out += ["", render_text(head, title=title) + _more(frame, max_rows)]
             continue
@@ -274,7 +293,7 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
         frame = rep.sections.get(key)
         if frame is None or key == "mismatches":
             continue
-        out += ["", f"## {title}", "", render_markdown(_head(frame, max_rows)) + _more(frame, max_rows)]
+        out += ["", f"## {title}", "", render_markdown(_head(_table(key, frame), max_rows)) + _more(frame, max_rows)]
     if rep.notes:
         out += ["", "## Notes", ""] + [f"- {terminal_safe(n)}" for n in rep.notes]
     return "\n".join(out)
