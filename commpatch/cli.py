@@ -14,6 +14,7 @@ import sysconfig
 import time
 
 from . import config as _config
+from ._version import __version__
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 PTH_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "commpatch.pth")
@@ -574,6 +575,7 @@ def cmd_install_hook(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commpatch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"commpatch {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="run a command with every Python process instrumented")

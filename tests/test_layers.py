@@ -17,6 +17,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # layer of a module: the first matching prefix wins
 LAYER_OF = (
     ("commpatch.data", "data"),
+    ("commpatch._version", "data"),                # a constant: imports nothing
     ("commpatch.config", "config"),
     ("commpatch.record", "record"),
     ("commpatch.patch", "patch"),
