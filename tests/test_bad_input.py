@@ -22,7 +22,7 @@ from commpatch import analysis, cli
 from commpatch import io as cpio
 from commpatch.data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from commpatch.io import LogFileError, LogFileWarning
-from commpatch.synthetic import rank_logs
+from commpatch.testing import rank_logs
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,10 @@ LAYER_OF = (
     ("commpatch.io", "io"),
     ("commpatch.analysis", "analysis"),
     ("commpatch.render", "render"),
-    ("commpatch.synthetic", "tools"),
+    ("commpatch.testing", "tools"),
     ("commpatch.session", "session"),
     ("commpatch.cli", "cli"),
     ("commpatch.__main__", "cli"),
-    ("commpatch.export", "compat"), ("commpatch.merge", "compat"), ("commpatch.report", "compat"),
-    ("commpatch.trace", "compat"), ("commpatch.plots", "compat"),
     ("commpatch._bootstrap", "entry"), ("commpatch._boot", "entry"), ("commpatch", "entry"),
 )
 
@@ -49,7 +47,6 @@ MAY_IMPORT = {
     "tools": {"data", "io", "analysis"},
     "session": {"data", "config", "record", "patch", "integrations", "watchdog", "io", "analysis", "render"},
     "cli": {"data", "config", "io", "analysis", "render"},
-    "compat": {"io", "analysis", "render"},
     "entry": {"config", "session", "io", "data"},
 }
 OFFLINE = {"data", "io", "analysis", "render"}

@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 
 import commpatch
-from commpatch import cli, report, trace
-from commpatch.synthetic import make_log, write_rank_files
+from commpatch import cli
+from commpatch.render import text as report
+from commpatch.render import trace
+from commpatch.testing import make_log, write_rank_files
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +186,7 @@ def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
     time of change: converting an old run does not make it the latest; the first line names it."""
     import os
 
-    from commpatch.synthetic import write_binary_run
+    from commpatch.testing import write_binary_run
 
     old, new = tmp_path / "zz-old", tmp_path / "aa-new"          # names in the other order
     for run, created in ((old, b"1763800000000000000"), (new, b"1763800009000000000")):

@@ -12,7 +12,7 @@ from commpatch import analysis
 from commpatch.analysis.stragglers import verdict
 from commpatch.data.frame import apply_schema
 from commpatch.render import text as report
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 from .analysis_workers import ddp_jobs
 from .multiproc import run_ranks
