@@ -27,7 +27,7 @@ median steps per parameter (``--control``: both models hooked, the A/A control o
 commpatch): per phase the median of synchronized and no_sync() steps, DDP's own forward bookkeeping
 (``_pre_forward`` / ``_post_forward``) timed apart.
 
-docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
+docs/decisions/ddp-cost.md ("DDP buckets through a C comm hook") has the figures.
 """
 
 from __future__ import annotations

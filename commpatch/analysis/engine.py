@@ -11,7 +11,7 @@ rank) reuses the pandas functions, so both paths give the same answers
 (``tests/test_engine.py`` compares them). Results come back as pandas DataFrames with the
 columns of the pandas path (``Results``).
 
-Measured against Polars' lazy engine on the same data: docs/design-notes.md, issue 14.
+Measured against Polars' lazy engine on the same data: docs/decisions/report-at-scale.md.
 """
 
 from __future__ import annotations
