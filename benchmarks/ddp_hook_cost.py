@@ -206,7 +206,7 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
     times: dict = {way: [] for way in models}
     for r in range(rounds):
         for way in (("hooks", "no_hooks") if r % 2 else ("no_hooks", "hooks")):
-            for i in range(steps):
+            for _ in range(steps):
                 dt = step(*models[way])
                 if r > 0:
                     times[way].append(dt)

@@ -77,7 +77,7 @@ def matrix(tmp_path_factory):
                 results[key] = (out, [p.returncode for p in procs], ended - signalled.get(key, ended),
                                 [p.stderr.read().decode(errors="replace")[-2000:] for p in procs])
         time.sleep(0.05)
-    for out, procs in runs.values():
+    for _out, procs in runs.values():
         for p in procs:
             if p.poll() is None:
                 p.kill()

@@ -56,7 +56,7 @@ def test_support_table_row_of_this_torch_is_what_the_integrations_say():
     rows = {row["torch"]: row for row in _support_table()}
     assert version in rows, f"torch {version} is not in README's support table: add its row (and its CI cell)"
     row = rows[version]
-    assert row["Python"] == "%d.%d" % sys.version_info[:2], row
+    assert row["Python"] == "{}.{}".format(*sys.version_info[:2]), row
     for integration in integrations.ALL:
         assert row[integration.name] == base.status(integration)[0], (integration.name, row)
 

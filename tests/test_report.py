@@ -103,7 +103,7 @@ def test_trace_loads_back_with_one_event_per_row(logs, capsys, tmp_path):
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
         assert sorted(e["args"]["seq"] for e in slices if e["pid"] == 2) == sorted(df.loc[df["rank"] == 2, "seq"])
     # every track nests: no two slices of one (pid, tid) overlap (sends and receives share a moment)
-    for (pid, tid), part in pd.DataFrame(slices).groupby(["pid", "tid"]):
+    for _, part in pd.DataFrame(slices).groupby(["pid", "tid"]):
         part = part.sort_values("ts")
         assert (part["ts"].iloc[1:].to_numpy() >= (part["ts"] + part["dur"]).iloc[:-1].to_numpy() - 1e-6).all()
 

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import pandas as pd
-import pytest
 
 import commpatch
 from commpatch import analysis, cli

@@ -86,7 +86,7 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
                                                                 for i in range(jobs_each)]
     logs = run_ranks(ddp_jobs, world, timeout=300, jobs=jobs)
     named = []
-    for j, job in enumerate(jobs):
+    for j in range(len(jobs)):
         df = apply_schema(pd.concat([logs[r][j] for r in range(world)], ignore_index=True))
         text = [f.text for f in report.build_report(df).findings if f.kind == "straggler"][0]
         verdict_part = text.split(": the straggler")[0] if ": the straggler" in text else None
