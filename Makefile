@@ -7,7 +7,7 @@ STAMP = .make-installed
 
 .PHONY: install demo test matrix bench docs lint clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
+$(STAMP): setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
 	ci/apt.sh
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test,frameworks]"

@@ -1,8 +1,7 @@
 """What a user or packager of the project finds around the code: the version (``commpatch --version``,
 ``python -m commpatch --version``, the changelog's entry for it), the LICENSE matching the package
-metadata."""
+metadata, the metadata in pyproject.toml alone (setup.py only builds the C extension and ships the .pth)."""
 
-import configparser
 import os
 import subprocess
 import sys
@@ -35,28 +34,29 @@ def test_version_is_a_release_in_the_changelog():
     assert f"## {commpatch.__version__} " in changelog, "CHANGELOG.md has no section for this version"
 
 
-def _metadata() -> dict:
-    """The package metadata (pyproject.toml's [project] when it holds it, else setup.cfg's [metadata])."""
-    pyproject = os.path.join(ROOT, "pyproject.toml")
+def _project() -> dict:
+    """pyproject.toml's [project] table (PEP 621 metadata)."""
     try:
         import tomllib
     except ImportError:                      # Python < 3.11
-        tomllib = None
-    if tomllib is not None:
-        with open(pyproject, "rb") as f:
-            project = tomllib.load(f).get("project")
-        if project:
-            license = project.get("license")
-            return {"license": license if isinstance(license, str) else (license or {}).get("text", ""),
-                    "license_files": project.get("license-files", [])}
-    cfg = configparser.ConfigParser()
-    cfg.read(os.path.join(ROOT, "setup.cfg"))
-    return {"license": cfg["metadata"]["license"], "license_files": []}
+        pytest.skip("tomllib is Python 3.11+")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]
 
 
 def test_license_file_matches_the_metadata():
     text = open(os.path.join(ROOT, "LICENSE")).read()
-    meta = _metadata()
-    assert meta["license"] == "BSD-3-Clause"
+    project = _project()
+    assert project["license"] == "BSD-3-Clause" and project["license-files"] == ["LICENSE"]
     assert text.startswith("BSD 3-Clause License")
     assert "Neither the name of the copyright holder nor the names of its" in text
+
+
+def test_metadata_is_in_pyproject_and_setup_py_only_adds_the_extension_and_the_hook():
+    project = _project()
+    assert project["dynamic"] == ["version"] and project["requires-python"] == ">=3.9"
+    assert project["scripts"] == {"commpatch": "commpatch.cli:main"}
+    assert {"test", "docs", "lint", "arrow", "scale"} <= set(project["optional-dependencies"])
+    assert not os.path.exists(os.path.join(ROOT, "setup.cfg"))
+    setup_py = open(os.path.join(ROOT, "setup.py")).read()
+    assert "ext_modules" in setup_py and "build_py" in setup_py and "install_requires" not in setup_py

@@ -75,7 +75,7 @@ def test_support_table_rows_are_the_ci_cells_and_the_declared_range():
             assert cells.get(name) == f'{row["Python"]} {row["torch"]}', (row, cells)
     assert len(rows) == len(cells) + 1
     oldest = min(rows, key=lambda r: tuple(int(x) for x in r["torch"].split(".")))
-    setup = open(os.path.join(ROOT, "setup.cfg")).read()
+    pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
     major_minor = ".".join(oldest["torch"].split(".")[:2])
-    assert f"torch>={major_minor}" in setup and f'python_requires = >={oldest["Python"]}' in setup
+    assert f'"torch>={major_minor}"' in pyproject and f'requires-python = ">={oldest["Python"]}"' in pyproject
     assert f"torch {major_minor} to" in README and f'Python {oldest["Python"]} to' in README
