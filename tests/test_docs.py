@@ -293,6 +293,33 @@ def test_no_reference_to_removed_modules():
             assert not re.search(re.escape(old) + r"\b", text), f"{name} still names {old}"
 
 
+def test_every_commpatch_name_in_the_docs_exists():
+    """`commpatch.x.y` in the README and docs names a module or attribute that exists (the reporting
+    page once named modules that did not)."""
+    import importlib
+
+    not_code = {"commpatch.schema_version"}           # the Parquet metadata key
+    missing = []
+    for name in list(_pages()) + ["../README.md"]:
+        with open(os.path.join(DOCS, name)) as f:
+            text = f.read()
+        for dotted in sorted(set(re.findall(r"`(commpatch(?:\.[A-Za-z_]\w*)+)", text)) - not_code):
+            parts = dotted.split(".")
+            for i in range(len(parts), 0, -1):
+                try:
+                    obj = importlib.import_module(".".join(parts[:i]))
+                except ImportError:
+                    continue
+                rest = parts[i:]
+                break
+            try:
+                for attr in rest:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append((name, dotted))
+    assert not missing, f"the docs name what does not exist: {missing}"
+
+
 def test_no_dated_history_in_readme():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
