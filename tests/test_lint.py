@@ -25,6 +25,8 @@ def test_ruff_check_passes():
 
 @pytest.mark.slow
 def test_mypy_passes_on_the_offline_layers(tmp_path):
+    if sys.version_info < (3, 10):
+        pytest.skip("the type check runs on Python 3.10+ (mypy 2 does not run on 3.9; older mypy checks differently)")
     _need("mypy")
     res = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
