@@ -99,11 +99,15 @@ def _option_rows(p: argparse.ArgumentParser) -> list[str]:
         else:
             name = action.metavar or action.dest
         default = action.default
-        if default in (None, False, argparse.SUPPRESS) or isinstance(action, argparse._VersionAction):
+        if action.nargs == 0 or default in (None, argparse.SUPPRESS):      # a flag: its default is "not given"
             default = ""
+        help_text = action.help
+        if not help_text and isinstance(action, argparse._StoreFalseAction):
+            opposite = [o for a in p._actions if a is not action and a.dest == action.dest for o in a.option_strings]
+            help_text = f"the opposite of `{opposite[0]}`" if opposite else ""
         choices = ", ".join(f"`{c}`" for c in action.choices) if action.choices else ""
         rows.append(f"| `{name.strip()}` | {choices} | {_code(default)} | "
-                    f"{_cell(action.help or '')} |")
+                    f"{_cell(help_text or '')} |")
     return rows
 
 
