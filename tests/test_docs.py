@@ -97,7 +97,7 @@ def test_cli_reference_has_every_command_and_option():
                 if option not in ("-h", "--help"):
                     assert f"`{option}" in text, f"commpatch {name} {option} missing from the CLI reference"
     assert "`--version`" in text
-    for header, rows in tables(text):
+    for _header, rows in tables(text):
         for row in rows:
             assert row[-1], f"the CLI reference has no meaning for {row[0]} (give it a help= in commpatch/cli.py)"
 
