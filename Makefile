@@ -5,9 +5,9 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip --disable-pip-version-check -q
 STAMP = .make-installed
 
-.PHONY: install demo test matrix bench clean
+.PHONY: install demo test matrix bench docs lint clean
 
-$(STAMP): setup.cfg setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
+$(STAMP): setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
 	ci/apt.sh
 	$(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[test,frameworks]"
@@ -21,6 +21,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
+
+# the documentation site (docs/ -> site/; the reference pages are generated from the code)
+docs: $(STAMP)
+	$(PYTHON) -m mkdocs build --strict
+
+# ruff (lint, format) and mypy on the offline layers; settings in pyproject.toml
+lint: $(STAMP)
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 # the suite on the oldest and newest supported torch / Python (fresh venvs, cached downloads) and
 # with the pure-Python recorder: ci/matrix.sh [oldest|newest|pure]
@@ -39,4 +49,4 @@ bench: $(STAMP)
 	-$(PYTHON) benchmarks/steps_ground_truth.py    # exits 1 outside the issue-15 bounds (noisy on a shared machine)
 
 clean:
-	rm -rf $(STAMP) commpatch_logs build *.egg-info .pytest_cache
+	rm -rf $(STAMP) commpatch_logs build site *.egg-info .pytest_cache

@@ -1,8 +1,9 @@
-"""Only here for what setup.cfg cannot declare: shipping commpatch.pth at the top of
+"""Only here for what pyproject.toml cannot declare: shipping commpatch.pth at the top of
 site-packages (coverage.py's way; editable installs do not run build_py: use `commpatch
 install-hook`), and the optional C row writer of the hot path (commpatch/record/_hot.c, like
 coverage.py's CTracer: when it cannot be compiled the install goes on and the pure-Python path is
-used). Everything else is in setup.cfg."""
+used). Everything else (metadata, dependencies, extras, entry point, package data) is in
+pyproject.toml."""
 import os
 
 from setuptools import Extension, setup

@@ -21,7 +21,7 @@ rounds of ``--calls`` graph calls, median per way:
    bracketing each collective with recording calls would add (the pass itself needs a custom inductor pass, its
    cache key, and sees only graphs compiled while enabled).
 Prints µs per graph call, added µs per collective and the ratio to plain. Numbers go to
-docs/design-notes.md (issue 16).
+docs/decisions/hidden-collectives.md.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ median steps per parameter (``--control``: both models hooked, the A/A control o
 commpatch): per phase the median of synchronized and no_sync() steps, DDP's own forward bookkeeping
 (``_pre_forward`` / ``_post_forward``) timed apart.
 
-docs/design-notes.md (issue 15, "DDP buckets through a C comm hook") has the figures.
+docs/decisions/ddp-cost.md ("DDP buckets through a C comm hook") has the figures.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
     times: dict = {way: [] for way in models}
     for r in range(rounds):
         for way in (("hooks", "no_hooks") if r % 2 else ("no_hooks", "hooks")):
-            for i in range(steps):
+            for _ in range(steps):
                 dt = step(*models[way])
                 if r > 0:
                     times[way].append(dt)

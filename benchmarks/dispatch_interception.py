@@ -5,7 +5,7 @@
 1. plain torch; 2. commpatch's Python wrapper; 3. a Python kernel registered with torch.library
 for c10d::allreduce_ at AutogradCPU that records a tuple and redispatches below autograd (the
 targeted dispatcher interception of issue 4); 4. CommDebugMode (a global TorchDispatchMode).
-Prints microseconds per call, median of alternating rounds. Numbers go to docs/design-notes.md.
+Prints microseconds per call, median of alternating rounds. Numbers go to docs/decisions/hidden-collectives.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 import commpatch
 from _util import fake_world, rss_mb
-from commpatch import export
 from commpatch import session as _session
 
 

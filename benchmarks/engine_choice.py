@@ -3,7 +3,7 @@
     python benchmarks/engine_choice.py --ranks 64            # needs duckdb and polars installed
     python benchmarks/engine_choice.py --ranks 256 --rows 100000
 
-Generates binary rank logs (commpatch.synthetic.write_binary_run), reduces them as the engine
+Generates binary rank logs (commpatch.testing.write_binary_run), reduces them as the engine
 path does (commpatch.analysis.engine.stage: one Parquet file of integer columns per rank), then
 runs, each engine in a fresh process: the match of every collective by (group, sequence number)
 with first / last arrival and the straggler; the join of every row with its collective for the
@@ -78,7 +78,7 @@ def main() -> int:
     sys.path.insert(0, ROOT)
     from commpatch import io
     from commpatch.analysis import engine
-    from commpatch.synthetic import write_binary_run
+    from commpatch.testing import write_binary_run
 
     base = tempfile.mkdtemp(prefix="commpatch_engine_choice_")
     try:

@@ -33,7 +33,7 @@ def main() -> None:
     commpatch.enable(output="none")
     rss0 = rss_mb()
     start = time.perf_counter()
-    for i in range(args.calls):
+    for _ in range(args.calls):
         dist.all_reduce(t, async_op=False)
     record_s = time.perf_counter() - start
     rss1 = rss_mb()

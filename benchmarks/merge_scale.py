@@ -6,7 +6,7 @@
     python benchmarks/merge_scale.py --dir /tmp/logs --keep       # reuse / keep the generated logs
 
 For each size, one binary rank log per rank (`rank{r}.cplog`) is generated as `record.log` writes
-it (commpatch.synthetic.write_binary_run: a tensor-parallel group of 8, a data-parallel group of
+it (commpatch.testing.write_binary_run: a tensor-parallel group of 8, a data-parallel group of
 world/8, the world group, a send/recv pair per step, a straggler rank and a planted size
 mismatch); generation is not measured. Then `commpatch report DIR --format json` runs as a
 subprocess: its wall time and the peak RSS of its whole process tree (sampled every 50 ms from
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep generated logs")
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
-    from commpatch.synthetic import write_binary_run
+    from commpatch.testing import write_binary_run
 
     sizes = [int(s) for s in args.sizes.split(",")]
     base = args.dir or tempfile.mkdtemp(prefix="commpatch_merge_scale_")

@@ -3,7 +3,7 @@
     python benchmarks/step_pattern.py                 # 1M rows, 5 rounds
     python benchmarks/step_pattern.py --rows 4000000
 
-One rank's log with no step boundary, built like commpatch.synthetic's logs: a set-up prefix
+One rank's log with no step boundary, built like commpatch.testing's logs: a set-up prefix
 then a 26-call iteration (12 identical layers of 2 all-reduces and a head: the layer block is a
 candidate period too) repeated to ``--rows``; and an aperiodic log of the same size (random calls
 among 20 kinds: refused); and the periodic log with its steps recorded (the check that finds

@@ -80,7 +80,7 @@ def worker(args) -> None:
     # DDP sits in reference cycles: collected only at interpreter exit, its reducer would release the
     # gloo group then, whose threads can abort the process ("terminate called without an active
     # exception", seen once in a CI run here). Release it now, then destroy the group.
-    del ddp, opt, model, one_step
+    ddp = opt = model = one_step = None     # dropped, as `del` would (one_step's closure reads them)
     gc.collect()
     dist.destroy_process_group()
 

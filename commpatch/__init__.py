@@ -12,7 +12,7 @@ regular ``pip install``) or ``commpatch run -- torchrun ...``.
 Importing commpatch imports neither torch nor pandas (nor anything of its own until used).
 """
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 _SESSION_API = ("capture", "disable", "enable", "export_csv", "internal_errors", "is_enabled", "log",
                 "reset", "step", "summary", "summary_text", "tag")

@@ -14,6 +14,7 @@ import sysconfig
 import time
 
 from . import config as _config
+from ._version import __version__
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 PTH_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "commpatch.pth")
@@ -655,6 +656,7 @@ def cmd_watch(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="commpatch", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"commpatch {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="run a command with every Python process instrumented")
@@ -670,7 +672,9 @@ def main(argv=None) -> int:
     p.add_argument("--by", default="collective,size_bucket",
                    help="summary grouping: comma-separated columns and/or size_bucket, default collective,size_bucket "
                         "(op, api, source: the other names of a call)")
-    p.add_argument("--format", choices=("text", "markdown", "json", "csv"), default="text")
+    p.add_argument("--format", choices=("text", "markdown", "json", "csv"), default="text",
+                   help="text and markdown show every section (long tables cut); json holds every section in full; "
+                        "csv writes one section (--section)")
     p.add_argument("--section", default="summary",
                    help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "
                         "(with --compare: scaling or by_op)")
@@ -731,7 +735,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_env)
 
     p = sub.add_parser("install-hook", help="install the .pth hook that makes COMMPATCH=1 work everywhere")
-    p.add_argument("--uninstall", action="store_true")
+    p.add_argument("--uninstall", action="store_true", help="remove the hook this command installed")
     p.set_defaults(func=cmd_install_hook)
 
     args = parser.parse_args(argv)

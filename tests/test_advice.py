@@ -14,7 +14,7 @@ from commpatch.analysis import advice as adv
 from commpatch.data.frame import apply_schema
 from commpatch.data.schema import COLUMNS
 from commpatch.render import text as report
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 from .advice_workers import many_small_calls
 from .multiproc import run_ranks

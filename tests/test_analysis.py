@@ -9,7 +9,7 @@ import pytest
 
 from commpatch import analysis
 from commpatch.data.schema import COLUMNS, SCHEMA
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 
 def frame(rows):

@@ -22,7 +22,7 @@ from commpatch import analysis, cli
 from commpatch import io as cpio
 from commpatch.data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from commpatch.io import LogFileError, LogFileWarning
-from commpatch.synthetic import rank_logs
+from commpatch.testing import rank_logs
 
 
 @pytest.fixture(scope="module")
@@ -600,7 +600,7 @@ def test_a_block_of_zeros_in_the_rows_is_skipped_and_counted(writer_log, tmp_pat
     said = [str(w.message) for w in record]
     # rows wholly in the zeros are gone; rows before and after them, in any frame, are all there
     untouched, edge = set(), set()
-    for kind, lo, start, hi in _layout(data):
+    for kind, _lo, start, hi in _layout(data):
         if kind != b"R":
             continue
         for i, seq in enumerate(_seqs(data[start:hi])):

@@ -81,7 +81,7 @@ def _run_batch(runs: dict, results: dict) -> None:
                                     [p.stderr.read().decode(errors="replace")[-2000:] for p in procs])
             time.sleep(0.05)
     finally:                               # also when pytest's timeout interrupts: no process left behind
-        for out, procs in runs.values():
+        for _out, procs in runs.values():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
@@ -193,10 +193,10 @@ def test_an_output_without_rank_in_a_multi_rank_job_is_refused(monkeypatch, tmp_
 
 
 def test_report_on_a_directory_of_runs_reads_the_latest_and_says_so(tmp_path, capsys):
-    from commpatch import cli, synthetic
+    from commpatch import cli, testing
 
     for i, run in enumerate(("20260101-000000-a-1", "20260102-000000-a-2")):
-        synthetic.write_rank_files(str(tmp_path / run), world_size=2 + i, steps=2)
+        testing.write_rank_files(str(tmp_path / run), world_size=2 + i, steps=2)
         os.utime(tmp_path / run, (1e9 + i, 1e9 + i))
     assert cli.main(["report", str(tmp_path), "--no-progress"]) == 0
     captured = capsys.readouterr()

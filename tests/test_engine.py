@@ -17,7 +17,7 @@ from commpatch import io as cpio
 from commpatch.analysis import cross_rank, engine
 from commpatch.cli import main
 from commpatch.render import text as report
-from commpatch.synthetic import make_log, write_binary_run, write_rank_files
+from commpatch.testing import make_log, write_binary_run, write_rank_files
 
 pytestmark = pytest.mark.skipif(not engine.available(), reason="needs duckdb (commpatch[scale])")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

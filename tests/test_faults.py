@@ -131,7 +131,7 @@ def test_a_full_disk_then_freed_leaves_whole_frames_and_every_row(tmpfs, tmp_pat
         seqs = np.sort(p.rows["seq"])
         assert seqs.tolist() == list(range(len(seqs))), rank                # before, during and after the fault
         assert (p.rows["op"] == ALL_REDUCE).sum() == 3 * 2000, rank
-    for rank, (code, result, stderr) in enumerate(results):
+    for _rank, (_code, result, stderr) in enumerate(results):
         assert "Traceback" not in stderr, stderr[-3000:]
         assert result["errors"] == {} and result["dropped"] == 0, result   # nothing lost: all kept, then written
         warned = commpatch_lines(stderr)
@@ -283,7 +283,7 @@ def test_a_run_directory_removed_mid_run_is_recreated_and_the_loss_said_once(tmp
     results = run_job(tmp_path / "cp", "rmdir")
     assert [r[0] for r in results] == [r[0] for r in plain] == [0, 0], [r[2][-2000:] for r in results]
     logs = rank_logs(tmp_path / "cp")
-    for rank, (code, result, stderr) in enumerate(results):
+    for rank, (_code, result, stderr) in enumerate(results):
         removed = [ln for ln in commpatch_lines(stderr) if "was deleted while the job ran" in ln]
         assert len(removed) == 1, stderr[-3000:]
         assert "2000 row(s) of this rank's log were NOT written" in removed[0]   # counted right
@@ -319,7 +319,7 @@ def test_a_slow_disk_never_makes_the_training_thread_write_and_drops_past_the_bo
             training.append(ln.split()[0])
     assert not set(training) & ends, "the training thread wrote to the disk itself"
     logs = rank_logs(tmp_path / "cp")
-    for rank, (code, result, stderr) in enumerate(results):
+    for rank, (_code, result, stderr) in enumerate(results):
         dropped = result["dropped"]
         assert dropped > 0 and result["errors"] == {"export.dropped": dropped}, result
         warned = [ln for ln in commpatch_lines(stderr) if "NOT written" in ln]

@@ -13,7 +13,7 @@ import pytest
 
 from commpatch import cli
 from commpatch.render import html, people
-from commpatch.synthetic import write_binary_run, write_rank_files
+from commpatch.testing import write_binary_run, write_rank_files
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

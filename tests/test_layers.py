@@ -17,6 +17,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # layer of a module: the first matching prefix wins
 LAYER_OF = (
     ("commpatch.data", "data"),
+    ("commpatch._version", "data"),                # a constant: imports nothing
     ("commpatch.config", "config"),
     ("commpatch.record", "record"),
     ("commpatch.patch", "patch"),
@@ -26,13 +27,11 @@ LAYER_OF = (
     ("commpatch.io", "io"),
     ("commpatch.analysis", "analysis"),
     ("commpatch.render", "render"),
-    ("commpatch.synthetic", "tools"),
+    ("commpatch.testing", "tools"),
     ("commpatch.session", "session"),
     ("commpatch.cli", "cli"),
     ("commpatch.watch", "cli"),
     ("commpatch.__main__", "cli"),
-    ("commpatch.export", "compat"), ("commpatch.merge", "compat"), ("commpatch.report", "compat"),
-    ("commpatch.trace", "compat"), ("commpatch.plots", "compat"),
     ("commpatch._bootstrap", "entry"), ("commpatch._boot", "entry"), ("commpatch", "entry"),
 )
 
@@ -51,7 +50,6 @@ MAY_IMPORT = {
     "tools": {"data", "io", "analysis"},
     "session": {"data", "config", "record", "patch", "integrations", "watchdog", "metrics", "io", "analysis", "render"},
     "cli": {"data", "config", "io", "analysis", "render"},
-    "compat": {"io", "analysis", "render"},
     "entry": {"config", "session", "io", "data"},
 }
 OFFLINE = {"data", "io", "analysis", "render"}

@@ -11,7 +11,7 @@ import pytest
 
 from commpatch import analysis
 from commpatch import io as cpio
-from commpatch.synthetic import PATTERN, make_log, write_rank_files
+from commpatch.testing import PATTERN, make_log, write_rank_files
 from tests.multiproc import run_ranks
 
 
@@ -200,7 +200,7 @@ def test_real_run_every_op_matches_across_ranks(gloo_logs):
 
 @pytest.mark.slow
 def test_real_run_trace_has_one_event_per_row(gloo_logs, tmp_path):
-    from commpatch import trace
+    from commpatch.render import trace
 
     df = cpio.read(gloo_logs)
     path = trace.write_chrome_trace(df, str(tmp_path / "trace.json"))   # strict JSON: no NaN

@@ -13,7 +13,7 @@ def test_walkthrough_notebook_executes(tmp_path, monkeypatch):
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     pytest.importorskip("matplotlib")
-    from commpatch.synthetic import write_rank_files
+    from commpatch.testing import write_rank_files
 
     logs = tmp_path / "logs"
     write_rank_files(str(logs), 4, 6, straggler=3, p2p=True, mismatch=(1, 9))

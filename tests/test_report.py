@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 
 import commpatch
-from commpatch import cli, report, trace
-from commpatch.synthetic import make_log, write_rank_files
+from commpatch import cli
+from commpatch.render import text as report
+from commpatch.render import trace
+from commpatch.testing import make_log, write_rank_files
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,7 @@ def test_trace_loads_back_with_one_event_per_row(logs, capsys, tmp_path):
         assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
         assert sorted(e["args"]["seq"] for e in slices if e["pid"] == 2) == sorted(df.loc[df["rank"] == 2, "seq"])
     # every track nests: no two slices of one (pid, tid) overlap (sends and receives share a moment)
-    for (pid, tid), part in pd.DataFrame(slices).groupby(["pid", "tid"]):
+    for _, part in pd.DataFrame(slices).groupby(["pid", "tid"]):
         part = part.sort_values("ts")
         assert (part["ts"].iloc[1:].to_numpy() >= (part["ts"] + part["dur"]).iloc[:-1].to_numpy() - 1e-6).all()
 
@@ -210,7 +212,7 @@ def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
     time of change: converting an old run does not make it the latest; the first line names it."""
     import os
 
-    from commpatch.synthetic import write_binary_run
+    from commpatch.testing import write_binary_run
 
     old, new = tmp_path / "zz-old", tmp_path / "aa-new"          # names in the other order
     for run, created in ((old, b"1763800000000000000"), (new, b"1763800009000000000")):

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import pandas as pd
-import pytest
 
 import commpatch
 from commpatch import analysis, cli
@@ -16,7 +15,7 @@ from commpatch.analysis import engine, findings
 from commpatch.analysis.pattern import Found, StepPatternWarning, with_pattern_steps
 from commpatch.data.ops import describe_op
 from commpatch.data.schema import DERIVED_FROM_OP, SCHEMA
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 AR, BC, AG, RS = "all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"
 # one iteration: 7 calls; its first call (all_reduce 4096) occurs twice, so the iterations are found

@@ -43,7 +43,7 @@ def test_zero_code_ddp_demo(tmp_path, capsys):
     """`make demo`: DDP on 2 ranks, rank 1 slow, no commpatch code in the job; it writes a run
     directory of its own, deletes nothing, and is the latest run by its start time (issue 23.10)."""
     from commpatch import cli
-    from commpatch.synthetic import write_rank_files
+    from commpatch.testing import write_rank_files
 
     out = tmp_path / "logs"
     mine = out / "20200101-000000-host-1"            # a user's earlier run (CSV files: its name's time)

@@ -12,7 +12,7 @@ from commpatch import analysis
 from commpatch.analysis.stragglers import verdict
 from commpatch.data.frame import apply_schema
 from commpatch.render import text as report
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 from .analysis_workers import ddp_jobs
 from .multiproc import run_ranks
@@ -86,7 +86,7 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
                                                                 for i in range(jobs_each)]
     logs = run_ranks(ddp_jobs, world, timeout=300, jobs=jobs)
     named = []
-    for j, job in enumerate(jobs):
+    for j in range(len(jobs)):
         df = apply_schema(pd.concat([logs[r][j] for r in range(world)], ignore_index=True))
         text = [f.text for f in report.build_report(df).findings if f.kind == "straggler"][0]
         verdict_part = text.split(": the straggler")[0] if ": the straggler" in text else None

@@ -63,7 +63,7 @@ EAGER_OPS = {"plain": (), "ddp": ("ddp_bucket_allreduce",),
              "fsdp2": ("all_gather_single", "reduce_scatter_single"), "tp": ("funcol.all_reduce",)}
 RUN_TIMEOUT = 240            # seconds for one kind's run (11-16 s on an idle 2-core machine)
 
-# the first test of a kind also runs the kind's run (its fixture): more than setup.cfg's 180 s
+# the first test of a kind also runs the kind's run (its fixture): more than pyproject.toml's 180 s
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)
 
 

@@ -11,7 +11,7 @@ rank) reuses the pandas functions, so both paths give the same answers
 (``tests/test_engine.py`` compares them). Results come back as pandas DataFrames with the
 columns of the pandas path (``Results``).
 
-Measured against Polars' lazy engine on the same data: docs/design-notes.md, issue 14.
+Measured against Polars' lazy engine on the same data: docs/decisions/report-at-scale.md.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -204,18 +205,18 @@ def _p2p_rows(df, op_local, op_names, rows):
 class Results:
     """What the report shows, as the pandas path computes it (``render.text.build_report``)."""
 
-    summary: object
-    per_step: object
-    mismatches: object = None
-    ranks: object = None
-    skew: object = None
-    p2p: object = None           # per channel (the report's p2p section)
-    arrivals: object = None      # only when asked (plots)
-    by_op_size: object = None    # summary by op and size_bucket (plots)
+    summary: Any
+    per_step: Any
+    mismatches: Any = None
+    ranks: Any = None
+    skew: Any = None
+    p2p: Any = None           # per channel (the report's p2p section)
+    arrivals: Any = None      # only when asked (plots)
+    by_op_size: Any = None    # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
-    step_arrivals: object = None  # stragglers.step_arrivals
-    in_flight: int = 0           # calls the logs say were in flight at the end (Staged.in_flight, summed)
-    log_ends: object = None       # matching.log_end_table
+    step_arrivals: Any = None  # stragglers.step_arrivals
+    in_flight: int = 0         # calls the logs say were in flight at the end (Staged.in_flight, summed)
+    log_ends: Any = None       # matching.log_end_table
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -234,14 +235,14 @@ class Engine:
         self.by = [by] if isinstance(by, str) else list(by)
         self.directory = tempfile.mkdtemp(prefix="commpatch-engine-", dir=temp_dir)
         self.memory_limit, self.threads = memory_limit, threads
-        self.con = None
+        self.con: Any = None           # duckdb connection, made on first use
         self.names: dict = {}          # column -> {code: name}
         self.group_ranks: dict = {}
         self.seen_ranks: set = set()
         self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
-        self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
+        self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
-        self.matched = None             # the collectives matched (the coll table): transfer times known
+        self.matched: bool | None = None   # the collectives matched (the coll table): transfer times known
 
     def close(self) -> None:
         try:

@@ -100,7 +100,7 @@ def findings(df, steps_table, cross=None) -> list:
                      "memory, and what the comm hook commpatch sees the buckets through costs outside their "
                      "windows; comparing with a no_sync() step measures them.")
         out.append(Finding("overhead", text, "steps"))
-    setup = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
+    setup: dict = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)

@@ -16,6 +16,7 @@ Everything here is DataFrame -> DataFrame (or a small bundle of DataFrames); not
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -333,8 +334,6 @@ def mismatches(df, matched=None, p2p=None):
     its receive or the reverse) or ``p2p_bytes``. Columns: kind, group, coll_seq, step, op,
     detail (which ranks had which value), affected. Empty when everything matches.
     """
-    import pandas as pd
-
     collectives, _, sub, cseq = matched or _match(df)
     if p2p is None:
         p2p = match_p2p(df)
@@ -414,15 +413,15 @@ def _ranks(ranks) -> str:
 class CrossRank:
     """Everything the cross-rank report shows, as DataFrames."""
 
-    collectives: "object"   # match_collectives
-    arrivals: "object"      # arrival_matrix
-    ranks: "object"         # rank_table
-    mismatches: "object"    # mismatches
-    p2p: "object"           # match_p2p
+    collectives: Any   # match_collectives
+    arrivals: Any      # arrival_matrix
+    ranks: Any         # rank_table
+    mismatches: Any    # mismatches
+    p2p: Any           # match_p2p
     missing_logs: list      # members of some group with no log file here
-    step_arrivals: "object" = None   # stragglers.step_arrivals: the straggler verdict's evidence
-    transfer_us: "object" = None     # transfer_times: per row of the log, aligned with it
-    log_ends: "object" = None        # log_end_table: logs that end before the others' (not mismatches)
+    step_arrivals: Any = None   # stragglers.step_arrivals: the straggler verdict's evidence
+    transfer_us: Any = None     # transfer_times: per row of the log, aligned with it
+    log_ends: Any = None        # log_end_table: logs that end before the others' (not mismatches)
 
 
 def cross_rank(df) -> CrossRank:

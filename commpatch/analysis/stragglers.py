@@ -69,7 +69,7 @@ def verdict(arrivals, steps_table) -> dict:
     ``setup_late_us`` (the latest rank of set-up and by how much it was later than the next)."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
-    out = dict(rank=None, straggler=False, steps=0, last_steps=0, late_median_us=math.nan, p_value=math.nan,
+    out: dict = dict(rank=None, straggler=False, steps=0, last_steps=0, late_median_us=math.nan, p_value=math.nan,
                share_of_step=math.nan, reason="steps", setup_rank=None, setup_late_us=math.nan)
     setup = _late(table[table["stage"] == "setup"])
     if setup is not None and len(setup.columns):

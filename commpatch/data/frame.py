@@ -109,7 +109,7 @@ def columns(parsed, names=None) -> dict:
             memo["buckets"] = _bucket_columns(np, raw["seq"], parsed.buckets)
         return memo["buckets"]
 
-    out = {   # column -> how to build it: only the columns asked for are built
+    out: dict = {   # column -> how to build it: only the columns asked for are built
         "seq": lambda: raw["seq"],
         "op": lambda: _cat(np, op, op_names),
         **{name: (lambda i=i: _cat(np, op, [kinds[i] for kinds in described])) for i, name in enumerate(DERIVED_FROM_OP)},
@@ -184,10 +184,11 @@ def _build(builders: dict, wanted: list, n: int) -> dict:
     helper = threading.Thread(target=run_quietly, args=(tasks[1::2],), daemon=True)
     try:
         helper.start()
+        started = True
     except RuntimeError:                # no new threads at interpreter shutdown: all built below
-        helper = None
+        started = False
     run(tasks[0::2])
-    if helper is not None:
+    if started:
         helper.join()
     for name in wanted:                 # what the helper did not build (it failed, or never ran)
         if name not in done:
@@ -216,7 +217,7 @@ def arrow_table(parsed, names=None):
 
     arrays = []
     cols = columns(parsed, names)
-    for name, c in cols.items():
+    for c in cols.values():
         if isinstance(c, Cat):
             arrays.append(pa.DictionaryArray.from_arrays(_arrow_array(pa, np, c.codes), _arrow_strings(pa, np, c.categories)))
         else:

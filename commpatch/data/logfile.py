@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from typing import Any
 
 from .ops import OP_NAMES
 from .schema import F_ASYNC, F_DEVICE, F_ERROR, ROW, STEP_SOURCES, T_SHIFT, TIMINGS
@@ -75,9 +76,11 @@ class Parsed:
     what was left out of a damaged file (``damage()``)."""
 
     def __init__(self) -> None:
-        self.rows = None
-        self.late_seq = self.late_dur = None
-        self.own_seq = self.own_dur = None
+        self.rows: Any = None                           # numpy arrays once parsed
+        self.late_seq: Any = None
+        self.late_dur: Any = None
+        self.own_seq: Any = None
+        self.own_dur: Any = None
         self.device = "cuda"     # files written before the accelerator was named: CUDA
         self.header: dict = {}
         self.groups: dict[int, dict] = {}
@@ -146,7 +149,9 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
         raise ValueError(f"{name}: not a commpatch binary log (no {MAGIC[:-1].decode()} header)")
     out = Parsed()
     scan = _Scanner(data, row_size, out)
-    rows, late, own = [], [], []
+    rows: list = []
+    late: list = []
+    own: list = []
     view = memoryview(data)
     for kind, start, stop in scan.frames():
         payload = view[start:stop]
@@ -316,7 +321,7 @@ def _valid_rows(np, out: Parsed, raw: bytes, row_dtype, row_size: int, scan: _Sc
             keep = (np.arange(len(rows)) if keep is None else keep)[np.sort(first)]
     if keep is not None:
         rows = rows[keep]
-    codes = [("gid", rows["gid"] if "gid" in f else None, out.groups, _UNKNOWN_GROUP, 0),
+    codes: list[tuple] = [("gid", rows["gid"] if "gid" in f else None, out.groups, _UNKNOWN_GROUP, 0),
              ("dtype", rows["dtype"] if "dtype" in f else None, out.dtypes, ("?", 0), 2),   # 0, 1: none, object
              ("tag", rows["tag"] if "tag" in f else None, out.tags, "?", 0),
              ("module", rows["where"] >> 2 if "where" in f else None, out.modules, "?", 0)]

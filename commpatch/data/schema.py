@@ -42,7 +42,7 @@ SCHEMA: tuple[Column, ...] = (
     Column("world_size", "int64", "", "size of the default process group"),
     Column("group", "category", "", "process group name ('0' is the default group)"),
     Column("group_size", "int64", "", "number of ranks in the group used by the call"),
-    Column("group_ranks", "category", "", "global ranks of that group, space separated"),
+    Column("group_ranks", "category", "", "global ranks of that group in range notation: '0-1023', '0-1022:2' (first-last[:step] for runs of 3 or more), other ranks space separated ('0 3 5')"),
     Column("group_seq", "int64", "", "sequence number of the call within its group on this rank (matches the same collective across ranks)"),
     Column("backend", "category", "", "backend that ran the call: the group's backend for the tensors' device (gloo, nccl, or a registered backend's name); a group configured 'cpu:gloo,cuda:nccl' shows gloo or nccl per row"),
     Column("device", "category", "", "device type of the tensors: cpu, the accelerator's type (cuda, xpu, hpu, mtia, npu, or a PrivateUse1 device's name), or none"),

@@ -18,7 +18,7 @@ first) and the dispatcher runs whatever sits in its slot:
   timed to the future's completion). On a dense CPU bucket this runs in C when commpatch's
   extension is built (``record/_hot.c``: ``BucketHook``, the hook registered then; anything else
   goes to the Python hook): Python bytecode inside the backward cost the step more than its own
-  time (docs/design-notes.md).
+  time (docs/decisions/ddp-cost.md).
 - a hook registered later, before or after the first step (``register_comm_hook``,
   ``_register_builtin_comm_hook`` with its Python equivalent, DDP(mixed_precision=...),
   optimizers in backward): torch's own method runs unchanged (its checks, its logging data,

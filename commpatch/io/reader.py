@@ -104,7 +104,10 @@ class _Parts:
         self.plan, self.notes = plan, notes
         self.jobs = jobs if jobs is not None else _Jobs()
         self.pa = _writer._pyarrow()
-        self.parts, self.filled, self.foreign, self.keys = [], set(), [], []
+        self.parts: list = []
+        self.filled: set = set()
+        self.foreign: list = []
+        self.keys: list = []
         self.whole: set = set()      # ranks read whole despite a window of steps: no step boundary
 
     def load(self, path, scanned) -> None:

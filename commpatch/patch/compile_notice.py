@@ -29,7 +29,7 @@ import warnings
 _said = False          # once per process
 
 MESSAGE = ("commpatch: torch.compile traced the collective {name!r} into a graph whose collectives commpatch "
-           "cannot record: {reason} (said once; see README, 'What is not measured')")
+           "cannot record: {reason} (said once; see the docs' timing page, 'What is not measured')")
 
 
 def collective_compiled(name: str) -> None:

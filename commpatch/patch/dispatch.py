@@ -17,7 +17,7 @@ while holding its queue lock, which the next collective's enqueue waits for: a d
 1 of 11 runs of a 2-rank test). ``redispatch`` releases the GIL like any op call from Python.
 
 A registration is process-global and costs ~10-50 us to install (1 ms the first time), ~2-15 us
-to remove, and ~10 us per call while installed (docs/design-notes.md, issue 16): callers install
+to remove, and ~10 us per call while installed (docs/decisions/hidden-collectives.md): callers install
 one only while it is needed and remove it with ``remove()``; every registration still live at
 interpreter exit is removed then (a Python kernel left registered at exit can abort the process).
 """

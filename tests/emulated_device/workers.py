@@ -369,13 +369,11 @@ def commpatch_frameworks(rank, world_size):
     """DDP (buckets through the comm hook) and FSDP2 on the device, and NCCL's _get_duration path
     with a stand-in work: the rows commpatch records."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commpatch
     from commpatch.session import default
     from tests import emulated_device as emu
-    from tests.emulated_device import pg
 
     out = {}
     commpatch.enable(output="none")

@@ -106,7 +106,7 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
     elsize = pd.Series(cols["dtype"]).map(ELEMENT_BYTES).to_numpy()
     known = {
         "seq": np.arange(rows), "op": cols["op"], "rank": rank, "world_size": n, "group": "0",
-        "group_size": n, "group_ranks": " ".join(map(str, range(n))), "group_seq": np.arange(rows),
+        "group_size": n, "group_ranks": compact_ranks(range(n)), "group_seq": np.arange(rows),
         "backend": "gloo", "device": "cpu", "dtype": cols["dtype"],
         "numel": cols["bytes"] // elsize, "bytes": cols["bytes"], "peer": cols["peer"],
         "async_op": False, "start_ns": T0_NS + (cols["start_us"] * 1e3).astype(np.int64),

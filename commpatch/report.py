@@ -1,3 +1,0 @@
-"""Deprecated alias (one release): now ``commpatch.render.text``."""
-
-from .render.text import *  # noqa: F401,F403
