@@ -21,6 +21,7 @@ from .analysis.summaries import summary as _summary
 from .io.paths import check_writable, export_path, rank_path
 from .io.writer import convert, write
 from .patch.patcher import Patcher
+from .record import clocksync
 from .record import state as _runtime
 from .record import wrapper as _wrapper
 from .record.log import Log
@@ -39,6 +40,7 @@ class Session:
         self.patcher = Patcher(self.log, self.timing, on_destroy=self._on_destroy)
         self.integrations = None           # integrations.Context while enabled
         self.flusher: Flusher | None = None
+        self.clock = None                  # record.clocksync.ClockSync: this rank's offset to rank 0
         self.lock = threading.RLock()
         self.warned: set[str] = set()
         self.exit_lock = threading.Lock()
@@ -109,6 +111,7 @@ class Session:
         """Disable, stop the flusher and drop the exit handler: a session replaced by another."""
         self.disable()
         self._stop_flusher()
+        self._stop_clock()
         if self.exit_handler:
             atexit.unregister(self.write_at_exit)
             self.exit_handler = False
@@ -141,6 +144,13 @@ class Session:
             self.flusher = Flusher(log.tick)
             log.wake = self.flusher.wake
         self.flusher.wake()                 # the file's first bytes (its header) right away
+        if self.clock is None or not self.clock.alive():
+            self.clock = clocksync.start(log)   # a thread: the training thread never waits for it
+
+    def _stop_clock(self) -> None:
+        clock, self.clock = self.clock, None
+        if clock is not None:
+            clock.stop()                    # not joined: it may be inside a store call (bounded by its timeout)
 
     def _stop_flusher(self) -> None:
         flusher, self.flusher = self.flusher, None
@@ -156,6 +166,7 @@ class Session:
 
     # ---- exit, destroy_process_group, fork -------------------------------------------------------
     def _on_destroy(self) -> None:
+        self._stop_clock()                  # its store goes with the process group
         self.write_at_exit(reason="destroy_process_group")
 
     def write_at_exit(self, reason: str = "exit") -> list[str]:
@@ -168,6 +179,8 @@ class Session:
         written: list[str] = []
         try:
             self.timing.resolve(block=True)
+            if reason == "exit":
+                self._stop_clock()
             if reason == "destroy_process_group":
                 log.end_file()
             else:
@@ -217,6 +230,7 @@ class Session:
         parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
         self.lock = threading.RLock()
         self.flusher = None                 # threads do not survive fork
+        self.clock = None
         self.exit_lock = threading.Lock()
         self.exported.clear()
         self.log.after_fork()

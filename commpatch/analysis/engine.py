@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..data.clock import CLOCK_ATTR
 from ..data.schema import expand_ranks
 from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
                        reach_steps)
@@ -67,6 +68,7 @@ class Staged:
     p2p_calls: int
     batch_calls: int
     pattern: dict = field(default_factory=dict)     # rank -> pattern.Found or why not (no step boundary)
+    clock: dict = field(default_factory=dict)       # rank -> data.clock summary (binary logs)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -157,7 +159,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
                   unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
                   batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
-                  pattern=df.attrs.get(PATTERN_ATTR, {}))
+                  pattern=df.attrs.get(PATTERN_ATTR, {}), clock=df.attrs.get(CLOCK_ATTR, {}))
 
 
 def _p2p_rows(df, op_local, op_names, rows):
@@ -211,6 +213,7 @@ class Results:
     missing_logs: list = field(default_factory=list)
     step_arrivals: object = None  # stragglers.step_arrivals
     log_ends: object = None       # matching.log_end_table
+    clock: dict = None            # {rank: data.clock summary}, as matching.CrossRank's
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -234,6 +237,7 @@ class Engine:
         self.group_ranks: dict = {}
         self.seen_ranks: set = set()
         self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
+        self.clock: dict = {}            # rank -> data.clock summary (its offset to rank 0's clock)
         self.counts = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
         self.matched = None             # the collectives matched (the coll table): transfer times known
@@ -266,6 +270,7 @@ class Engine:
         for column, names in staged.names.items():
             self.names.setdefault(column, {}).update(names)
         self.pattern.update(staged.pattern)
+        self.clock.update(staged.clock)
 
     def _connect(self) -> None:
         import duckdb
@@ -313,6 +318,7 @@ class Engine:
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
+            out.clock = dict(sorted(self.clock.items()))
             out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))

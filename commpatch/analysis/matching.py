@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data.clock import CLOCK_ATTR
 from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
@@ -423,6 +424,7 @@ class CrossRank:
     step_arrivals: "object" = None   # stragglers.step_arrivals: the straggler verdict's evidence
     transfer_us: "object" = None     # transfer_times: per row of the log, aligned with it
     log_ends: "object" = None        # log_end_table: logs that end before the others' (not mismatches)
+    clock: dict = None               # {rank: data.clock summary}: offsets to rank 0's clock (binary logs)
 
 
 def cross_rank(df) -> CrossRank:
@@ -438,7 +440,7 @@ def cross_rank(df) -> CrossRank:
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,
                      missing_logs=sorted(members - present),
                      step_arrivals=step_arrivals(matched[1]), transfer_us=transfer_times(df, matched),
-                     log_ends=log_end_table(matched[0]))
+                     log_ends=log_end_table(matched[0]), clock=df.attrs.get(CLOCK_ATTR))
 
 
 def transfer_times(df, matched=None) -> np.ndarray:
