@@ -147,10 +147,10 @@ class Session:
         if self.clock is None or not self.clock.alive():
             self.clock = clocksync.start(log)   # a thread: the training thread never waits for it
 
-    def _stop_clock(self) -> None:
+    def _stop_clock(self, join_s: float = 0.0) -> None:
         clock, self.clock = self.clock, None
         if clock is not None:
-            clock.stop()                    # not joined: it may be inside a store call (bounded by its timeout)
+            clock.stop(join_s)              # it returns from the store at once: stop() sets the key it waits on
 
     def _stop_flusher(self) -> None:
         flusher, self.flusher = self.flusher, None
@@ -180,7 +180,7 @@ class Session:
         try:
             self.timing.resolve(block=True)
             if reason == "exit":
-                self._stop_clock()
+                self._stop_clock(join_s=1.0)    # not inside the store when the interpreter ends
             if reason == "destroy_process_group":
                 log.end_file()
             else:

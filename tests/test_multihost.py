@@ -130,6 +130,8 @@ def test_two_hosts_with_shifted_clocks_name_no_false_straggler_and_share_one_tim
         # more than the unshifted run's largest skew plus both uncertainties allow
         u = sum(r["uncertainty_us"] for r in clock_of(rep).values()) + sum(
             r["uncertainty_us"] for r in clock_of(rep0).values())
+        engine, _ = report(*outs, extra=("--engine", "duckdb"))       # the engine's report says the same
+        assert engine["sections"]["clock"] == rep["sections"]["clock"] and straggler(engine) == straggler(rep)
         if shift > 1e9:
             assert max(r["skew_us"] for r in rep["sections"]["skew"]) < 1e6 <= shift / 1e3 - u
             assert any(f["kind"] == "clock" and "3 s ahead" in f["text"] or "3 s behind" in f["text"]

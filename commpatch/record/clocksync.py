@@ -13,10 +13,12 @@ Whatever the network and scheduling delays, t2 is after t1 and t3 before t4 in r
 offset theta (rank 0's clock minus rank i's) lies in [t3 - t4, t2 - t1]: a bound, not a guess.
 ``PINGS`` exchanges per round, their intervals intersected; rounds at the first collective, then
 after ``SCHEDULE_S`` (and every last entry of it), on a daemon thread per rank (rank 0's serves the
-others one at a time, so a rank's exchange never queues behind another's). Each round's interval
-is noted in the rank's log (``data.logfile`` record ``rank0_offset``: at, lo, hi in ns, and same:
-rank 0 runs on this machine, by its boot id); the reader aligns ``start_ns`` with it (``data.clock``). Any failure (no store, a peer without
-commpatch, the store gone at exit) ends the thread quietly: no record means "not measured".
+others one at a time, so a rank's exchange never queues behind another's; a rank whose thread has
+not started yet is served in a later round). Each round's interval is noted in the rank's log
+(``data.logfile`` record ``rank0_offset``: at, lo, hi in ns, and same: rank 0 runs on this
+machine, by its boot id); the reader aligns ``start_ns`` with it (``data.clock``). Any failure (no
+store, a peer without commpatch, the store gone at exit) ends the thread quietly: no record means
+"not measured".
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ PINGS = 4                        # exchanges per rank and round (intervals inter
 SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)   # waits between rounds; the last one repeats
 WAIT_S = 10.0                    # rank 0's wait for one request, a rank's for one answer
 TURN_S = max(SCHEDULE_S) + 120.0  # a rank's wait for its next turn (rank 0 gone quiet after it: the end)
+READY_S, READY_TRIES = 0.25, 8   # rank 0's next round while some rank's thread has not started
 
 
 class ClockSync:
@@ -44,29 +47,30 @@ class ClockSync:
         self.prefix = f"{PREFIX}/{generation}"
         self.stop_event = threading.Event()
         self.waiting = ""                # the key the thread blocks on ('' : none)
-        self.round = 0
+        self.round = 0                   # rank i: its exchanges so far (the keys' number)
         self.rounds = 0                  # rounds completed (served on rank 0, measured elsewhere)
         self.error = ""                  # why the thread ended early ('' : it did not)
         self.gone: set = set()           # rank 0: ranks that stopped or never answered, not asked again
         self.thread = threading.Thread(target=self._run, name="commpatch-clock", daemon=True)
         self.thread.start()
 
-    def stop(self, join_s: float = 1.0) -> None:
+    def stop(self, join_s: float = 0.0) -> None:
         """End the thread (the caller's thread sets the keys it or rank 0 may be waiting for, through
-        the store object given; any failure there is ignored: the store may be gone)."""
+        the store object given; any failure there is ignored: the store may be gone); ``join_s``:
+        wait that long for it to end (at exit: the process must not end with it inside the store)."""
         if self.stop_event.is_set():
             return
         self.stop_event.set()
         keys = [self.waiting] if self.waiting else []
         if self.rank > 0:
-            key = f"{self.prefix}/{self.round}/{self.rank}"
+            key = f"{self.prefix}/{self.rank}/{self.round}"
             keys = [f"{self.prefix}/bye/{self.rank}"] + [f"{key}/q{j}" for j in range(PINGS)] + keys
         for key in keys:
             try:
                 self.store.set(key, b"")
             except Exception:  # noqa: BLE001 - the store is gone: so is anything waiting on it
                 break
-        if self.thread is not threading.current_thread():
+        if join_s > 0 and self.thread is not threading.current_thread():
             self.thread.join(timeout=join_s)
 
     def alive(self) -> bool:
@@ -78,18 +82,28 @@ class ClockSync:
         try:
             store = self.store.clone()          # its own connection: the user's store object is never waited on
             store.set_timeout(datetime.timedelta(seconds=TURN_S))
-            for k in range(1 << 30):
-                self.round = k
-                if self.stop_event.is_set():
-                    return
+            if self.rank > 0:
+                store.set(f"{self.prefix}/ready/{self.rank}", b"")
+            served = [0] * self.world_size      # rank 0: exchanges done with each rank
+            k = tries = 0
+            while not self.stop_event.is_set():
                 if self.rank == 0:
-                    self._serve(store, k)
-                elif not self._ask(store, k):
-                    return
+                    waiting = self._serve(store, served)
+                else:
+                    if not self._ask(store, self.round):
+                        return
+                    self.round += 1
+                    waiting = False
                 if self.stop_event.is_set():
                     return
                 self.rounds += 1
-                if self.stop_event.wait(SCHEDULE_S[min(k, len(SCHEDULE_S) - 1)]):
+                if waiting and tries < READY_TRIES:     # rank 0: soon again for ranks whose thread starts later
+                    tries += 1
+                    delay = READY_S
+                else:
+                    delay = SCHEDULE_S[min(k, len(SCHEDULE_S) - 1)]
+                    k += 1
+                if self.stop_event.wait(delay):
                     return
         except Exception as exc:  # noqa: BLE001 - measuring is optional: never an error in the job
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -105,19 +119,25 @@ class ClockSync:
         self.waiting = ""
         return not self.stop_event.is_set()
 
-    def _serve(self, store, k: int) -> None:
-        """Rank 0: answer every other rank's ``PINGS`` requests of round ``k``, one rank at a time."""
+    def _serve(self, store, served: list) -> bool:
+        """Rank 0: answer the ``PINGS`` requests of every other rank whose thread runs, one rank at
+        a time (``served[i]``: its exchanges so far, the keys' number); True when some rank's thread
+        has not started yet."""
+        pending = False
         for i in range(1, self.world_size):
             if i in self.gone or store.check([f"{self.prefix}/bye/{i}"]):
                 self.gone.add(i)
                 continue
-            key = f"{self.prefix}/{k}/{i}"
+            if not store.check([f"{self.prefix}/ready/{i}"]):
+                pending = True
+                continue
+            key = f"{self.prefix}/{i}/{served[i]}"
             store.set(f"{key}/go", b"")
             for j in range(PINGS):
                 try:
                     if not self._wait(store, f"{key}/q{j}", WAIT_S):
-                        return
-                except Exception:  # noqa: BLE001 - that rank does not answer (no commpatch, gone): not asked again
+                        return False
+                except Exception:  # noqa: BLE001 - that rank does not answer (gone): not asked again
                     self.waiting = ""
                     self.gone.add(i)
                     break
@@ -125,10 +145,12 @@ class ClockSync:
                 t3 = time.time_ns()
                 store.set(f"{key}/a{j}", f"{t2} {t3} {BOOT_ID}".encode())
                 store.delete_key(f"{key}/q{j}")
+            served[i] += 1
+        return pending
 
-    def _ask(self, store, k: int) -> bool:
-        """Rank i: wait for its turn in round ``k``, then measure; False when stopped."""
-        key = f"{self.prefix}/{k}/{self.rank}"
+    def _ask(self, store, n: int) -> bool:
+        """Rank i: wait for its ``n``-th turn, then measure; False when stopped."""
+        key = f"{self.prefix}/{self.rank}/{n}"
         if not self._wait(store, f"{key}/go", TURN_S):
             return False
         store.delete_key(f"{key}/go")
