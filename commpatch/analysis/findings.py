@@ -206,9 +206,11 @@ def clock_finding(clock) -> str:
     far = {r: c for r, c in measured.items() if abs(c["offset_us"]) > max(CLOCK_NOTED_US, c["uncertainty_us"])}
     if far:
         r, c = max(far.items(), key=lambda kv: abs(kv[1]["offset_us"]))
+        way = "behind" if c["offset_us"] > 0 else "ahead"        # offset: rank 0's clock minus the rank's
+        largest = max(m["uncertainty_us"] for m in measured.values())
         parts.append(f"the wall clocks of rank(s) {_ranks_text(sorted(far))} differ from rank 0's (the most: rank {r}, "
-                     f"{_ms(abs(c['offset_us']))} {'behind' if c['offset_us'] > 0 else 'ahead'}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
-                     f"aligned to rank 0's clock (largest uncertainty +/-{_ms(max(m['uncertainty_us'] for m in measured.values()))})")
+                     f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
+                     f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})")
     return ("Clocks: " + "; ".join(parts) + ".") if parts else ""
 
 
