@@ -150,3 +150,32 @@ def test_the_exchange_over_a_tcp_store():
         assert (noted == []) == (rank == 0)
         for _, lo, hi, same in noted:
             assert lo <= 0 <= hi and same
+
+
+def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads():
+    """Rank 1's first collective (and so its thread) comes 1 s after rank 0's: rank 0 serves it in a
+    later round instead of waiting for it (and marking it gone); stop() ends both threads at once,
+    though each is blocked in the store (rank 1 waiting for its next turn, minutes away)."""
+    import time
+
+    import torch.distributed as dist
+
+    from commpatch.record.clocksync import ClockSync
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False)
+    noted = []
+    first = ClockSync(server, 0, 2, lambda *a: None, generation="late")
+    time.sleep(1.0)
+    second = ClockSync(client, 1, 2, lambda *a: noted.append(a), generation="late")
+    deadline = time.monotonic() + 20
+    while not noted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert second.thread.is_alive() and first.thread.is_alive()
+    second.stop(join_s=5)
+    first.stop(join_s=5)
+    assert not second.thread.is_alive() and not first.thread.is_alive()
+    assert noted and all(lo <= 0 <= hi and same for _, lo, hi, same in noted), noted
+    assert first.gone == set() and first.error == second.error == ""
