@@ -21,6 +21,7 @@ from .analysis.summaries import summary as _summary
 from .io.paths import check_writable, export_path, rank_path
 from .io.writer import convert, write
 from .patch.patcher import Patcher
+from .record import clocksync
 from .record import state as _runtime
 from .record import wrapper as _wrapper
 from .record.log import Log
@@ -40,6 +41,7 @@ class Session:
         self.integrations = None           # integrations.Context while enabled
         self.flusher: Flusher | None = None
         self.metrics: metrics.Exporter | None = None     # live Prometheus metrics, when asked for
+        self.clock = None                  # record.clocksync.ClockSync: this rank's offset to rank 0
         self.lock = threading.RLock()
         self.warned: set[str] = set()
         self.exit_lock = threading.Lock()
@@ -121,6 +123,7 @@ class Session:
         if exporter is not None:
             exporter.close()
             self.log.observed = None
+        self._stop_clock()
         if self.exit_handler:
             atexit.unregister(self.write_at_exit)
             self.exit_handler = False
@@ -153,6 +156,13 @@ class Session:
             self.flusher = Flusher(self._tick)
             log.wake = self.flusher.wake
         self.flusher.wake()                 # the file's first bytes (its header) right away
+        if self.clock is None or not self.clock.alive():
+            self.clock = clocksync.start(log)   # a thread: the training thread never waits for it
+
+    def _stop_clock(self, join_s: float = 0.0) -> None:
+        clock, self.clock = self.clock, None
+        if clock is not None:
+            clock.stop(join_s)              # it returns from the store at once: stop() sets the key it waits on
 
     def _tick(self) -> None:
         """The flusher's pass: the log to its file, then the live metrics from what was written."""
@@ -187,6 +197,7 @@ class Session:
 
     # ---- exit, destroy_process_group, fork -------------------------------------------------------
     def _on_destroy(self) -> None:
+        self._stop_clock()                  # its store goes with the process group
         self.write_at_exit(reason="destroy_process_group")
 
     def write_at_exit(self, reason: str = "exit") -> list[str]:
@@ -199,6 +210,8 @@ class Session:
         written: list[str] = []
         try:
             self.timing.resolve(block=True)
+            if reason == "exit":
+                self._stop_clock(join_s=1.0)    # not inside the store when the interpreter ends
             if reason == "destroy_process_group":
                 log.end_file()
             else:
@@ -254,6 +267,7 @@ class Session:
         self.lock = threading.RLock()
         self.flusher = None                 # threads do not survive fork
         self.metrics = None                 # the parent's metrics, not a child's
+        self.clock = None
         self.exit_lock = threading.Lock()
         self.exported.clear()
         self.log.after_fork()

@@ -64,3 +64,21 @@ def run_ranks(fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | 
         if errors:
             raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def free_port(lo: int = 32000, hi: int = 33000) -> int:
+    """A TCP port of [lo, hi) free on 127.0.0.1 now (tried in random order); the test is skipped
+    when there is none."""
+    import random
+    import socket
+
+    import pytest
+
+    for port in random.sample(range(lo, hi), hi - lo):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip(f"no free TCP port in {lo}-{hi - 1}")

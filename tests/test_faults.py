@@ -27,8 +27,9 @@ from commpatch.record import state as _runtime
 from commpatch.record.log import CHUNK
 from commpatch.record.rows import SEQ, peek_seq
 
+from .faults import build_shim
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIM = os.path.join(ROOT, "tests", "faults", "slowwrite.c")
 ALL_REDUCE = OP_NAMES.index("all_reduce")
 
 
@@ -57,13 +58,7 @@ def tmpfs(tmp_path):
 
 @pytest.fixture(scope="module")
 def shim(tmp_path_factory):
-    if shutil.which("gcc") is None:
-        pytest.skip("needs gcc to build the LD_PRELOAD shim")
-    out = str(tmp_path_factory.mktemp("shim") / "slowwrite.so")
-    res = subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", out, SHIM, "-ldl"], capture_output=True, text=True)
-    if res.returncode:
-        pytest.skip(f"the shim does not build here: {res.stderr[-500:]}")
-    return out
+    return build_shim("slowwrite", tmp_path_factory.mktemp("shim"))
 
 
 def _env(**extra):

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..data.logfile import IN_FLIGHT_ATTR
 from .hangs import merge_flights
+from ..data.clock import CLOCK_ATTR
 from ..data.schema import expand_ranks
 from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
                        reach_steps)
@@ -71,6 +72,7 @@ class Staged:
     batch_calls: int
     pattern: dict = field(default_factory=dict)     # rank -> pattern.Found or why not (no step boundary)
     in_flight: int = 0      # calls its logs say were in flight at the end (data.logfile.in_flight): a hang?
+    clock: dict = field(default_factory=dict)       # rank -> data.clock summary (binary logs)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -161,7 +163,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
                   unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
                   batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
-                  pattern=df.attrs.get(PATTERN_ATTR, {}),
+                  pattern=df.attrs.get(PATTERN_ATTR, {}), clock=df.attrs.get(CLOCK_ATTR, {}),
                   in_flight=sum(len(f["calls"]) for f in merge_flights(df.attrs.get(IN_FLIGHT_ATTR, ())).values()))
 
 
@@ -217,6 +219,7 @@ class Results:
     step_arrivals: Any = None  # stragglers.step_arrivals
     in_flight: int = 0         # calls the logs say were in flight at the end (Staged.in_flight, summed)
     log_ends: Any = None       # matching.log_end_table
+    clock: Any = None          # {rank: data.clock summary}, as matching.CrossRank's
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -240,6 +243,7 @@ class Engine:
         self.group_ranks: dict = {}
         self.seen_ranks: set = set()
         self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
+        self.clock: dict = {}            # rank -> data.clock summary (its offset to rank 0's clock)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
         self.matched: bool | None = None   # the collectives matched (the coll table): transfer times known
@@ -272,6 +276,7 @@ class Engine:
         for column, names in staged.names.items():
             self.names.setdefault(column, {}).update(names)
         self.pattern.update(staged.pattern)
+        self.clock.update(staged.clock)
 
     def _connect(self) -> None:
         import duckdb
@@ -319,6 +324,7 @@ class Engine:
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
+            out.clock = dict(sorted(self.clock.items()))
             out.step_arrivals = self._step_arrivals()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from ..data.clock import MEASURED, SAME_MACHINE, UNMEASURED
 from .pattern import ATTR as PATTERN_ATTR, PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
 from .stragglers import SETUP_LATE_US, verdict
@@ -16,10 +17,12 @@ from .summaries import summary
 
 # a collective's busbw below this fraction of the best of the same message size is named
 SLOW_RATIO = 0.5
+# a rank's wall clock this far from rank 0's (us; and beyond the offset's uncertainty) is a finding
+CLOCK_NOTED_US = 1000.0
 
 
 class Finding(NamedTuple):
-    kind: str       # hang, steps, overhead, setup, ends, straggler, mismatch, bandwidth
+    kind: str       # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth
     text: str
     section: str    # the report table behind it
 
@@ -179,10 +182,40 @@ def _cross_findings(cross, st, steps_table) -> list:
                                    f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
                                    "matching stops at each log's end (a log cut short or a rank that stopped), no "
                                    "mismatch is inferred after it.", "ranks"))
+    clock = clock_finding(getattr(cross, "clock", None))
+    if clock:
+        out.append(Finding("clock", clock, "clock"))
     ranks = cross.ranks
     if len(ranks) > 1:
         out.append(Finding("straggler", _straggler_text(ranks, cross, steps_table), "ranks"))
     return out
+
+
+def clock_finding(clock) -> str:
+    """The clocks' finding ('' when there is nothing to say): ranks whose offset to rank 0 is
+    unknown while others were measured, and wall clocks that differ by more than ``CLOCK_NOTED_US``."""
+    clock = clock or {}
+    if not any(c.get("status") in (MEASURED, SAME_MACHINE) for c in clock.values()):
+        return ""
+    measured = {r: c for r, c in clock.items() if c.get("status") == MEASURED}
+    parts = []
+    unknown = sorted(r for r, c in clock.items() if c.get("status") == UNMEASURED)
+    if unknown:
+        parts.append(f"the clock offset of rank(s) {_ranks_text(unknown)} to rank 0 is unknown (not measured): their "
+                     "arrivals are not compared with the other ranks'")
+    far = {r: c for r, c in measured.items() if abs(c["offset_us"]) > max(CLOCK_NOTED_US, c["uncertainty_us"])}
+    if far:
+        r, c = max(far.items(), key=lambda kv: abs(kv[1]["offset_us"]))
+        way = "behind" if c["offset_us"] > 0 else "ahead"        # offset: rank 0's clock minus the rank's
+        largest = max(m["uncertainty_us"] for m in measured.values())
+        parts.append(f"the wall clocks of rank(s) {_ranks_text(sorted(far))} differ from rank 0's (the most: rank {r}, "
+                     f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
+                     f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})")
+    return ("Clocks: " + "; ".join(parts) + ".") if parts else ""
+
+
+def _ranks_text(ranks) -> str:
+    return ",".join(map(str, ranks[:16])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 16 else "")
 
 
 def _straggler_text(ranks, cross, steps_table) -> str:
@@ -190,7 +223,7 @@ def _straggler_text(ranks, cross, steps_table) -> str:
     the first rank of the ranks table), then the verdict of ``stragglers.verdict`` (significance,
     consistency and size over the steady-state steps)."""
     arrivals = getattr(cross, "step_arrivals", None)
-    v = verdict(arrivals, steps_table) if arrivals is not None else None
+    v = verdict(arrivals, steps_table, getattr(cross, "clock", None)) if arrivals is not None else None
     rows = ranks[ranks["rank"] == v["rank"]] if v is not None and v["rank"] is not None else ranks
     r = rows.iloc[0] if len(rows) else ranks.iloc[0]
     text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
@@ -209,7 +242,10 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
         else:
             why = {"significance": "not more than chance and noise explain",
-                   "consistency": "not in most steps", "effect": "too little to matter"}[v["reason"]]
+                   "consistency": "not in most steps", "effect": "too little to matter",
+                   "clock": (f"within the uncertainty of the clocks' offsets (+/-{_ms(v['clock_us'])})"
+                             if not math.isnan(v["clock_us"]) else
+                             "not comparable: a clock offset to rank 0 is unknown (not measured)")}[v["reason"]]
             text += f"; no straggler: {evidence}, {why}"
     if (v is not None and v["setup_rank"] is not None and v["setup_late_us"] >= SETUP_LATE_US
             and not (v["straggler"] and v["setup_rank"] == v["rank"])):
@@ -270,4 +306,4 @@ def _size(nbytes) -> str:
     return f"<= {int(nbytes)} B"
 
 
-__all__ = ["Finding", "findings", "hang_findings"]
+__all__ = ["Finding", "clock_finding", "findings", "hang_findings"]

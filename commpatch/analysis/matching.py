@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..data.ops import P2P_OPS
+from ..data.clock import CLOCK_ATTR
 from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
@@ -422,6 +423,7 @@ class CrossRank:
     step_arrivals: Any = None   # stragglers.step_arrivals: the straggler verdict's evidence
     transfer_us: Any = None     # transfer_times: per row of the log, aligned with it
     log_ends: Any = None        # log_end_table: logs that end before the others' (not mismatches)
+    clock: Any = None           # {rank: data.clock summary}: offsets to rank 0's clock (binary logs)
 
 
 def cross_rank(df) -> CrossRank:
@@ -437,7 +439,7 @@ def cross_rank(df) -> CrossRank:
                      mismatches=mismatches(df, matched, p2p), p2p=p2p,
                      missing_logs=sorted(members - present),
                      step_arrivals=step_arrivals(matched[1]), transfer_us=transfer_times(df, matched),
-                     log_ends=log_end_table(matched[0]))
+                     log_ends=log_end_table(matched[0]), clock=df.attrs.get(CLOCK_ATTR))
 
 
 def transfer_times(df, matched=None) -> np.ndarray:

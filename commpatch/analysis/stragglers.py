@@ -17,6 +17,12 @@ only steady-state steps count (a one-off delay in set-up is reported apart, neve
   steps) and an effect that matters (a median late_us of at least ``STRAGGLER_LATE`` of the median
   step time and at least ``MIN_LATE_US``).
 
+Arrivals compare issue times taken on different hosts' wall clocks, aligned to rank 0's where the
+offsets were measured (``data.clock``): a lateness within the offsets' uncertainty (the candidate's
+plus the largest other's) is no evidence (reason ``clock``), nor one involving a rank whose offset
+is unknown while others were measured. Logs with no measurement at all (older logs, CSV or
+synthetic input) are compared as they are, which the report says.
+
 A run of a few short steps cannot tell: one preemption of one process by the operating system can
 cover all of it (measured: with 11 steady steps of ~2 ms on a loaded machine, 4 of 80 verdicts
 were wrong; with 29 steps, 0 of 160).
@@ -29,6 +35,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from ..data.clock import MEASURED, REFERENCE, SAME_MACHINE
 
 # the tests' level, after the Bonferroni correction for the two tests and the ranks a candidate is picked from
 ALPHA = 1e-2
@@ -59,22 +67,40 @@ def step_arrivals(waits):
     return out.reset_index()
 
 
-def verdict(arrivals, steps_table) -> dict:
+def clock_uncertainty(clock, ranks) -> dict:
+    """{rank: uncertainty of its offset to rank 0 (us)} from a ``data.clock`` summary per rank
+    (``CLOCK_ATTR``): NaN for a rank whose offset was not measured when others were; all 0 when
+    none was (no clock information: the arrivals are compared as they are)."""
+    clock = clock or {}
+    if not any(c.get("status") in (MEASURED, SAME_MACHINE) for c in clock.values()):
+        return {r: 0.0 for r in ranks}
+    out = {}
+    for r in ranks:
+        c = clock.get(r, {})
+        out[r] = float(c["uncertainty_us"]) if c.get("status") in (MEASURED, SAME_MACHINE, REFERENCE) else math.nan
+    return out
+
+
+def verdict(arrivals, steps_table, clock=None) -> dict:
     """The straggler verdict from ``step_arrivals`` and ``per_step`` (either form; its stage column
     says which steps are set-up and steady). Keys: ``rank`` (the candidate, or None), ``straggler``
     (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those the
     candidate was last in), ``late_median_us`` (its median late_us), ``p_value`` (Bonferroni
     corrected), ``share_of_step`` (late_median_us over the median step time), ``reason`` (why not,
-    when not: ``steps``, ``significance``, ``consistency``, ``effect``), ``setup_rank`` and
-    ``setup_late_us`` (the latest rank of set-up and by how much it was later than the next)."""
+    when not: ``steps``, ``significance``, ``consistency``, ``effect``, ``clock``), ``setup_rank`` and
+    ``setup_late_us`` (the latest rank of set-up and by how much it was later than the next),
+    ``clock_us`` (the uncertainty of the candidate's arrival against the others' from the clock
+    offsets: NaN when one of them is unknown). ``clock``: the per-rank ``data.clock`` summaries."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
     out: dict = dict(rank=None, straggler=False, steps=0, last_steps=0, late_median_us=math.nan, p_value=math.nan,
-               share_of_step=math.nan, reason="steps", setup_rank=None, setup_late_us=math.nan)
+                     share_of_step=math.nan, reason="steps", setup_rank=None, setup_late_us=math.nan, clock_us=0.0)
+    unc = clock_uncertainty(clock, arrivals["rank"].unique().tolist())
     setup = _late(table[table["stage"] == "setup"])
     if setup is not None and len(setup.columns):
         best = setup.iloc[0].idxmax()
-        out.update(setup_rank=int(best), setup_late_us=float(setup.iloc[0][best]))
+        if float(setup.iloc[0][best]) > _relative(unc, best, setup.columns):    # else: within the clocks' uncertainty
+            out.update(setup_rank=int(best), setup_late_us=float(setup.iloc[0][best]))
     late = _late(table[table["stage"] == "steady"])
     if late is None or len(late) < 2:
         out["steps"] = 0 if late is None else len(late)
@@ -93,7 +119,10 @@ def verdict(arrivals, steps_table) -> dict:
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
     out.update(rank=int(rank), steps=m, last_steps=int((d > 0).sum()), late_median_us=float(medians[rank]),
                p_value=p, share_of_step=float(medians[rank]) / step_us if step_us > 0 else math.nan)
-    if p >= ALPHA:
+    out["clock_us"] = _relative(unc, rank, ranks)
+    if out["late_median_us"] > 0 and not out["late_median_us"] > out["clock_us"]:   # NaN (an unknown offset) too
+        out["reason"] = "clock"
+    elif p >= ALPHA:
         out["reason"] = "significance"
     elif out["last_steps"] < STRAGGLER_SHARE * m:
         out["reason"] = "consistency"
@@ -102,6 +131,14 @@ def verdict(arrivals, steps_table) -> dict:
     else:
         out.update(straggler=True, reason=None)
     return out
+
+
+def _relative(unc, rank, ranks) -> float:
+    """The uncertainty of ``rank``'s arrival against the other ``ranks``' (us): its offset's plus the
+    largest other's; NaN when one is unknown."""
+    others = [unc.get(r, math.nan) for r in ranks if r != rank]
+    return unc.get(rank, math.nan) + (max(others) if others and not any(map(math.isnan, others)) else
+                                      (math.nan if others else 0.0))
 
 
 def _late(table):
@@ -180,4 +217,5 @@ def _betainc(a: float, b: float, x: float) -> float:
     return front * h / a
 
 
-__all__ = ["ALPHA", "MIN_LATE_US", "SETUP_LATE_US", "STRAGGLER_LATE", "STRAGGLER_SHARE", "step_arrivals", "verdict"]
+__all__ = ["ALPHA", "MIN_LATE_US", "SETUP_LATE_US", "STRAGGLER_LATE", "STRAGGLER_SHARE", "clock_uncertainty",
+           "step_arrivals", "verdict"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
+from .clock import CLOCK_ATTR, RankClock, rank_clock
 from .logfile import parse
 from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, STEP_SOURCES, T_DEVICE,
                      T_FUTURE, T_HOST, T_NCCL, T_WAIT, TIMINGS, printable_name, row_dtype, unpack_flags, unpack_where)
@@ -79,6 +80,7 @@ def columns(parsed, names=None) -> dict:
     device_own = _by_seq(np, raw["seq"], parsed.own_seq, parsed.own_dur).astype(np.float64)
     device_own[device_own < 0] = np.nan
     start_ns = raw["start"] + offset
+    start_ns = start_ns + parsed_clock(parsed).shift(np, start_ns)     # on rank 0's wall clock, when measured
     device = np.where(on_device, 1, np.where(raw["dtype"] <= 1, 2, 0))
     n = len(gid)
     module, phase = unpack_where(raw["where"].astype(np.int64))
@@ -204,7 +206,18 @@ def dataframe(parsed, names=None):
     df = pd.DataFrame({name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
                        for name, c in cols.items()}, copy=False)
     df.attrs["torn_records"] = parsed.torn
+    rank = parsed.header.get("rank")
+    if isinstance(rank, int) and rank >= 0:
+        df.attrs[CLOCK_ATTR] = {rank: parsed_clock(parsed).summary()}
     return df
+
+
+def parsed_clock(parsed) -> RankClock:
+    """The clock of a parsed rank log relative to rank 0's (``data.clock``)."""
+    h = parsed.header
+    rank, world = h.get("rank", -1), h.get("world_size", -1)
+    return rank_clock(rank if isinstance(rank, int) else -1, world if isinstance(world, int) else -1,
+                      parsed.rank0_offsets)
 
 
 def arrow_table(parsed, names=None):

@@ -12,7 +12,9 @@ File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``
 - ``L``: (seq, duration_ns) pairs, little-endian int64, for rows timed after they were written;
 - ``Q``: (seq, own_ns) pairs, the same way: a device-timed row's own time (its completion minus
   the later of its start and the previous call's completion on the group, measured on the device);
-- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, bucket,
+- ``M``: one JSON object (``{"k": kind, ...}``): header, group, dtype, tag, module, clock, rank0_offset
+  (an interval [lo, hi] ns holding rank 0's wall clock minus this rank's, measured at ``at``;
+  same: 1 when rank 0 runs on this machine: ``record.clocksync``), bucket,
   step_source, device (the accelerator type that rows flagged "on the device" ran on), sync (the
   end of DDP's finalize after a backward, ns after the start of the row of its last bucket);
   inflight / landed / alive (a call in flight longer than the flusher's period, its completion,
@@ -88,6 +90,8 @@ class Parsed:
         self.tags: dict[int, str] = {0: ""}
         self.modules: dict[int, str] = {0: ""}
         self.clock: list[tuple[int, int]] = []
+        # (at, lo, hi ns, same machine as rank 0): rank 0's wall clock minus this rank's
+        self.rank0_offsets: list[tuple[int, int, int, int]] = []
         self.buckets: list[tuple[int, int, int, int]] = []
         self.step_sources: list[tuple[int, int]] = []   # (first seq, data.schema.STEP_SOURCES code)
         self.syncs: list[tuple[int, int]] = []          # (seq of a last bucket's row, finalize end ns after its start)
@@ -428,6 +432,11 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.modules[_int(m, "code", 0, limit - 1)] = _str(m, "name")
     elif kind == "clock":
         out.clock.append((_int(m, "seq"), _int(m, "offset")))
+    elif kind == "rank0_offset":
+        lo, hi = _int(m, "lo"), _int(m, "hi")
+        if lo > hi:
+            raise _Bad("an empty interval")
+        out.rank0_offsets.append((_int(m, "at"), lo, hi, _int(m, "same", 0, 1) if "same" in m else 0))
     elif kind == "device":
         out.device = _str(m, "name")
     elif kind == "step_source":

@@ -9,7 +9,8 @@ import glob
 import os
 from typing import TYPE_CHECKING
 
-from ..data.frame import arrow_table, dataframe, own_times, parse_log
+from ..data.clock import CLOCK_ATTR
+from ..data.frame import arrow_table, dataframe, own_times, parse_log, parsed_clock
 from ..data.logfile import IN_FLIGHT_ATTR, MAX_WORLD, RANKS_NAMED, SUFFIX, in_flight, parse_header, rank_count
 from ..data.ops import describe_op
 from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
@@ -109,11 +110,12 @@ class _Parts:
         self.foreign: list = []
         self.keys: list = []
         self.whole: set = set()      # ranks read whole despite a window of steps: no step boundary
+        self.clocks: dict = {}       # rank -> data.clock RankClock.summary() (binary logs only)
 
     def load(self, path, scanned) -> None:
         plan, pa = self.plan, self.pa
         try:
-            part = _read_file(pa, path, plan.read_schema, self.notes)
+            part = _read_file(pa, path, plan.read_schema, self.notes, self.clocks)
         except _NotALog as exc:
             if not scanned:
                 raise
@@ -158,6 +160,8 @@ class _Parts:
         here = {k["rank"] for _, keys in self.keys for k in keys}      # the ranks read: their dumps only
         flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
         df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
+        if self.clocks:
+            df.attrs[CLOCK_ATTR] = dict(sorted(self.clocks.items()))
         if self.plan.steps is not None:
             df.attrs[STEPLESS_ATTR] = sorted(self.whole)
         return df
@@ -354,9 +358,11 @@ def expand(paths) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
-    for p in map(str, paths):
+    paths = [str(p) for p in paths]
+    chosen = one_run([p for p in paths if os.path.isdir(p) and not _log_files(p)])
+    for p in paths:
         if os.path.isdir(p):
-            files += _log_files(p) or _log_files(latest_run(p) or p)
+            files += _log_files(p) or _log_files(chosen.get(p) or p)
         elif any(ch in p for ch in "*?["):
             files += sorted(glob.glob(p))
         else:
@@ -378,12 +384,13 @@ def _resolve(paths, notes) -> list[tuple[str, bool]]:
         paths = [paths]
     out: list[tuple[str, bool]] = []
     seen: dict[str, str] = {}
-    for p in map(os.fspath, paths):
-        p = str(p)
+    paths = [str(os.fspath(p)) for p in paths]
+    chosen = one_run([p for p in paths if os.path.isdir(p) and not _log_files(p)], notes)
+    for p in paths:
         if os.path.isdir(p):
             found = _log_files(p)
             if not found:
-                run = latest_run(p, notes)
+                run = chosen.get(p)
                 found = _log_files(run) if run else []
             if not found:
                 raise LogFileNotFoundError(p, "no .cplog, .csv or .parquet file in this directory (nor in a run "
@@ -482,11 +489,46 @@ def run_started(directory: str) -> float:
     return min(times, default=0.0)
 
 
+def one_run(directories, notes=None) -> dict:
+    """{directory of runs: the run directory to read in it}. One directory: its latest run. Several
+    (one per host, each holding its ranks' files under the run's name, agreed by every rank of a
+    job: ``{run}``): the same run in each, the latest one that all of them hold (by the first
+    one's order); when they hold none in common, the latest of each, said in a note."""
+    if len(directories) <= 1:
+        return {d: latest_run(d, notes) for d in directories}
+    found = {d: runs(d) for d in directories}
+    names = [{os.path.basename(r) for r in rs} for rs in found.values()]
+    common = [r for r in found[directories[0]] if all(os.path.basename(r) in n for n in names)]
+    if common:
+        name = os.path.basename(common[-1])
+        out = {d: os.path.join(d, name) for d in directories}
+        if notes is not None:
+            counts = sorted({len(rs) for rs in found.values()})
+            notes.add(directories[0], f"{len(directories)} directories of runs: reading run {name}, held by all of "
+                                      f"them ({'/'.join(map(str, counts))} run(s) each)")
+            notes.run = (out[directories[0]], max(counts), len(directories))
+        return out
+    out = {d: latest_run(d) for d in directories}
+    if notes is not None:
+        notes.add(directories[0], "the directories given hold no run of the same name (each host of a job writes "
+                                  "its ranks' files under the run's one name): reading the latest of each: "
+                                  + ", ".join(os.path.basename(r) for r in out.values() if r))
+    return out
+
+
 def chosen_run(paths):
     """(the run directory, how many runs) when ``paths`` is one directory of runs (no log file of
     its own: its latest run is read), else None; what ``read`` keeps in ``df.attrs["run"]``."""
     if isinstance(paths, (list, tuple)) and len(paths) == 1:
         paths = paths[0]
+    if isinstance(paths, (list, tuple)) and len(paths) > 1:      # one directory of runs per host
+        dirs = [str(os.fspath(p)) for p in paths]
+        if all(os.path.isdir(d) and not _log_files(d) for d in dirs):
+            chosen = one_run(dirs)
+            first = chosen.get(dirs[0])
+            if first and all(os.path.basename(r or "") == os.path.basename(first) for r in chosen.values()):
+                return first, max(len(runs(d)) for d in dirs), len(dirs)
+        return None
     if not isinstance(paths, (str, os.PathLike)) or not os.path.isdir(paths) or _log_files(str(paths)):
         return None
     found = runs(str(paths))
@@ -566,9 +608,10 @@ class _Jobs:
         return True
 
 
-def _read_file(pa, path, schema, notes):
+def _read_file(pa, path, schema, notes, clocks=None):
     """(data, key summary, filled columns) of one file, or None when it holds no row.
-    ``data`` is a conformed Arrow table (or, without pyarrow, a DataFrame)."""
+    ``data`` is a conformed Arrow table (or, without pyarrow, a DataFrame). ``clocks``: a dict
+    that gets the clock of a binary log's rank (``data.clock``)."""
     size, head, end = _sniff(path)
     where = (lambda i: f"row {i + 1}") if head.startswith((_PARQUET_MAGIC, b"CPLOG")) else (lambda i: f"line {i + 2}")
     if not head.strip():
@@ -583,7 +626,7 @@ def _read_file(pa, path, schema, notes):
         raise LogFileError(path, "not a Parquet file (no Parquet magic bytes at its start; truncated to "
                                  "nothing, or another format)")
     elif head.startswith(b"CPLOG"):
-        data, fill = _read_binary(pa, path, schema, notes)
+        data, fill = _read_binary(pa, path, schema, notes, clocks)
     elif b"\0" in head:
         raise LogFileError(path, "binary data, not a CSV (or Parquet) commpatch log")
     else:
@@ -655,8 +698,9 @@ def _check_sizes(pa, data, path, where) -> None:
                                          f"{RANKS_NAMED:,} named by a file's groups in all)") from None
 
 
-def _read_binary(pa, path, schema, notes):
-    """A binary rank log (``data.logfile``), as it stands on disk, also that of a process that died."""
+def _read_binary(pa, path, schema, notes, clocks=None):
+    """A binary rank log (``data.logfile``), as it stands on disk, also that of a process that died;
+    its ``start_ns`` on rank 0's wall clock where the log measured the offset (``data.clock``)."""
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -666,6 +710,9 @@ def _read_binary(pa, path, schema, notes):
     for problem in parsed.damage():
         notes.add(path, problem)
     notes.flight.append(in_flight(parsed))
+    rank = parsed.header.get("rank")
+    if clocks is not None and isinstance(rank, int) and rank >= 0 and len(parsed.rows):
+        clocks[rank] = parsed_clock(parsed).summary()
     names = [c.name for c in schema]
     if pa is not None:
         table = arrow_table(parsed, set(names)).select(names)

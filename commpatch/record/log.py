@@ -70,6 +70,7 @@ class Log:
         # flight (async ones until their timing resolves; sync ones too when the watchdog is on)
         self.pending: dict[int, tuple] = {}
         self.offsets = ([0], [time.time_ns() - time.perf_counter_ns()])  # (from seq, perf->Unix ns)
+        self.rank0_offsets: list[tuple] = []  # (at, lo, hi ns, same machine): rank 0's wall clock minus ours (record.clocksync)
         self.groups: list[GroupInfo] = []
         self.group_ids: dict = {}             # group object (None: default group) -> gid
         self.dtype_names: list[str] = ["none", OBJECT]
@@ -144,6 +145,11 @@ class Log:
         if opening:
             self.on_open(self)        # outside self.lock: it may touch the disk
         return gid
+
+    def note_rank0_offset(self, at_ns: int, lo_ns: int, hi_ns: int, same_machine: bool = False) -> None:
+        """A measured interval of rank 0's wall clock minus this rank's (``record.clocksync``'s
+        thread; ``same_machine``: rank 0 runs on this one): written with the next flush."""
+        self.rank0_offsets.append((at_ns, lo_ns, hi_ns, int(same_machine)))      # one append: atomic under the GIL
 
     def forget_groups(self) -> None:
         """Called when process groups are destroyed: group objects may be reused or re-created."""
@@ -444,6 +450,8 @@ class Log:
             ("tags", TAGS, lambda i, name: logfile.meta("tag", code=i, name=name)),
             ("modules", MODULES, lambda i, name: logfile.meta("module", code=i, name=name)),
             ("clock", self.offsets[0], lambda i, seq: logfile.meta("clock", seq=seq, offset=self.offsets[1][i])),
+            ("rank0_offsets", self.rank0_offsets, lambda i, o: logfile.meta("rank0_offset", at=o[0], lo=o[1], hi=o[2],
+                                                                                             same=o[3])),
             ("device", [self.device] if self.device else [], lambda i, name: logfile.meta("device", name=name)),
             ("step_sources", state.STEP_SOURCE_MARKS, lambda i, mark: logfile.meta("step_source", seq=mark[0],
                                                                                     source=mark[1])),

@@ -13,6 +13,7 @@ from .. import analysis as _analysis
 from ..analysis import advice as _advice, findings as _findings
 from ..analysis.headline import headline as _headline
 from ..analysis import hangs, matching, pattern, steps as _steps, summaries
+from ..data.clock import MEASURED, SAME_MACHINE
 from . import people
 from .people import human_bytes, terminal_safe
 
@@ -84,6 +85,8 @@ SECTIONS = {   # key -> title, in the order they are rendered
              "collectives)",
     "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
     "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
+    "clock": "Clocks (per rank: its wall clock's offset to rank 0's, as measured during the run; rank 0's clock "
+             "minus the rank's, added to its issue times)",
 }
 
 
@@ -171,9 +174,18 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         rep.notes.append("bandwidth (algbw, busbw): bytes over transfer_us, from the last rank's issue to completion "
                          "(where every member of the group has a log; else own_us); busbw_with_wait_gbps: over "
                          "own_us, which counts each rank's wait for the ranks that issued later.")
-        rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; it includes "
-                         "clock differences between hosts. wait = time a rank's call spent until the last rank "
-                         "issued it (bounded by its measured duration).")
+        clock = getattr(cr, "clock", None) or {}
+        if clock:
+            rep.sections["clock"] = _clock_table(clock)
+        rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; "
+                         + ("issue times are on rank 0's wall clock, each rank's aligned by its measured offset "
+                            "(table: Clocks; a skew within the offsets' uncertainty is not a straggler)"
+                            if any(c.get("status") in (MEASURED, SAME_MACHINE) for c in clock.values()) else
+                            "no clock offset was measured in these logs (older logs, CSV or Parquet input): the "
+                            "issue times are compared as each host's wall clock gave them, which includes clock "
+                            "differences between hosts")
+                         + ". wait = time a rank's call spent until the last rank issued it (bounded by its measured "
+                           "duration).")
     else:
         rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
     rep.findings = _findings.findings(df, per_step, cr)
@@ -191,14 +203,25 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     return rep
 
 
+def _clock_table(clock):
+    """The Clocks section: rank, status (``data.clock``: reference, same_machine, measured,
+    unmeasured), offset_us, uncertainty_us, measurements (rounds of the exchange in the log)."""
+    import pandas as pd
+
+    return pd.DataFrame([dict(rank=r, **c) for r, c in sorted(clock.items())],
+                        columns=["rank", "status", "offset_us", "uncertainty_us", "measurements"])
+
+
 def _run_text(run) -> str:
     """'run NAME (the latest of N in DIR; N-1 other(s)): ' for a report of a directory of runs."""
     if not run:
         return ""
     import os
 
-    path, n = run
+    path, n = run[:2]
     where = os.path.dirname(os.path.normpath(path)) or "."
+    if len(run) > 2 and run[2] > 1:        # one directory of runs per host
+        return f"run {os.path.basename(os.path.normpath(path))} (from {run[2]} directories, one per host): "
     return (f"run {os.path.basename(os.path.normpath(path))} (the latest of {n} in {where}; {n - 1} other(s)): "
             if n > 1 else f"run {os.path.basename(os.path.normpath(path))} (the only one in {where}): ")
 

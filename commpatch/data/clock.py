@@ -1,0 +1,79 @@
+"""A rank's wall clock aligned to rank 0's, from the intervals its log holds (``rank0_offset``
+records: ``record.clocksync`` measured, at local time ``at``, that rank 0's clock minus this
+rank's lies in [lo, hi]; and whether rank 0 runs on the same machine, by its boot id).
+
+A rank on rank 0's machine reads the same wall clock (Linux has one CLOCK_REALTIME per machine):
+its offset is 0 exactly (``SAME_MACHINE``), as long as every interval holds 0; an interval that
+does not proves a per-process clock (libfaketime, an LD_PRELOAD shim), and then the measurement
+counts.
+
+Each interval is tightened by the others (two wall clocks drift apart by at most ``DRIFT`` per
+second: Linux slews NTP corrections at 500 ppm at most; a stepped clock makes them disjoint, and
+then the interval is kept as measured). A row's offset is the midpoint interpolated in time
+between the measurements (constant before the first and after the last); the rank's stated
+uncertainty is the largest half-width of its intervals. Rank 0 is the reference (offset 0 by
+definition); any other rank without a measurement is ``unmeasured``: its offset is unknown, never
+taken as 0 by the analysis (``CLOCK_ATTR`` says so per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DRIFT = 5e-4
+# df.attrs key: {rank: RankClock.summary()} for the ranks of the logs read (binary logs only)
+CLOCK_ATTR = "clock"
+REFERENCE, SAME_MACHINE, MEASURED, UNMEASURED = "reference", "same_machine", "measured", "unmeasured"
+
+
+@dataclass(frozen=True)
+class RankClock:
+    status: str                    # REFERENCE, SAME_MACHINE, MEASURED or UNMEASURED
+    at: tuple = ()                 # local Unix ns of each measurement
+    mid: tuple = ()                # rank 0's clock minus this rank's, ns (tightened midpoints)
+    half: tuple = ()               # their half-widths, ns
+
+    def shift(self, np, start_ns):
+        """ns to add to this rank's ``start_ns`` (int64 array) to put it on rank 0's clock."""
+        if not self.mid:
+            return np.zeros(len(start_ns), np.int64)
+        at = np.asarray(self.at, np.int64)
+        x = (np.asarray(start_ns, np.int64) - at[0]).astype(np.float64)
+        return np.rint(np.interp(x, (at - at[0]).astype(np.float64), np.asarray(self.mid, np.float64))).astype(np.int64)
+
+    def summary(self) -> dict:
+        """status; offset_us (the median offset, NaN when unmeasured); uncertainty_us (0 for the
+        reference, NaN when unmeasured); measurements."""
+        nan = float("nan")
+        if self.status in (REFERENCE, SAME_MACHINE):
+            return dict(status=self.status, offset_us=0.0, uncertainty_us=0.0, measurements=len(self.at))
+        if not self.mid:
+            return dict(status=UNMEASURED, offset_us=nan, uncertainty_us=nan, measurements=0)
+        mids = sorted(self.mid)
+        return dict(status=MEASURED, offset_us=mids[len(mids) // 2] / 1e3, uncertainty_us=max(self.half) / 1e3,
+                    measurements=len(self.mid))
+
+
+def rank_clock(rank: int, world_size: int, intervals) -> RankClock:
+    """The clock of ``rank`` from its log's (at, lo, hi, same machine) intervals."""
+    if rank <= 0 or world_size <= 1:
+        return RankClock(REFERENCE)
+    if not intervals:
+        return RankClock(UNMEASURED)
+    items = sorted(i[:3] for i in intervals)
+    if all(len(i) > 3 and i[3] for i in intervals) and all(lo <= 0 <= hi for _, lo, hi in items):
+        return RankClock(SAME_MACHINE, tuple(t for t, _, _ in items))
+    at, mid, half = [], [], []
+    for t, lo, hi in items:
+        tight_lo = max(lo2 - DRIFT * abs(t - t2) for t2, lo2, _ in items)
+        tight_hi = min(hi2 + DRIFT * abs(t - t2) for t2, _, hi2 in items)
+        if tight_lo > tight_hi:              # inconsistent (a clock stepped): as measured
+            tight_lo, tight_hi = lo, hi
+        tight_lo, tight_hi = max(tight_lo, lo), min(tight_hi, hi)
+        at.append(t)
+        mid.append((tight_lo + tight_hi) / 2)
+        half.append((tight_hi - tight_lo) / 2)
+    return RankClock(MEASURED, tuple(at), tuple(mid), tuple(half))
+
+
+__all__ = ["CLOCK_ATTR", "DRIFT", "MEASURED", "REFERENCE", "RankClock", "SAME_MACHINE", "UNMEASURED", "rank_clock"]

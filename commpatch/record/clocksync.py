@@ -1,0 +1,215 @@
+"""Each rank's wall-clock offset to rank 0, measured off the training thread (issue 25).
+
+Rows carry ``start_ns`` on their own host's wall clock (CLOCK_REALTIME). Hosts differ by micro- to
+milliseconds (NTP, PTP), or by seconds when one is not synchronised: the same order as, or far
+more than, the arrival skews the cross-rank report ranks. So every rank measures the offset of
+rank 0's wall clock to its own, NTP-style, through a clone of the process group's store (its own
+connection: never the store object torch uses, never a collective, nothing on the user's groups):
+
+    rank i: t1 = now; set(q)       rank 0: wait(q); t2 = now; t3 = now; set(a, "t2 t3")
+    rank i: get(a); t4 = now
+
+Whatever the network and scheduling delays, t2 is after t1 and t3 before t4 in real time, so the
+offset theta (rank 0's clock minus rank i's) lies in [t3 - t4, t2 - t1]: a bound, not a guess.
+``PINGS`` exchanges per round, their intervals intersected; rounds at the first collective, then
+after ``SCHEDULE_S`` (and every last entry of it), on a daemon thread per rank (rank 0's serves the
+others one at a time, so a rank's exchange never queues behind another's; a rank whose thread has
+not started yet is served in a later round). Each round's interval is noted in the rank's log
+(``data.logfile`` record ``rank0_offset``: at, lo, hi in ns, and same: rank 0 runs on this
+machine, by its boot id); the reader aligns ``start_ns`` with it (``data.clock``). Any failure (no
+store, a peer without commpatch, the store gone at exit) ends the thread quietly: no record means
+"not measured".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+PREFIX = "commpatch/clock"
+PINGS = 4                        # exchanges per rank and round (intervals intersected)
+SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)   # waits between rounds; the last one repeats
+WAIT_S = 10.0                    # rank 0's wait for one request, a rank's for one answer
+TURN_S = max(SCHEDULE_S) + 120.0  # a rank's wait for its next turn (rank 0 gone quiet after it: the end)
+READY_S, READY_TRIES = 0.25, 8   # rank 0's next round while some rank's thread has not started
+
+
+class ClockSync:
+    """The measuring thread of one rank; ``note(at_ns, lo_ns, hi_ns, same_machine)`` receives each
+    round's interval (rank i only; ``same_machine``: rank 0 answered with this machine's boot id).
+
+    The thread blocks in the store only on keys that are coming (never a polling timeout: torch
+    prints a warning on each); ``stop()`` sets the key it is blocked on, so it returns at once, and
+    a rank that stops says so (``bye``) and answers its pending requests, so rank 0 never waits for it."""
+
+    def __init__(self, store, rank: int, world_size: int, note, generation: str = "0") -> None:
+        self.store, self.rank, self.world_size, self.note = store, rank, world_size, note
+        self.prefix = f"{PREFIX}/{generation}"
+        self.stop_event = threading.Event()
+        self.waiting = ""                # the key the thread blocks on ('' : none)
+        self.round = 0                   # rank i: its exchanges so far (the keys' number)
+        self.rounds = 0                  # rounds completed (served on rank 0, measured elsewhere)
+        self.error = ""                  # why the thread ended early ('' : it did not)
+        self.gone: set = set()           # rank 0: ranks that stopped or never answered, not asked again
+        self.thread = threading.Thread(target=self._run, name="commpatch-clock", daemon=True)
+        self.thread.start()
+
+    def stop(self, join_s: float = 0.0) -> None:
+        """End the thread (the caller's thread sets the keys it or rank 0 may be waiting for, through
+        the store object given; any failure there is ignored: the store may be gone); ``join_s``:
+        wait that long for it to end (at exit: the process must not end with it inside the store)."""
+        if self.stop_event.is_set():
+            return
+        self.stop_event.set()
+        keys = [self.waiting] if self.waiting else []
+        if self.rank > 0:
+            key = f"{self.prefix}/{self.rank}/{self.round}"
+            keys = [f"{self.prefix}/bye/{self.rank}"] + [f"{key}/q{j}" for j in range(PINGS)] + keys
+        for key in keys:
+            try:
+                self.store.set(key, b"")
+            except Exception:  # noqa: BLE001 - the store is gone: so is anything waiting on it
+                break
+        if join_s > 0 and self.thread is not threading.current_thread():
+            self.thread.join(timeout=join_s)
+
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stop_event.is_set()
+
+    def _run(self) -> None:
+        import datetime
+
+        try:
+            store = self.store.clone()          # its own connection: the user's store object is never waited on
+            store.set_timeout(datetime.timedelta(seconds=TURN_S))
+            if self.rank > 0:
+                store.set(f"{self.prefix}/ready/{self.rank}", b"")
+            served = [0] * self.world_size      # rank 0: exchanges done with each rank
+            k = tries = 0
+            while not self.stop_event.is_set():
+                if self.rank == 0:
+                    waiting = self._serve(store, served)
+                else:
+                    if not self._ask(store, self.round):
+                        return
+                    self.round += 1
+                    waiting = False
+                if self.stop_event.is_set():
+                    return
+                self.rounds += 1
+                if waiting and tries < READY_TRIES:     # rank 0: soon again for ranks whose thread starts later
+                    tries += 1
+                    delay = READY_S
+                else:
+                    delay = SCHEDULE_S[min(k, len(SCHEDULE_S) - 1)]
+                    k += 1
+                if self.stop_event.wait(delay):
+                    return
+        except Exception as exc:  # noqa: BLE001 - measuring is optional: never an error in the job
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+    def _wait(self, store, key: str, seconds: float) -> bool:
+        """Block until ``key`` is set (raises after ``seconds``); False when stopped meanwhile."""
+        import datetime
+
+        self.waiting = key                 # before the check: stop() sets it, or the check sees stop
+        if self.stop_event.is_set():
+            return False
+        store.wait([key], datetime.timedelta(seconds=seconds))
+        self.waiting = ""
+        return not self.stop_event.is_set()
+
+    def _serve(self, store, served: list) -> bool:
+        """Rank 0: answer the ``PINGS`` requests of every other rank whose thread runs, one rank at
+        a time (``served[i]``: its exchanges so far, the keys' number); True when some rank's thread
+        has not started yet."""
+        pending = False
+        for i in range(1, self.world_size):
+            if i in self.gone or store.check([f"{self.prefix}/bye/{i}"]):
+                self.gone.add(i)
+                continue
+            if not store.check([f"{self.prefix}/ready/{i}"]):
+                pending = True
+                continue
+            key = f"{self.prefix}/{i}/{served[i]}"
+            store.set(f"{key}/go", b"")
+            for j in range(PINGS):
+                try:
+                    if not self._wait(store, f"{key}/q{j}", WAIT_S):
+                        return False
+                except Exception:  # noqa: BLE001 - that rank does not answer (gone): not asked again
+                    self.waiting = ""
+                    self.gone.add(i)
+                    break
+                t2 = time.time_ns()
+                t3 = time.time_ns()
+                store.set(f"{key}/a{j}", f"{t2} {t3} {BOOT_ID}".encode())
+                store.delete_key(f"{key}/q{j}")
+            served[i] += 1
+        return pending
+
+    def _ask(self, store, n: int) -> bool:
+        """Rank i: wait for its ``n``-th turn, then measure; False when stopped."""
+        key = f"{self.prefix}/{self.rank}/{n}"
+        if not self._wait(store, f"{key}/go", TURN_S):
+            return False
+        store.delete_key(f"{key}/go")
+        lo, hi, at, same = None, None, 0, False
+        for j in range(PINGS):
+            t1 = time.time_ns()
+            store.set(f"{key}/q{j}", b"")
+            if not self._wait(store, f"{key}/a{j}", WAIT_S):
+                return False
+            t4 = time.time_ns()
+            answer = store.get(f"{key}/a{j}")
+            store.delete_key(f"{key}/a{j}")
+            t2, t3, *boot = answer.decode().split()
+            t2, t3 = int(t2), int(t3)
+            same = bool(BOOT_ID) and boot == [BOOT_ID]
+            a, b = t3 - t4, t2 - t1
+            if lo is None:
+                lo, hi, at = a, b, t1
+            elif max(lo, a) <= min(hi, b):          # intersect: the offset lies in both
+                lo, hi = max(lo, a), min(hi, b)
+            elif b - a < hi - lo:                   # disjoint (a clock stepped meanwhile): the narrower
+                lo, hi, at = a, b, t1
+        if lo is not None:
+            self.note(at, lo, hi, same)
+        return True
+
+
+def _boot_id() -> str:
+    """This machine's boot id (Linux): processes that share it read one CLOCK_REALTIME (time
+    namespaces offset only the monotonic and boot clocks); '' where there is none."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+BOOT_ID = _boot_id()
+
+
+def start(log, note=None) -> "ClockSync | None":
+    """A ClockSync for ``log``'s rank through the default process group's store, or None (one
+    rank, no default group, no store that can be cloned)."""
+    if log.world_size < 2 or log.rank < 0:
+        return None
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without it: not measured
+        return None
+    if not hasattr(store, "clone"):
+        return None
+    import os
+
+    # every rank starts one per process group it joins, in the same order: the same key prefix
+    _STARTED[0] += 1
+    generation = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{_STARTED[0]}"
+    return ClockSync(store, log.rank, log.world_size, note or log.note_rank0_offset, generation)
+
+
+_STARTED = [0]
