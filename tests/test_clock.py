@@ -20,7 +20,7 @@ from commpatch.data.clock import CLOCK_ATTR, rank_clock
 from commpatch.data.frame import parse_log, parsed_clock
 from commpatch.io.reader import one_run
 from commpatch.render import text as report
-from commpatch.synthetic import make_log
+from commpatch.testing import make_log
 
 from .clock_workers import exchange_job, tcp_exchange
 from .multiproc import free_port, run_ranks
