@@ -4,6 +4,7 @@ install-hook`), and the optional C row writer of the hot path (commpatch/record/
 coverage.py's CTracer: when it cannot be compiled the install goes on and the pure-Python path is
 used). Everything else (metadata, dependencies, extras, entry point, package data) is in
 pyproject.toml."""
+
 import os
 
 from setuptools import Extension, setup
@@ -17,5 +18,7 @@ class build_py_with_pth(build_py):
         self.copy_file(src, os.path.join(self.build_lib, "commpatch.pth"), preserve_mode=0)
 
 
-setup(cmdclass={"build_py": build_py_with_pth},
-      ext_modules=[Extension("commpatch.record._hot", ["commpatch/record/_hot.c"], optional=True)])
+setup(
+    cmdclass={"build_py": build_py_with_pth},
+    ext_modules=[Extension("commpatch.record._hot", ["commpatch/record/_hot.c"], optional=True)],
+)

@@ -87,23 +87,54 @@ def worker(args) -> None:
 def run_job(args, bucket_mb: float, out: str) -> dict:
     """The job under commpatch with ``bucket_cap_mb=bucket_mb``; its report as parsed JSON."""
     os.makedirs(out)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    cmd = [sys.executable, "-m", "commpatch", "run", "--output", os.path.join(out, "rank{rank}.csv"), "--",
-           sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           f"--master_port={args.port}", os.path.abspath(__file__), "--worker", "--bucket-mb", str(bucket_mb),
-           "--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden),
-           "--batch", str(args.batch), "--device-ms", str(args.device_ms)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "commpatch",
+        "run",
+        "--output",
+        os.path.join(out, "rank{rank}.csv"),
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        f"--master_port={args.port}",
+        os.path.abspath(__file__),
+        "--worker",
+        "--bucket-mb",
+        str(bucket_mb),
+        "--steps",
+        str(args.steps),
+        "--layers",
+        str(args.layers),
+        "--hidden",
+        str(args.hidden),
+        "--batch",
+        str(args.batch),
+        "--device-ms",
+        str(args.device_ms),
+    ]
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    rep = subprocess.run([sys.executable, "-m", "commpatch", "report", out, "--format", "json", "--no-progress"],
-                         check=True, env=env, capture_output=True, text=True)
+    rep = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", out, "--format", "json", "--no-progress"],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(rep.stdout)
 
 
 def steady(report: dict) -> tuple:
     """(median step time in ms, median exposed share) over the report's steady-state steps."""
     rows = [r for r in report["sections"]["steps"] if r["stage"] == "steady"]
-    return (statistics.median(r["step_us"] for r in rows) / 1e3,
-            statistics.median(r["exposed_share"] for r in rows))
+    return (statistics.median(r["step_us"] for r in rows) / 1e3, statistics.median(r["exposed_share"] for r in rows))
 
 
 def bucket_advice(report: dict):
@@ -120,8 +151,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--device-ms", type=float, default=3.0, help="per layer: forward sleep (backward: twice); "
-                        "0: CPU compute only")
+    parser.add_argument(
+        "--device-ms", type=float, default=3.0, help="per layer: forward sleep (backward: twice); 0: CPU compute only"
+    )
     parser.add_argument("--port", type=int, default=35100)
     parser.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary directory)")
     args = parser.parse_args()
@@ -137,8 +169,11 @@ def main() -> int:
             rep = run_job(args, mb, os.path.join(base, f"round{i}-{name}"))
             step, exposed = steady(rep)
             advice = bucket_advice(rep)
-            print(f"{i:>5}  {name:<8}  {mb:>13g}  {step:>11.2f}  {exposed:>7.1%}  "
-                  + (advice["change"] if advice else "none"), flush=True)
+            print(
+                f"{i:>5}  {name:<8}  {mb:>13g}  {step:>11.2f}  {exposed:>7.1%}  "
+                + (advice["change"] if advice else "none"),
+                flush=True,
+            )
             return step, exposed, advice
 
         for i in range(args.rounds):
@@ -147,16 +182,18 @@ def main() -> int:
             advice = poor[0][2]
             if advice is None:
                 continue
-            mb = advice["setting"]["bucket_cap_mb"]          # the advice, as the report's JSON gives it
+            mb = advice["setting"]["bucket_cap_mb"]  # the advice, as the report's JSON gives it
             advised = [one(i, "advised", mb), one(i, "advised2", mb)]
             poor.append(one(i, "poor2", args.start_mb))
             for key, k in (("step", 0), ("exposed", 1)):
                 ratios[key].append(sum(r[k] for r in advised) / sum(r[k] for r in poor))
     if ratios["step"]:
-        print(f"advised / poor (means of the round's two runs each), median of {len(ratios['step'])} round(s): "
-              f"step time {statistics.median(ratios['step']):.2f} (per round "
-              f"{', '.join(f'{r:.2f}' for r in ratios['step'])}), exposed share "
-              f"{statistics.median(ratios['exposed']):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios['exposed'])})")
+        print(
+            f"advised / poor (means of the round's two runs each), median of {len(ratios['step'])} round(s): "
+            f"step time {statistics.median(ratios['step']):.2f} (per round "
+            f"{', '.join(f'{r:.2f}' for r in ratios['step'])}), exposed share "
+            f"{statistics.median(ratios['exposed']):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios['exposed'])})"
+        )
     return 0
 
 

@@ -35,8 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ---- the tools, each as (enter recording, call, build per-call table) --------------------
 class Tool:
     name = ""
-    sizes = True          # records message sizes per call
-    scale = 1             # run 1/scale of the calls (tools costing milliseconds per call)
+    sizes = True  # records message sizes per call
+    scale = 1  # run 1/scale of the calls (tools costing milliseconds per call)
 
     def start(self):
         pass
@@ -86,8 +86,11 @@ class Profiler(Tool):
     def table(self):
         import pandas as pd
 
-        rows = [(e.name, e.input_shapes, e.time_range.start, e.time_range.elapsed_us())
-                for e in self.prof.events() if "all_reduce" in e.name or "allreduce" in e.name]
+        rows = [
+            (e.name, e.input_shapes, e.time_range.start, e.time_range.elapsed_us())
+            for e in self.prof.events()
+            if "all_reduce" in e.name or "allreduce" in e.name
+        ]
         return pd.DataFrame(rows, columns=["name", "shapes", "start_us", "duration_us"])
 
 
@@ -107,7 +110,7 @@ class CommDebug(Tool):
     def table(self):
         import pandas as pd
 
-        counts = self.mode.get_comm_counts()      # counts only: no per-call rows, no time, no bytes
+        counts = self.mode.get_comm_counts()  # counts only: no per-call rows, no time, no bytes
         return pd.DataFrame([(str(k), v) for k, v in counts.items()], columns=["op", "count"])
 
 
@@ -128,9 +131,16 @@ class SyncWrapper(Tool):
                 work.wait()
             if tensor.is_cuda:
                 torch.cuda.synchronize()
-            records.append({"op": "all_reduce", "numel": tensor.numel(), "dtype": str(tensor.dtype),
-                            "bytes": tensor.numel() * tensor.element_size(), "start": t0,
-                            "duration_s": time.perf_counter() - t0})
+            records.append(
+                {
+                    "op": "all_reduce",
+                    "numel": tensor.numel(),
+                    "dtype": str(tensor.dtype),
+                    "bytes": tensor.numel() * tensor.element_size(),
+                    "start": t0,
+                    "duration_s": time.perf_counter() - t0,
+                }
+            )
             return work
 
         dist.all_reduce = all_reduce
@@ -176,8 +186,12 @@ class DeepSpeed(Tool):
         import pandas as pd
 
         logger = self.dscomm.comms_logger
-        rows = [(op, size, lat) for op, by_size in logger.comms_dict.items()
-                for size, vals in by_size.items() for lat in vals[1]]
+        rows = [
+            (op, size, lat)
+            for op, by_size in logger.comms_dict.items()
+            for size, vals in by_size.items()
+            for lat in vals[1]
+        ]
         logger.comms_dict.clear()
         return pd.DataFrame(rows, columns=["op", "msg_size", "latency_ms"])
 
@@ -197,7 +211,7 @@ def per_call(tools, rounds: int, calls: int) -> dict:
         return elapsed
 
     for tool in tools:
-        timed(tool)                                 # warm-up
+        timed(tool)  # warm-up
     samples = {tool.name: [] for tool in tools}
     for _ in range(rounds):
         base = timed(tools[0])
@@ -231,8 +245,10 @@ def main() -> int:
     parser.add_argument("--table-calls", type=int, default=100000)
     parser.add_argument("--ddp", action="store_true", help="also the DDP step-time comparison (2 gloo processes)")
     args = parser.parse_args()
-    print(f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d')}")
+    print(
+        f"# {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
@@ -243,7 +259,9 @@ def main() -> int:
         print("# deepspeed does not import here: its comms logger is not in the table")
     added = per_call(tools, args.rounds, args.calls)
     tables = to_table(tools, args.table_calls)
-    print(f"\n| tool | records sizes | added per all_reduce (us, fake backend) | record + build a per-call table, per 100k calls (s) | table rows per {args.table_calls:,} calls |")
+    print(
+        f"\n| tool | records sizes | added per all_reduce (us, fake backend) | record + build a per-call table, per 100k calls (s) | table rows per {args.table_calls:,} calls |"
+    )
     print("|---|---|---:|---:|---:|")
     for tool in tools:
         seconds, rows = tables[tool.name]

@@ -60,7 +60,7 @@ def main() -> None:
     @torch.library.custom_op("commpatch_bench::mark", mutates_args=(), schema="(Tensor x) -> Tensor")
     def mark(x):
         marks.append(time.perf_counter_ns())
-        return x.clone()         # a custom op may not return its input
+        return x.clone()  # a custom op may not return its input
 
     @mark.register_fake
     def _(x):
@@ -107,7 +107,7 @@ def main() -> None:
         t0 = time.perf_counter_ns()
         for _ in range(args.calls):
             wait_(reduce(buf, "sum", name))
-        return (time.perf_counter_ns() - t0) / args.calls / 1e3 * k    # per graph's worth of collectives
+        return (time.perf_counter_ns() - t0) / args.calls / 1e3 * k  # per graph's worth of collectives
 
     def namespace_wrap():
         """What generated code would call through a Python object put in place of
@@ -122,6 +122,7 @@ def main() -> None:
                 out = real(*a, **kw)
                 rows.append((start, time.perf_counter_ns(), a[0].numel()))
                 return out
+
             return default
 
         return op_loop(recorded(op), recorded(wait)) - op_loop(op, wait) + loop(compiled)
@@ -131,8 +132,12 @@ def main() -> None:
         marks.clear()
         return t
 
-    ways = {"plain": plain, "commpatch (dispatcher kernels)": instrumented,
-            "namespace wrap (not shipped)": namespace_wrap, "post-grad pass estimate (not shipped)": post_grad_estimate}
+    ways = {
+        "plain": plain,
+        "commpatch (dispatcher kernels)": instrumented,
+        "namespace wrap (not shipped)": namespace_wrap,
+        "post-grad pass estimate (not shipped)": post_grad_estimate,
+    }
     medians = alternating(ways, args.rounds)
     base = medians["plain"]
     print(f"{k} all_reduce + wait_tensor per graph, {args.calls} calls x {args.rounds} rounds, fake backend (world 8)")

@@ -42,8 +42,18 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     h = 512
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                                    torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1)), bucket_cap_mb=1.0)
+    model = DDP(
+        torch.nn.Sequential(
+            torch.nn.Linear(64, h),
+            torch.nn.ReLU(),
+            torch.nn.Linear(h, h),
+            torch.nn.ReLU(),
+            torch.nn.Linear(h, h),
+            torch.nn.ReLU(),
+            torch.nn.Linear(h, 1),
+        ),
+        bucket_cap_mb=1.0,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(64, 64)
     y = x.sum(dim=1, keepdim=True)
@@ -60,13 +70,13 @@ def main(argv=None) -> int:
     results = {True: [], False: []}
     noted = {True: 0, False: 0}
     for r in range(args.rounds + 1):
-        for on in ((True, False) if r % 2 else (False, True)):
+        for on in (True, False) if r % 2 else (False, True):
             ddp_integration._time_finalize = timed if on else (lambda *a: None)
             steps(2)
             measured = steps(args.steps)
             noted[on] += int(commpatch.log()["sync_end_us"].notna().sum())
             commpatch.reset()
-            if r:                                     # round 0 warms up
+            if r:  # round 0 warms up
                 results[on].append(measured)
     ddp_integration._time_finalize = timed
     dist.destroy_process_group()
@@ -86,7 +96,7 @@ def main(argv=None) -> int:
 
     alone = {True: [], False: []}
     for r in range(21):
-        for on in ((True, False) if r % 2 else (False, True)):
+        for on in (True, False) if r % 2 else (False, True):
             measured = block(on)
             if r:
                 alone[on].append(measured)
@@ -96,13 +106,19 @@ def main(argv=None) -> int:
     base_wall = statistics.median(w for _, w in results[False])
     cpu = [a[0] - b[0] for a, b in zip(results[True], results[False])]
     wall = [a[1] - b[1] for a, b in zip(results[True], results[False])]
-    print(f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} paired rounds of {args.steps} steps "
-          f"(finalize ends noted: {noted[True]} timed, {noted[False]} not)")
+    print(
+        f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} paired rounds of {args.steps} steps "
+        f"(finalize ends noted: {noted[True]} timed, {noted[False]} not)"
+    )
     print(f"step without the finalize timed: {1e3 * base_cpu:.3f} ms CPU, {1e3 * base_wall:.3f} ms wall")
-    print(f"added: {1e6 * statistics.median(cpu):+.1f} us CPU per step ({100 * statistics.median(cpu) / base_cpu:+.2f}%; "
-          f"paired differences {1e6 * min(cpu):+.1f} to {1e6 * max(cpu):+.1f}), "
-          f"{1e6 * statistics.median(wall):+.1f} us wall per step ({100 * statistics.median(wall) / base_wall:+.2f}%)")
-    print(f"alone: {1e6 * per_call:+.2f} us per backward (a tiny backward: {1e6 * statistics.median(alone[False]):.2f} us)")
+    print(
+        f"added: {1e6 * statistics.median(cpu):+.1f} us CPU per step ({100 * statistics.median(cpu) / base_cpu:+.2f}%; "
+        f"paired differences {1e6 * min(cpu):+.1f} to {1e6 * max(cpu):+.1f}), "
+        f"{1e6 * statistics.median(wall):+.1f} us wall per step ({100 * statistics.median(wall) / base_wall:+.2f}%)"
+    )
+    print(
+        f"alone: {1e6 * per_call:+.2f} us per backward (a tiny backward: {1e6 * statistics.median(alone[False]):.2f} us)"
+    )
     return 0
 
 

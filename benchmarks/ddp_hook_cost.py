@@ -110,8 +110,15 @@ def model_of(layers: int = 0):
     if layers:
         return torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)], torch.nn.Linear(64, 1))
     h = 512
-    return torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                               torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, 1),
+    )
 
 
 def one_process_group():
@@ -146,8 +153,9 @@ def worker(way: str, steps: int, layers: int) -> None:
     ddp = DDP(model_of(layers), bucket_cap_mb=1.0)
     if way == "python_hook":
         reducer = ddp.reducer
-        ddp.register_comm_hook(None, lambda state, bucket: reducer._run_allreduce_hook(bucket).then(
-            lambda fut: fut.value()[0]))
+        ddp.register_comm_hook(
+            None, lambda state, bucket: reducer._run_allreduce_hook(bucket).then(lambda fut: fut.value()[0])
+        )
     elif way == "cpp_hook":
         cpp_module().register_hook(ddp.reducer, ddp.process_group)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
@@ -168,7 +176,7 @@ def worker(way: str, steps: int, layers: int) -> None:
         step(False)
     times = {True: [], False: []}
     for r in range(steps):
-        for sync in ((True, False) if r % 2 else (False, True)):
+        for sync in (True, False) if r % 2 else (False, True):
             times[sync].append(step(sync))
     print(f"{statistics.median(times[True]) * 1e6:.1f} {statistics.median(times[False]) * 1e6:.1f}")
     dist.destroy_process_group()
@@ -190,7 +198,7 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
         ddp = DDP(model_of(layers))
         cp_ddp._packing = packing if way == "hooks" or control else (lambda *args: None)
         try:
-            ddp(x)                       # commpatch installs at the first forward
+            ddp(x)  # commpatch installs at the first forward
         finally:
             cp_ddp._packing = packing
         models[way] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
@@ -205,17 +213,21 @@ def packing_cost(layers: int, rounds: int, steps: int, control: bool = False) ->
 
     times: dict = {way: [] for way in models}
     for r in range(rounds):
-        for way in (("hooks", "no_hooks") if r % 2 else ("no_hooks", "hooks")):
+        for way in ("hooks", "no_hooks") if r % 2 else ("no_hooks", "hooks"):
             for _ in range(steps):
                 dt = step(*models[way])
                 if r > 0:
                     times[way].append(dt)
     on, off = statistics.median(times["hooks"]) * 1e6, statistics.median(times["no_hooks"]) * 1e6
     packed = commpatch.log()["pack_us"].dropna()
-    print(f"load {os.getloadavg()[0]:.2f}; {layers} layers ({params} parameters), {rounds} alternating rounds of "
-          f"{steps} steps")
-    print(f"step with the packing hooks {on:.0f} us, without {off:.0f} us: {(on - off) / params:+.3f} us per "
-          f"parameter per step; packing measured {packed.median():.0f} us per bucket (median)")
+    print(
+        f"load {os.getloadavg()[0]:.2f}; {layers} layers ({params} parameters), {rounds} alternating rounds of "
+        f"{steps} steps"
+    )
+    print(
+        f"step with the packing hooks {on:.0f} us, without {off:.0f} us: {(on - off) / params:+.3f} us per "
+        f"parameter per step; packing measured {packed.median():.0f} us per bucket (median)"
+    )
     dist.destroy_process_group()
 
 
@@ -238,6 +250,7 @@ def phases(steps: int) -> None:
                 return orig(*args, **kwargs)
             finally:
                 inner[name] = pc() - t
+
         setattr(DDP, name, run)
 
     timed("_pre_forward")
@@ -262,8 +275,10 @@ def phases(steps: int) -> None:
         t3 = pc()
         if i >= 40:
             out[sync].append((t1 - t0, t2 - t1, t3 - t2, t3 - t0, inner["_pre_forward"], inner["_post_forward"]))
-    print(f"load {os.getloadavg()[0]:.2f}; plain DDP, 1 process, {steps} synchronized and {steps} no_sync() steps, "
-          "interleaved (us, medians)")
+    print(
+        f"load {os.getloadavg()[0]:.2f}; plain DDP, 1 process, {steps} synchronized and {steps} no_sync() steps, "
+        "interleaved (us, medians)"
+    )
     print("phase            sync   no_sync   difference")
     for k, name in enumerate(names):
         a = statistics.median(v[k] for v in out[True]) / 1e3
@@ -295,26 +310,44 @@ def main(argv=None) -> int:
         return 0
     ways = (tuple(args.ways.split(",")) if args.ways else WAYS) + (("cpp_hook",) if args.cpp else ())
     if args.cpp:
-        cpp_module()                     # build once, before the timed processes
+        cpp_module()  # build once, before the timed processes
     diffs: dict = {w: [] for w in ways}
     normal: dict = {w: [] for w in ways}
     nosync: dict = {w: [] for w in ways}
     for _ in range(args.processes):
         for way in ways:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", way, "--steps",
-                                  str(args.steps), "--layers", str(args.layers)], check=True, capture_output=True, text=True,
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600).stdout.split()
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--worker",
+                    way,
+                    "--steps",
+                    str(args.steps),
+                    "--layers",
+                    str(args.layers),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, OMP_NUM_THREADS="1"),
+                timeout=600,
+            ).stdout.split()
             n, s = float(out[-2]), float(out[-1])
             diffs[way].append(n - s)
             normal[way].append(n)
             nosync[way].append(s)
-    print(f"load {os.getloadavg()[0]:.2f}; {args.processes} processes per way, {args.steps} normal + {args.steps} "
-          f"no_sync steps each, alternating; model: {f'{args.layers} layers' if args.layers else 'hidden 512'}")
+    print(
+        f"load {os.getloadavg()[0]:.2f}; {args.processes} processes per way, {args.steps} normal + {args.steps} "
+        f"no_sync steps each, alternating; model: {f'{args.layers} layers' if args.layers else 'hidden 512'}"
+    )
     print("way                   normal step  no_sync step   normal - no_sync (median, range)")
     for way in ways:
         d = diffs[way]
-        print(f"{way:20s}  {statistics.median(normal[way]):8.0f} us  {statistics.median(nosync[way]):8.0f} us   "
-              f"{statistics.median(d):6.0f} us ({min(d):.0f}-{max(d):.0f})")
+        print(
+            f"{way:20s}  {statistics.median(normal[way]):8.0f} us  {statistics.median(nosync[way]):8.0f} us   "
+            f"{statistics.median(d):6.0f} us ({min(d):.0f}-{max(d):.0f})"
+        )
     return 0
 
 

@@ -44,8 +44,9 @@ def sync_recipe_hook(records):
         dist.all_reduce(buf.div_(dist.get_world_size()))
         if buf.is_cuda:
             torch.cuda.synchronize()
-        records.append({"op": "all_reduce", "bytes": buf.numel() * buf.element_size(),
-                        "duration_s": time.perf_counter() - t0})
+        records.append(
+            {"op": "all_reduce", "bytes": buf.numel() * buf.element_size(), "duration_s": time.perf_counter() - t0}
+        )
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
@@ -70,7 +71,7 @@ def worker(rank, nproc, steps, rounds, port, compare=False):
         models["sync recipe"] = DDP(demo_model(), bucket_cap_mb=1)
         models["sync recipe"].register_comm_hook(None, sync_recipe_hook(records))
         models["torch.profiler"] = models["plain"]
-        models["CommDebugMode"] = DDP(demo_model(), bucket_cap_mb=1)   # its own: it may break it
+        models["CommDebugMode"] = DDP(demo_model(), bucket_cap_mb=1)  # its own: it may break it
         # torch's own Python all-reduce hook, no commpatch: what any Python comm hook costs here
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -106,7 +107,7 @@ def worker(rank, nproc, steps, rounds, port, compare=False):
         return (time.perf_counter() - t0) / steps
 
     for r in range(rounds + 1):
-        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]     # rotate who goes first
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]  # rotate who goes first
         for kind in order:
             if kind in failed:
                 continue
@@ -120,15 +121,17 @@ def worker(rank, nproc, steps, rounds, port, compare=False):
             except Exception as exc:  # noqa: BLE001 - a tool that cannot run this job is reported
                 failed[kind] = f"{type(exc).__name__}: {exc}"
                 continue
-            if r:                                   # round 0 warms up all
+            if r:  # round 0 warms up all
                 times[kind].append(t)
     commpatch.disable()
     rows = len(commpatch.log())
     dist.destroy_process_group()
     if rank == 0:
         plain, patched = statistics.median(times["plain"]), statistics.median(times["commpatch"])
-        print(f"step plain {plain * 1e3:.3f} ms, commpatch {patched * 1e3:.3f} ms, "
-              f"ratio {patched / plain:.4f} (added {(patched - plain) * 1e6:.1f} us/step; {rows} rows)")
+        print(
+            f"step plain {plain * 1e3:.3f} ms, commpatch {patched * 1e3:.3f} ms, "
+            f"ratio {patched / plain:.4f} (added {(patched - plain) * 1e6:.1f} us/step; {rows} rows)"
+        )
         if compare:
             print("\n| tool | DDP step (ms, median) | ratio to no instrumentation |\n|---|---:|---:|")
             for kind in kinds:

@@ -67,15 +67,19 @@ def main() -> None:
         try:
             return loop()
         finally:
-            lib._destroy()       # unregister: a registered Python kernel at exit can abort
+            lib._destroy()  # unregister: a registered Python kernel at exit can abort
             rows.clear()
 
     def comm_debug():
         with CommDebugMode():
             return loop()
 
-    ways = {"plain": plain, "commpatch wrapper": wrapper, "dispatcher (AutogradCPU)": dispatcher,
-            "CommDebugMode": comm_debug}
+    ways = {
+        "plain": plain,
+        "commpatch wrapper": wrapper,
+        "dispatcher (AutogradCPU)": dispatcher,
+        "CommDebugMode": comm_debug,
+    }
     medians = alternating(ways, args.rounds)
     base = medians["plain"]
     print(f"{'way':28s} {'us/call':>8s} {'added us':>9s}")

@@ -18,9 +18,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _util import fake_world, rss_mb
 
 import commpatch
-from _util import fake_world, rss_mb
 from commpatch import session as _session
 
 
@@ -41,10 +41,15 @@ def main() -> None:
         done = mark
         _session.default().log.flush()
         rss[mark] = rss_mb()
-        print(f"{mark:>11,} calls: RSS {rss[mark]:.0f} MB, in memory {len(_session.default().log.buf)} B unflushed "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{mark:>11,} calls: RSS {rss[mark]:.0f} MB, in memory {len(_session.default().log.buf)} B unflushed "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
     first, last = rss[marks[0]], rss[marks[-1]]
-    print(f"RSS growth from {marks[0]:,} to {marks[-1]:,} calls: {100 * (last - first) / first:+.1f}% (target within 10%)")
+    print(
+        f"RSS growth from {marks[0]:,} to {marks[-1]:,} calls: {100 * (last - first) / first:+.1f}% (target within 10%)"
+    )
     path = _session.default().log.sink.path
     print(f"binary log: {os.path.getsize(path) / done:.1f} bytes/row")
     commpatch.disable()
@@ -59,23 +64,29 @@ def main() -> None:
     commpatch.disable()
     src = _session.default().log.sink.path
     # each conversion as `commpatch convert` runs it: in a fresh process, the median of 3
-    times = {suffix: sorted(_convert_in_fresh_process(src, os.path.join(small, f"c{i}.{suffix}"))
-                            for i in range(3))[1] for suffix in ("csv", "parquet")}
+    times = {
+        suffix: sorted(_convert_in_fresh_process(src, os.path.join(small, f"c{i}.{suffix}")) for i in range(3))[1]
+        for suffix in ("csv", "parquet")
+    }
     t2 = time.perf_counter()
     df = commpatch.read_csv(src)
     t3 = time.perf_counter()
-    print(f"{len(df):,} rows, each conversion in a fresh process (median of 3): to CSV {times['csv'][0]:.2f} s "
-          f"(target <= 1.5), to Parquet {times['parquet'][0]:.2f} s (target <= 0.5); importing pyarrow first "
-          f"{times['csv'][1]:.2f} s; read as a DataFrame {t3 - t2:.2f} s")
+    print(
+        f"{len(df):,} rows, each conversion in a fresh process (median of 3): to CSV {times['csv'][0]:.2f} s "
+        f"(target <= 1.5), to Parquet {times['parquet'][0]:.2f} s (target <= 0.5); importing pyarrow first "
+        f"{times['csv'][1]:.2f} s; read as a DataFrame {t3 - t2:.2f} s"
+    )
     dist.destroy_process_group()
 
 
 def _convert_in_fresh_process(src: str, out: str) -> tuple:
     """(seconds converting, seconds importing pyarrow first) in a new process (commpatch's and
     numpy's imports not counted)."""
-    code = ("import sys, time; from commpatch.io import writer; t0 = time.perf_counter(); "
-            "import pyarrow, pyarrow.csv, pyarrow.parquet; t1 = time.perf_counter(); "
-            "writer.convert(sys.argv[1], sys.argv[2]); print(time.perf_counter() - t1, t1 - t0)")
+    code = (
+        "import sys, time; from commpatch.io import writer; t0 = time.perf_counter(); "
+        "import pyarrow, pyarrow.csv, pyarrow.parquet; t1 = time.perf_counter(); "
+        "writer.convert(sys.argv[1], sys.argv[2]); print(time.perf_counter() - t1, t1 - t0)"
+    )
     res = subprocess.run([sys.executable, "-c", code, src, out], capture_output=True, text=True, check=True)
     convert, imports = res.stdout.strip().splitlines()[-1].split()
     return float(convert), float(imports)

@@ -49,21 +49,41 @@ def run(which: str, directory: str) -> None:
         import polars as pl
 
         lf = pl.scan_parquet(pattern)
-        coll = (lf.filter(pl.col("cseq") >= 0).group_by("group", "cseq").agg(
-            n=pl.len(), fs=pl.col("start_ns").min(), ls=pl.col("start_ns").max(),
-            straggler=pl.col("rank").sort_by(["start_ns", "rank"]).last(),
-            differs=pl.struct("op", "dtype", "bytes").n_unique() > 1).collect(engine="streaming"))
+        coll = (
+            lf.filter(pl.col("cseq") >= 0)
+            .group_by("group", "cseq")
+            .agg(
+                n=pl.len(),
+                fs=pl.col("start_ns").min(),
+                ls=pl.col("start_ns").max(),
+                straggler=pl.col("rank").sort_by(["start_ns", "rank"]).last(),
+                differs=pl.struct("op", "dtype", "bytes").n_unique() > 1,
+            )
+            .collect(engine="streaming")
+        )
         t1 = time.perf_counter()
-        top = (lf.join(coll.lazy(), on=["group", "cseq"]).group_by("rank").agg(
-            n=pl.len(), wait=pl.min_horizontal((pl.col("ls") - pl.col("start_ns")) / 1e3, pl.col("dur")).sum())
-            .sort("wait").collect(engine="streaming").row(0))
+        top = (
+            lf.join(coll.lazy(), on=["group", "cseq"])
+            .group_by("rank")
+            .agg(n=pl.len(), wait=pl.min_horizontal((pl.col("ls") - pl.col("start_ns")) / 1e3, pl.col("dur")).sum())
+            .sort("wait")
+            .collect(engine="streaming")
+            .row(0)
+        )
         t2 = time.perf_counter()
-        lf.group_by("k0", "k1").agg(n=pl.len(), total=pl.col("dur").sum(), p50=pl.col("dur").quantile(0.5, "linear"),
-                                    p95=pl.col("dur").quantile(0.95, "linear")).collect(engine="streaming")
+        lf.group_by("k0", "k1").agg(
+            n=pl.len(),
+            total=pl.col("dur").sum(),
+            p50=pl.col("dur").quantile(0.5, "linear"),
+            p95=pl.col("dur").quantile(0.95, "linear"),
+        ).collect(engine="streaming")
     t3 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"| {which} | {t1 - t0:.2f} | {t2 - t1:.2f} | {t3 - t2:.2f} | {t3 - t0:.2f} | {peak:.2f} | "
-          f"{int(top[0])} | {os.getloadavg()[0]:.1f} |", flush=True)
+    print(
+        f"| {which} | {t1 - t0:.2f} | {t2 - t1:.2f} | {t3 - t2:.2f} | {t3 - t0:.2f} | {peak:.2f} | "
+        f"{int(top[0])} | {os.getloadavg()[0]:.1f} |",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -87,9 +107,12 @@ def main() -> int:
         stage = functools.partial(engine.stage, directory=staged, by=["collective", "size_bucket"])
         for _ in io.read_ranks(os.path.join(base, "logs"), stage, columns=None, workers=2):
             pass
-        print(f"{args.ranks} ranks x {args.rows} rows, the engine's staged Parquet (s; straggler: the rank "
-              "that waited least)\n\n| engine | match | ranks (join) | summary | total | peak RSS (GiB) | straggler | load |"
-              "\n|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        print(
+            f"{args.ranks} ranks x {args.rows} rows, the engine's staged Parquet (s; straggler: the rank "
+            "that waited least)\n\n| engine | match | ranks (join) | summary | total | peak RSS (GiB) | straggler | load |"
+            "\n|---|---:|---:|---:|---:|---:|---:|---:|",
+            flush=True,
+        )
         for which in ("duckdb", "polars"):
             subprocess.run([sys.executable, __file__, "--run", which, os.path.join(staged, "rows")], check=True)
     finally:

@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _util import fake_world  # noqa: E402
 
 import commpatch  # noqa: E402
 from commpatch import session  # noqa: E402
-from _util import fake_world  # noqa: E402
 
 
 def one_round(tmp: str, n: int, calls: int, metrics: bool) -> tuple[float, float]:
@@ -45,7 +45,7 @@ def one_round(tmp: str, n: int, calls: int, metrics: bool) -> tuple[float, float
             commpatch.step()
         dist.all_reduce(t)
     wall = (time.perf_counter_ns() - start) / calls
-    time.sleep(0.5)                     # the flusher's last passes
+    time.sleep(0.5)  # the flusher's last passes
     s.close()
     return wall, spent[0] / calls
 
@@ -58,7 +58,7 @@ def main() -> None:
     fake_world()
     base, with_metrics, per_row = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        one_round(tmp, 0, args.calls // 10, True)          # warm up
+        one_round(tmp, 0, args.calls // 10, True)  # warm up
         for r in range(args.rounds):
             base.append(one_round(tmp, 2 * r + 1, args.calls, False)[0])
             wall, spent = one_round(tmp, 2 * r + 2, args.calls, True)
@@ -66,10 +66,12 @@ def main() -> None:
             per_row.append(spent)
     dist.destroy_process_group()
     d = [m - b for m, b in zip(with_metrics, base)]
-    print(f"fake backend, world 8: log only {statistics.median(base) / 1e3:.2f} us/call | with metrics "
-          f"{statistics.median(with_metrics) / 1e3:.2f} us/call (paired difference {statistics.median(d) / 1e3:+.2f} us, "
-          f"x{statistics.median(m / b for m, b in zip(with_metrics, base)):.3f}) | flusher time in the metrics "
-          f"{statistics.median(per_row):.0f} ns per row; median of {args.rounds} paired rounds x {args.calls} calls")
+    print(
+        f"fake backend, world 8: log only {statistics.median(base) / 1e3:.2f} us/call | with metrics "
+        f"{statistics.median(with_metrics) / 1e3:.2f} us/call (paired difference {statistics.median(d) / 1e3:+.2f} us, "
+        f"x{statistics.median(m / b for m, b in zip(with_metrics, base)):.3f}) | flusher time in the metrics "
+        f"{statistics.median(per_row):.0f} ns per row; median of {args.rounds} paired rounds x {args.calls} calls"
+    )
 
 
 if __name__ == "__main__":

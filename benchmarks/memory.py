@@ -15,9 +15,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _util import fake_world, rss_mb
 
 import commpatch
-from _util import fake_world, rss_mb
 from commpatch import session as _session
 
 
@@ -39,8 +39,10 @@ def main() -> None:
     rss1 = rss_mb()
     n = len(_session.default().log)
     print(f"recorded {n:,} calls in {record_s:.1f} s")
-    print(f"live log: {_session.default().log.nbytes() / n:.1f} bytes/row (packed rows + late timings); "
-          f"process RSS growth {1e6 * (rss1 - rss0) / n:.1f} bytes/row")
+    print(
+        f"live log: {_session.default().log.nbytes() / n:.1f} bytes/row (packed rows + late timings); "
+        f"process RSS growth {1e6 * (rss1 - rss0) / n:.1f} bytes/row"
+    )
 
     t0 = time.perf_counter()
     df = commpatch.log()
@@ -54,10 +56,14 @@ def main() -> None:
     t4 = time.perf_counter()
     sample.to_csv(os.path.join(out, "pandas_sample.csv"), index=False)
     t5 = time.perf_counter()
-    print(f"DataFrame build: {t1 - t0:.2f} s; + CSV (pyarrow) {t2 - t1:.2f} s = {t2 - t0:.2f} s for {len(df):,} rows "
-          f"({os.path.getsize(csv) / 1e6:.0f} MB)")
-    print(f"Parquet: {t3 - t2:.2f} s ({os.path.getsize(parquet) / 1e6:.0f} MB); pandas to_csv on 100k rows: {t5 - t4:.2f} s "
-          f"(x{(t5 - t4) * len(df) / 100_000 / max(t2 - t1, 1e-9):.1f} the pyarrow time, extrapolated)")
+    print(
+        f"DataFrame build: {t1 - t0:.2f} s; + CSV (pyarrow) {t2 - t1:.2f} s = {t2 - t0:.2f} s for {len(df):,} rows "
+        f"({os.path.getsize(csv) / 1e6:.0f} MB)"
+    )
+    print(
+        f"Parquet: {t3 - t2:.2f} s ({os.path.getsize(parquet) / 1e6:.0f} MB); pandas to_csv on 100k rows: {t5 - t4:.2f} s "
+        f"(x{(t5 - t4) * len(df) / 100_000 / max(t2 - t1, 1e-9):.1f} the pyarrow time, extrapolated)"
+    )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     commpatch.disable()
     dist.destroy_process_group()

@@ -27,7 +27,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BYTES_PER_ROW = 61 * 2.5      # the binary log, plus the engine's staged copy and its spill room
+BYTES_PER_ROW = 61 * 2.5  # the binary log, plus the engine's staged copy and its spill room
 
 
 def tree_rss(pid: int) -> int:
@@ -77,8 +77,10 @@ def check(report: dict, straggler: int, mismatch_rank: int) -> tuple[bool, bool]
     """(the straggler is the first rank of the ranks table, the planted mismatch is reported)."""
     ranks = report["sections"].get("ranks") or [{}]
     found_straggler = ranks[0].get("rank") == straggler
-    found_mismatch = any(m["kind"] == "bytes" and f"on rank(s) {mismatch_rank}" in m["detail"]
-                         for m in report["sections"].get("mismatches") or [])
+    found_mismatch = any(
+        m["kind"] == "bytes" and f"on rank(s) {mismatch_rank}" in m["detail"]
+        for m in report["sections"].get("mismatches") or []
+    )
     return found_straggler, found_mismatch
 
 
@@ -95,7 +97,10 @@ def main() -> int:
 
     sizes = [int(s) for s in args.sizes.split(",")]
     base = args.dir or tempfile.mkdtemp(prefix="commpatch_merge_scale_")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+    )
     results = []
     try:
         for ranks in sizes:
@@ -106,17 +111,37 @@ def main() -> int:
                 need = ranks * args.rows * BYTES_PER_ROW
                 free = shutil.disk_usage(base).free
                 if free < need:
-                    print(f"merge_scale: {ranks} ranks x {args.rows} rows needs ~{need / 1e9:.1f} GB on {base}, "
-                          f"{free / 1e9:.1f} GB free: skipped", file=sys.stderr)
+                    print(
+                        f"merge_scale: {ranks} ranks x {args.rows} rows needs ~{need / 1e9:.1f} GB on {base}, "
+                        f"{free / 1e9:.1f} GB free: skipped",
+                        file=sys.stderr,
+                    )
                     continue
                 t = time.perf_counter()
                 write_binary_run(directory, ranks, args.rows, straggler=straggler, mismatch=mismatch)
                 size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-                print(f"generated {ranks} binary rank logs x {args.rows} rows ({size / 1e9:.2f} GB) "
-                      f"in {time.perf_counter() - t:.0f} s (not measured)", file=sys.stderr, flush=True)
+                print(
+                    f"generated {ranks} binary rank logs x {args.rows} rows ({size / 1e9:.2f} GB) "
+                    f"in {time.perf_counter() - t:.0f} s (not measured)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             load = os.getloadavg()[0]
-            wall, peak, out, err, cpu = measure([sys.executable, "-m", "commpatch", "report", directory, "--format", "json",
-                                            "--engine", args.engine, "--no-progress"], env)
+            wall, peak, out, err, cpu = measure(
+                [
+                    sys.executable,
+                    "-m",
+                    "commpatch",
+                    "report",
+                    directory,
+                    "--format",
+                    "json",
+                    "--engine",
+                    args.engine,
+                    "--no-progress",
+                ],
+                env,
+            )
             try:
                 report = json.loads(out)
             except ValueError:
@@ -125,20 +150,27 @@ def main() -> int:
             rows = int(report["title"].split(": ", 1)[1].split()[0])
             found = check(report, straggler, mismatch[0])
             results.append((ranks, rows, wall, peak, found, (load, os.getloadavg()[0]), cpu))
-            print(f"merge_scale: {ranks} ranks, {rows:,} rows: {wall:.1f} s ({cpu:.0f} CPU s), peak RSS {peak / 2**30:.2f} GiB, "
-                  f"straggler found: {found[0]}, mismatch found: {found[1]} (load {load:.1f} before, "
-                  f"{os.getloadavg()[0]:.1f} after)", flush=True)
+            print(
+                f"merge_scale: {ranks} ranks, {rows:,} rows: {wall:.1f} s ({cpu:.0f} CPU s), peak RSS {peak / 2**30:.2f} GiB, "
+                f"straggler found: {found[0]}, mismatch found: {found[1]} (load {load:.1f} before, "
+                f"{os.getloadavg()[0]:.1f} after)",
+                flush=True,
+            )
             if generated and not args.keep:
                 shutil.rmtree(directory, ignore_errors=True)
     finally:
         if not args.dir and not args.keep:
             shutil.rmtree(base, ignore_errors=True)
-    print("\n| ranks | rows | report (s) | s per M rows | CPU (s, all processes) | peak RSS (GiB) | straggler | mismatch "
-          "| load (1 min) |")
+    print(
+        "\n| ranks | rows | report (s) | s per M rows | CPU (s, all processes) | peak RSS (GiB) | straggler | mismatch "
+        "| load (1 min) |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---|---|---|")
     for ranks, rows, wall, peak, found, load, cpu in results:
-        print(f"| {ranks} | {rows:,} | {wall:.1f} | {wall / rows * 1e6:.2f} | {cpu:.0f} | {peak / 2**30:.2f} | "
-              f"{'found' if found[0] else 'MISSED'} | {'found' if found[1] else 'MISSED'} | {load[0]:.1f}-{load[1]:.1f} |")
+        print(
+            f"| {ranks} | {rows:,} | {wall:.1f} | {wall / rows * 1e6:.2f} | {cpu:.0f} | {peak / 2**30:.2f} | "
+            f"{'found' if found[0] else 'MISSED'} | {'found' if found[1] else 'MISSED'} | {load[0]:.1f}-{load[1]:.1f} |"
+        )
     return 0 if all(all(r[4]) for r in results) else 1
 
 

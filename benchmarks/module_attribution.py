@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             opt.step()
         return (time.process_time() - cpu) / n, (time.perf_counter() - wall) / n
 
-    def forwards(n):                                  # module calls only: no autograd, no collective
+    def forwards(n):  # module calls only: no autograd, no collective
         cpu = time.process_time()
         with torch.no_grad():
             for _ in range(n):
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     per_forward = {True: [], False: []}
     for r in range(args.rounds + 1):
-        for modules in ((True, False) if r % 2 else (False, True)):
+        for modules in (True, False) if r % 2 else (False, True):
             commpatch.enable(output="none", modules=modules)
             measured = forwards(50)
             commpatch.disable()
@@ -78,13 +78,13 @@ def main(argv=None) -> int:
 
     results = {True: [], False: []}
     for r in range(args.rounds + 1):
-        for modules in ((True, False) if r % 2 else (False, True)):
+        for modules in (True, False) if r % 2 else (False, True):
             commpatch.enable(output="none", modules=modules)
-            steps(3)                                  # settle after re-enabling
+            steps(3)  # settle after re-enabling
             measured = steps(args.steps)
             commpatch.disable()
             commpatch.reset()
-            if r:                                     # round 0 warms up
+            if r:  # round 0 warms up
                 results[modules].append(measured)
     dist.destroy_process_group()
     on_cpu = [c for c, _ in results[True]]
@@ -92,14 +92,20 @@ def main(argv=None) -> int:
     diffs = [a - b for a, b in zip(on_cpu, off_cpu)]
     base = statistics.median(off_cpu)
     wall = statistics.median(w for _, w in results[False])
-    print(f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} paired rounds of {args.steps} steps; "
-          f"{sum(1 for m in model.modules())} modules")
+    print(
+        f"load: {os.getloadavg()[0]:.2f} (1 min); {args.rounds} paired rounds of {args.steps} steps; "
+        f"{sum(1 for m in model.modules())} modules"
+    )
     print(f"step without attribution: {1e3 * base:.3f} ms CPU, {1e3 * wall:.3f} ms wall")
-    print(f"forward only ({calls} module calls, no_grad): {1e6 * forward_diff:+.2f} us CPU per forward, "
-          f"{1e6 * forward_diff / calls:+.3f} us per module call")
-    print(f"added by attribution: {1e6 * statistics.median(diffs):+.1f} us CPU per step "
-          f"({100 * statistics.median(diffs) / base:+.2f}%; paired differences from {1e6 * min(diffs):+.1f} "
-          f"to {1e6 * max(diffs):+.1f} us)")
+    print(
+        f"forward only ({calls} module calls, no_grad): {1e6 * forward_diff:+.2f} us CPU per forward, "
+        f"{1e6 * forward_diff / calls:+.3f} us per module call"
+    )
+    print(
+        f"added by attribution: {1e6 * statistics.median(diffs):+.1f} us CPU per step "
+        f"({100 * statistics.median(diffs) / base:+.2f}%; paired differences from {1e6 * min(diffs):+.1f} "
+        f"to {1e6 * max(diffs):+.1f} us)"
+    )
     return 0
 
 

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 import commpatch
 
-
 CLOCK = {"clock": time.thread_time_ns}
 
 
@@ -59,13 +58,13 @@ def run(label: str, rounds: int, calls: int) -> dict:
 
     from commpatch.record import rows
 
-    for _ in range(3):                          # warm up every path once
+    for _ in range(3):  # warm up every path once
         timed(call, calls // 10)
     base, patched, pure, prof = [], [], [], []
     for _ in range(rounds):
         base.append(timed(call, calls))
         patched.append(patched_round(calls, True))
-        if rows.C_ROWS:                         # the pure-Python fallback, for comparison
+        if rows.C_ROWS:  # the pure-Python fallback, for comparison
             pure.append(patched_round(calls, False))
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True):
             prof.append(timed(call, calls))
@@ -74,7 +73,8 @@ def run(label: str, rounds: int, calls: int) -> dict:
     out = {
         "hot_path": "C recorder" if rows.C_ROWS else "pure Python",
         "pure_python_added_us": statistics.median(p - b for p, b in zip(pure, base)) / 1e3 if pure else None,
-        "added_ratio_to_profiler": statistics.median(d_cp) / statistics.median(d_pr) if statistics.median(d_pr) > 0
+        "added_ratio_to_profiler": statistics.median(d_cp) / statistics.median(d_pr)
+        if statistics.median(d_pr) > 0
         else float("inf"),
         "label": label,
         "unpatched_us": statistics.median(base) / 1e3,
@@ -83,12 +83,18 @@ def run(label: str, rounds: int, calls: int) -> dict:
         "profiler_added_us": statistics.median(d_pr) / 1e3,
         "profiler_ratio": statistics.median(p / b for p, b in zip(prof, base)),
     }
-    print(f"{label:28s} unpatched {out['unpatched_us']:7.2f} us/call | commpatch +{out['commpatch_added_us']:.2f} us "
-          f"(x{out['commpatch_ratio']:.3f}) | torch.profiler(record_shapes) +{out['profiler_added_us']:.2f} us "
-          f"(x{out['profiler_ratio']:.3f})", flush=True)
+    print(
+        f"{label:28s} unpatched {out['unpatched_us']:7.2f} us/call | commpatch +{out['commpatch_added_us']:.2f} us "
+        f"(x{out['commpatch_ratio']:.3f}) | torch.profiler(record_shapes) +{out['profiler_added_us']:.2f} us "
+        f"(x{out['profiler_ratio']:.3f})",
+        flush=True,
+    )
     pure_text = f"; pure-Python fallback +{out['pure_python_added_us']:.2f} us" if pure else ""
-    print(f"{'':28s} hot path: {out['hot_path']}{pure_text}; commpatch's added time / the profiler's: "
-          f"{out['added_ratio_to_profiler']:.2f} (target <= 1.1)", flush=True)
+    print(
+        f"{'':28s} hot path: {out['hot_path']}{pure_text}; commpatch's added time / the profiler's: "
+        f"{out['added_ratio_to_profiler']:.2f} (target <= 1.1)",
+        flush=True,
+    )
     return out
 
 
@@ -97,8 +103,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; median of {args.rounds} paired rounds x {args.calls} calls")
+    print(
+        f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; median of {args.rounds} paired rounds x {args.calls} calls"
+    )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)

@@ -50,7 +50,7 @@ def child(steps: int, out: str) -> None:
         times.append(time.perf_counter() - start)
     dropped = commpatch.internal_errors().get("export.dropped", 0)
     print(json.dumps({"times": times, "dropped": dropped}), flush=True)
-    os._exit(0)          # the exit's own flush (seconds on the slow disk) is not part of the loop
+    os._exit(0)  # the exit's own flush (seconds on the slow disk) is not part of the loop
 
 
 def run(steps: int, out: str, shim: str | None, delay_ms: int, root: str = ROOT) -> dict:
@@ -58,8 +58,13 @@ def run(steps: int, out: str, shim: str | None, delay_ms: int, root: str = ROOT)
     env["PYTHONPATH"] = root
     if shim:
         env.update(LD_PRELOAD=shim, SHIM_DELAY_MS=str(delay_ms))
-    res = subprocess.run([sys.executable, __file__, "--child", out, "--steps", str(steps)], env=env,
-                         capture_output=True, text=True, timeout=1200)
+    res = subprocess.run(
+        [sys.executable, __file__, "--child", out, "--steps", str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     if res.returncode:
         raise SystemExit(res.stderr[-3000:])
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -87,8 +92,10 @@ def main() -> None:
             for i, (name, (slowed, root)) in enumerate(ways.items()):
                 out = os.path.join(tmp, f"{r}-{i}")
                 results[name].append(run(a.steps, out, shim if slowed else None, a.delay_ms, root))
-    print(f"# {a.steps} steps x {CALLS_PER_STEP} all_reduce (fake backend, world 8), {a.rounds} alternating rounds; "
-          f"median over rounds")
+    print(
+        f"# {a.steps} steps x {CALLS_PER_STEP} all_reduce (fake backend, world 8), {a.rounds} alternating rounds; "
+        f"median over rounds"
+    )
     half = a.delay_ms / 2e3
     totals = {}
     for name, runs in results.items():
@@ -97,8 +104,10 @@ def main() -> None:
         waits = statistics.median(sum(t >= half for t in x["times"]) for x in runs)
         totals[name] = statistics.median(sum(x["times"]) for x in runs)
         dropped = statistics.median(x["dropped"] for x in runs)
-        print(f"{name:<26} step median {med:6.3f} ms  worst {worst:6.2f} s  steps >= {half:g} s: {waits:3.0f}  "
-              f"loop {totals[name]:6.2f} s  rows dropped {dropped:.0f}")
+        print(
+            f"{name:<26} step median {med:6.3f} ms  worst {worst:6.2f} s  steps >= {half:g} s: {waits:3.0f}  "
+            f"loop {totals[name]:6.2f} s  rows dropped {dropped:.0f}"
+        )
     names = list(totals)
     for name in names[1:]:
         print(f"{name} / normal disk, loop time: {totals[name] / totals[names[0]]:.3f} (target <= 1.05)")

@@ -41,9 +41,17 @@ def rank_frame(rows: int, periodic: bool, seed: int = 0):
         compute = rng.uniform(0, 1000, rows)
     dur = rng.uniform(20, 80, rows)
     start_ns = (1e15 + (np.cumsum(compute + 10.0) + np.r_[0, np.cumsum(dur)[:-1]]) * 1e3).astype(np.int64)
-    cols = {"seq": np.arange(rows), "rank": np.zeros(rows, np.int64), "op": pd.Categorical(np.full(rows, "all_reduce")),
-            "group": pd.Categorical(np.full(rows, "0")), "bytes": nbytes, "start_ns": start_ns, "host_us": dur,
-            "step": np.zeros(rows, np.int64), "step_source": pd.Categorical(np.full(rows, "none"))}
+    cols = {
+        "seq": np.arange(rows),
+        "rank": np.zeros(rows, np.int64),
+        "op": pd.Categorical(np.full(rows, "all_reduce")),
+        "group": pd.Categorical(np.full(rows, "0")),
+        "bytes": nbytes,
+        "start_ns": start_ns,
+        "host_us": dur,
+        "step": np.zeros(rows, np.int64),
+        "step_source": pd.Categorical(np.full(rows, "none")),
+    }
     assert set(cols) <= {c.name for c in SCHEMA}
     return pd.DataFrame(cols)
 
@@ -67,8 +75,10 @@ def main() -> None:
                 out = with_pattern_steps(df)
             times.append(time.perf_counter() - t)
         found = out.attrs.get("step_pattern", {0: "steps recorded: left as they are"})[0]
-        print(f"{kind}: {a.rows:,} rows, median {statistics.median(times) * 1e3:.1f} ms "
-              f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}) -> {found}")
+        print(
+            f"{kind}: {a.rows:,} rows, median {statistics.median(times) * 1e3:.1f} ms "
+            f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}) -> {found}"
+        )
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
 
 

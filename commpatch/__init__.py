@@ -14,8 +14,20 @@ Importing commpatch imports neither torch nor pandas (nor anything of its own un
 
 from ._version import __version__ as __version__
 
-_SESSION_API = ("capture", "disable", "enable", "export_csv", "internal_errors", "is_enabled", "log",
-                "reset", "step", "summary", "summary_text", "tag")
+_SESSION_API = (
+    "capture",
+    "disable",
+    "enable",
+    "export_csv",
+    "internal_errors",
+    "is_enabled",
+    "log",
+    "reset",
+    "step",
+    "summary",
+    "summary_text",
+    "tag",
+)
 
 
 def __getattr__(name):
@@ -52,6 +64,21 @@ def schema():
 
 
 __all__ = [
-    "ConfigError", "LogFileError", "LogFileWarning", "capture", "disable", "enable", "export_csv", "internal_errors",
-    "is_enabled", "log", "read_csv", "reset", "schema", "step", "summary", "summary_text", "tag",
+    "ConfigError",
+    "LogFileError",
+    "LogFileWarning",
+    "capture",
+    "disable",
+    "enable",
+    "export_csv",
+    "internal_errors",
+    "is_enabled",
+    "log",
+    "read_csv",
+    "reset",
+    "schema",
+    "step",
+    "summary",
+    "summary_text",
+    "tag",
 ]

@@ -23,8 +23,11 @@ def _is_launcher() -> bool:
     argv0 = sys.argv[0] if getattr(sys, "argv", None) else ""
     orig_argv = getattr(sys, "orig_argv", [])
     launcher_files = (os.path.join("torch", "distributed", "run.py"), os.path.join("torch", "distributed", "launch.py"))
-    return os.path.basename(argv0) == "torchrun" or argv0.endswith(launcher_files) \
+    return (
+        os.path.basename(argv0) == "torchrun"
+        or argv0.endswith(launcher_files)
         or any(a in ("torch.distributed.run", "torch.distributed.launch") for a in orig_argv)
+    )
 
 
 def activate() -> None:
@@ -53,7 +56,7 @@ class _C10DFinder:
             return None
         import importlib.util
 
-        sys.meta_path.remove(self)          # once; and the real finders answer below
+        sys.meta_path.remove(self)  # once; and the real finders answer below
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec

@@ -26,8 +26,10 @@ def hook_path() -> str:
 
 def cmd_run(args) -> int:
     if not args.command:
-        print("commpatch run: give the command after --, e.g. commpatch run -- torchrun --nproc_per_node=2 train.py",
-              file=sys.stderr)
+        print(
+            "commpatch run: give the command after --, e.g. commpatch run -- torchrun --nproc_per_node=2 train.py",
+            file=sys.stderr,
+        )
         return 2
     env = dict(os.environ)
     env["COMMPATCH"] = "1"
@@ -43,9 +45,12 @@ def cmd_run(args) -> int:
             from .io.paths import check_writable  # lazy: the CLI's other commands never load numpy / pandas
 
             problem = check_writable(settings["output"], strict=settings["strict"])
-            if problem:        # the job runs: each rank keeps its rows in memory and retries the file
-                print(f"commpatch run: warning: {problem}: the job runs, its rows are kept in memory (bounded) "
-                      "and the file is retried (COMMPATCH_STRICT=1 refuses instead)", file=sys.stderr)
+            if problem:  # the job runs: each rank keeps its rows in memory and retries the file
+                print(
+                    f"commpatch run: warning: {problem}: the job runs, its rows are kept in memory (bounded) "
+                    "and the file is retried (COMMPATCH_STRICT=1 refuses instead)",
+                    file=sys.stderr,
+                )
     except _config.ConfigError as exc:
         print(f"commpatch: {exc}", file=sys.stderr)
         return 2
@@ -122,17 +127,19 @@ def _report(args) -> int:
         sys.stdout.write(report.render_report_markdown(rep) + "\n")
     else:
         sys.stdout.write(report.render_report_text(rep, wide=args.wide) + "\n")
-    if (args.trace or args.module_tree) and df is None:     # the engine read the report's columns only
+    if (args.trace or args.module_tree) and df is None:  # the engine read the report's columns only
         df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
     if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
-        raise _InputError("--module-tree: the log has no module column (written by an older commpatch): "
-                          "no module tree")
+        raise _InputError("--module-tree: the log has no module column (written by an older commpatch): no module tree")
     if args.trace:
         from .render.trace import write_chrome_trace  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--trace", args.trace):
-            print(f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
-                  "(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+            print(
+                f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
+                "(open in https://ui.perfetto.dev or chrome://tracing)",
+                file=sys.stderr,
+            )
     if args.module_tree:
         from .render.trace import write_module_tree  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -147,16 +154,21 @@ def _report(args) -> int:
         if df is None:
             df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
         with _writing("--tensorboard", args.tensorboard):
-            written = write_tensorboard(analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
-                                        args.tensorboard, steps=steps)
-        print(f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
-              f"tensorboard --logdir {args.tensorboard})", file=sys.stderr)
+            written = write_tensorboard(
+                analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df, args.tensorboard, steps=steps
+            )
+        print(
+            f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
+            f"tensorboard --logdir {args.tensorboard})",
+            file=sys.stderr,
+        )
     if args.plots or args.html:
         if pre is not None:
             by_op, arrivals = pre.by_op_size, pre.arrivals
         else:
-            by_op = analysis.summary(analysis.with_transfer(df, cross) if cross is not None else df,
-                                     by=["op", "size_bucket"])
+            by_op = analysis.summary(
+                analysis.with_transfer(df, cross) if cross is not None else df, by=["op", "size_bucket"]
+            )
             arrivals = cross.arrivals if cross is not None else None
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
@@ -177,11 +189,19 @@ def _write_html(args, rep, df, by_op, arrivals, ranks) -> None:
 
     steps, straggler = rep.sections.get("steps"), (rep.headline.get("straggler") or {}).get("rank")
     step = html.pick_step(steps)
-    if df is None and step is not None:         # the engine's report: read the excerpt's rows only
-        known = sorted(ranks) if ranks else sorted(rep.sections["ranks"]["rank"].tolist()) if "ranks" in rep.sections else []
+    if df is None and step is not None:  # the engine's report: read the excerpt's rows only
+        known = (
+            sorted(ranks)
+            if ranks
+            else sorted(rep.sections["ranks"]["rank"].tolist())
+            if "ranks" in rep.sections
+            else []
+        )
         chosen = html.excerpt_ranks(known, straggler)
         df = io.read(args.paths, ranks=set(chosen), steps=(step, step + 1)) if chosen else None
-    excerpt = html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
+    excerpt = (
+        html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
+    )
     with _writing("--html", args.html):
         path = html.write(html.page(rep, by_op, arrivals, excerpt), args.html)
     print(f"commpatch: HTML report written to {path} ({os.path.getsize(path) / 1e6:.2f} MB)", file=sys.stderr)
@@ -190,9 +210,11 @@ def _write_html(args, rep, df, by_op, arrivals, ranks) -> None:
 def _check_rows(args, n, ranks, window) -> None:
     if n == 0:
         sliced = ranks is not None or window is not None
-        raise _InputError(f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
-                          + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
-                          + ": nothing to report")
+        raise _InputError(
+            f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
+            + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
+            + ": nothing to report"
+        )
 
 
 def _use_engine(args) -> bool:
@@ -230,24 +252,32 @@ def _engine_report(args, by, steps, ranks, window):
         transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps, window=window)
         columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
         in_flight = 0
-        for staged in io.read_ranks(args.paths, transform, columns=columns, ranks=ranks, steps=window,
-                                    progress=_progress(args, "reading"), workers=min(2, os.cpu_count() or 1)):
+        for staged in io.read_ranks(
+            args.paths,
+            transform,
+            columns=columns,
+            ranks=ranks,
+            steps=window,
+            progress=_progress(args, "reading"),
+            workers=min(2, os.cpu_count() or 1),
+        ):
             eng.add(staged)
             in_flight += staged.in_flight
         _check_rows(args, eng.counts["calls"], ranks, window)
         try:
             pre = eng.results(top=args.top, arrivals_bins=200 if args.plots or args.html else None)
             pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots or args.html else None
-        except engine.EngineError as exc:      # out of memory or disk space: say so on one line
-            raise _InputError(f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
-                              "--engine pandas computes the same report in memory") from None
+        except engine.EngineError as exc:  # out of memory or disk space: say so on one line
+            raise _InputError(
+                f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
+                "--engine pandas computes the same report in memory"
+            ) from None
     finally:
         eng.close()
     from .io.reader import chosen_run  # lazy: the CLI's other commands never load numpy / pandas
 
     pre.in_flight = in_flight
-    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre,
-                               run=chosen_run(args.paths)), pre
+    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre, run=chosen_run(args.paths)), pre
 
 
 def _parse_ranks(text: str) -> set:
@@ -262,8 +292,10 @@ def _parse_ranks(text: str) -> set:
         except ValueError:
             raise _InputError(f"--ranks {text!r}: {part!r} is not a rank or a range of ranks (e.g. 0-7,12)") from None
         if lo < 0 or hi < lo:
-            raise _InputError(f"--ranks {text!r}: {part!r} is not a range of ranks (give first-last with "
-                              "0 <= first <= last, e.g. 0-7,12)")
+            raise _InputError(
+                f"--ranks {text!r}: {part!r} is not a range of ranks (give first-last with "
+                "0 <= first <= last, e.g. 0-7,12)"
+            )
         out.update(range(lo, hi + 1))
     return out
 
@@ -289,8 +321,10 @@ def _steps_option(args):
                 raise _InputError("--steps CSV and --step-times CSV: give the step times once (--step-times)")
             times = (text, "--steps")
         else:
-            raise _InputError(f"--steps {text}: give a window of steps A:B (e.g. 100:200, 100:, :50) "
-                              "(step times from a CSV file: --step-times FILE)")
+            raise _InputError(
+                f"--steps {text}: give a window of steps A:B (e.g. 100:200, 100:, :50) "
+                "(step times from a CSV file: --step-times FILE)"
+            )
     return window, times
 
 
@@ -312,22 +346,44 @@ def _report_compare(args) -> int:
         _progress(args, "runs")(i + 1, len(args.compare))
     if args.global_batch is not None and not args.global_batch > 0:
         raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
-    table, by_op = analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch), analysis.scaling_by_op(runs)
+    table, by_op = (
+        analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch),
+        analysis.scaling_by_op(runs),
+    )
     for run in table.loc[table["steps"] == 0, "run"]:
-        print(f"commpatch report: warning: --compare {_safe(run)}: no steady-state step (no step boundary in its log, or "
-              "fewer than 3 steps): its per-step figures are unknown", file=sys.stderr)
+        print(
+            f"commpatch report: warning: --compare {_safe(run)}: no steady-state step (no step boundary in its log, or "
+            "fewer than 3 steps): its per-step figures are unknown",
+            file=sys.stderr,
+        )
     if args.format == "csv":
         sys.stdout.write(report.render_csv(by_op if args.section == "by_op" else table))
     elif args.format == "json":
-        sys.stdout.write(json.dumps({"scaling": json.loads(table.to_json(orient="records")),
-                                     "by_op": json.loads(by_op.to_json(orient="records"))}, indent=1) + "\n")
+        sys.stdout.write(
+            json.dumps(
+                {
+                    "scaling": json.loads(table.to_json(orient="records")),
+                    "by_op": json.loads(by_op.to_json(orient="records")),
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     elif args.format == "markdown":
-        sys.stdout.write("## Scaling\n\n" + report.render_markdown(table) + "\n\n## Bus bandwidth per op\n\n"
-                         + report.render_markdown(by_op) + "\n")
+        sys.stdout.write(
+            "## Scaling\n\n"
+            + report.render_markdown(table)
+            + "\n\n## Bus bandwidth per op\n\n"
+            + report.render_markdown(by_op)
+            + "\n"
+        )
     else:
-        sys.stdout.write(report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
-                         + "\n\n" + report.render_text(by_op, title="steady-state collectives per message size "
-                                                                    "and world size") + "\n")
+        sys.stdout.write(
+            report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
+            + "\n\n"
+            + report.render_text(by_op, title="steady-state collectives per message size and world size")
+            + "\n"
+        )
     if args.plots:
         from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
 
@@ -338,16 +394,20 @@ def _report_compare(args) -> int:
         from .render import html  # lazy: the CLI's other commands never load numpy / pandas
 
         with _writing("--html", args.html):
-            path = html.write(html.compare_page(table, by_op, f"commpatch scaling: {len(runs)} runs "
-                                                f"({_SCALING[args.scaling]})"), args.html)
+            path = html.write(
+                html.compare_page(table, by_op, f"commpatch scaling: {len(runs)} runs ({_SCALING[args.scaling]})"),
+                args.html,
+            )
         print(f"commpatch: HTML report written to {path}", file=sys.stderr)
     return 0
 
 
-_SCALING = {"weak": "weak scaling, the same batch per rank: efficiency = T(N0) / T(N), speedup = efficiency x N / N0; "
-                    "step times are steady-state medians",
-            "strong": "strong scaling, the same global batch: speedup = T(N0) / T(N), efficiency = speedup / (N / N0); "
-                      "step times are steady-state medians"}
+_SCALING = {
+    "weak": "weak scaling, the same batch per rank: efficiency = T(N0) / T(N), speedup = efficiency x N / N0; "
+    "step times are steady-state medians",
+    "strong": "strong scaling, the same global batch: speedup = T(N0) / T(N), efficiency = speedup / (N / N0); "
+    "step times are steady-state medians",
+}
 
 
 def _shown(paths) -> str:
@@ -362,8 +422,9 @@ def _check_by(text: str) -> list:
         raise _InputError(f"--by {text!r}: give one or more columns (e.g. op,size_bucket)")
     unknown = [b for b in by if b not in COLUMNS and b != "size_bucket"]
     if unknown:
-        raise _InputError(f"--by: unknown column(s) {', '.join(map(repr, unknown))} "
-                          f"(choose from size_bucket, {', '.join(COLUMNS)})")
+        raise _InputError(
+            f"--by: unknown column(s) {', '.join(map(repr, unknown))} (choose from size_bucket, {', '.join(COLUMNS)})"
+        )
     return by
 
 
@@ -380,7 +441,7 @@ def _check_output(option: str, path: str, directory: bool) -> None:
             raise _InputError(f"{option} {path}: not writable")
         return
     parent = os.path.dirname(target)
-    while not os.path.exists(parent):          # the nearest existing ancestor must take a directory
+    while not os.path.exists(parent):  # the nearest existing ancestor must take a directory
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise _InputError(f"{option} {path}: cannot be written ({parent} is a file, not a directory)")
@@ -406,8 +467,10 @@ def _check_tensorboard(directory: str) -> None:
 
     earlier = taken(directory)
     if earlier:
-        raise _InputError(f"--tensorboard {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
-                          "report?): give a new directory (TensorBoard would show both as one run)")
+        raise _InputError(
+            f"--tensorboard {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
+            "report?): give a new directory (TensorBoard would show both as one run)"
+        )
 
 
 @contextlib.contextmanager
@@ -473,8 +536,10 @@ def _read_steps(path, option="--steps"):
         raise _InputError(f"{option} {path}: cannot be read ({exc.strerror or exc})") from None
     steps.columns = [str(c).strip() for c in steps.columns]
     if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
-        raise _InputError(f"{option} {path}: a steps file needs columns step and duration_us "
-                          "(or start_ns and end_ns), optionally rank")
+        raise _InputError(
+            f"{option} {path}: a steps file needs columns step and duration_us "
+            "(or start_ns and end_ns), optionally rank"
+        )
     for col in ("step", "rank", "duration_us", "start_ns", "end_ns"):
         if col not in steps:
             continue
@@ -485,8 +550,10 @@ def _read_steps(path, option="--steps"):
             bad |= values.isna() | (values % 1 != 0)
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise _InputError(f"{option} {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
-                              f"not {'an integer' if integral else 'a number'}")
+            raise _InputError(
+                f"{option} {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
+                f"not {'an integer' if integral else 'a number'}"
+            )
         steps[col] = values.astype(np.int64) if integral else values.astype(np.float64)
     if "duration_us" not in steps:
         steps["duration_us"] = (steps["end_ns"] - steps["start_ns"]) / 1e3
@@ -497,15 +564,18 @@ def _read_steps(path, option="--steps"):
 
         from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
 
-        warnings.warn(f"{option} {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
-                      LogFileWarning, stacklevel=2)
+        warnings.warn(
+            f"{option} {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
+            LogFileWarning,
+            stacklevel=2,
+        )
         steps = steps[~impossible]
     if len(steps) == 0:
         raise _InputError(f"{option} {path}: no step times in the file")
     return steps
 
 
-PROGRESS_AFTER_S = 2.0      # a read that ends sooner shows no progress bar
+PROGRESS_AFTER_S = 2.0  # a read that ends sooner shows no progress bar
 
 
 def _progress(args, what):
@@ -513,7 +583,7 @@ def _progress(args, what):
     import time
 
     show = args.progress if args.progress is not None else sys.stderr.isatty()
-    delay = 0.0 if args.progress else PROGRESS_AFTER_S      # asked for: at once; else only for long reads
+    delay = 0.0 if args.progress else PROGRESS_AFTER_S  # asked for: at once; else only for long reads
     state = {"t0": time.monotonic()}
 
     def update(done, total):
@@ -557,20 +627,27 @@ def _convert(args, io, suffix) -> int:
         raise _InputError(f"no binary rank log (*{suffix}) in {', '.join(args.paths)}")
     progress = _progress(args, "converting")
     for i, path in enumerate(files):
-        if args.to == "parquet":     # one rank-partitioned dataset per run directory
-            out = os.path.join(os.path.dirname(path), "parquet", f"rank={io.file_rank(path)}",
-                               os.path.basename(io.export_path(path, ".parquet")))
+        if args.to == "parquet":  # one rank-partitioned dataset per run directory
+            out = os.path.join(
+                os.path.dirname(path),
+                "parquet",
+                f"rank={io.file_rank(path)}",
+                os.path.basename(io.export_path(path, ".parquet")),
+            )
         else:
             out = io.export_path(path, "." + args.to)
         if os.path.lexists(out):
             print(f"commpatch convert: {_safe(out)} exists: kept as it is", file=sys.stderr)
             continue
         try:
-            out = io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out))) if args.to == "parquet" \
+            out = (
+                io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out)))
+                if args.to == "parquet"
                 else io.convert(path, out)
+            )
         except ValueError as exc:
             raise _InputError(str(exc)) from None
-        except OSError as exc:          # a full disk, a read-only directory: one line, not a traceback
+        except OSError as exc:  # a full disk, a read-only directory: one line, not a traceback
             raise _InputError(f"{out}: cannot be written ({exc.strerror or exc})") from None
         print(_safe(out))
         progress(i + 1, len(files))
@@ -598,8 +675,9 @@ def _integrations_status() -> None:
     fails to import must not take this command down)."""
     env = {k: v for k, v in os.environ.items() if k != "COMMPATCH"}
     try:
-        out = subprocess.run([sys.executable, "-m", "commpatch.integrations"], env=env, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "commpatch.integrations"], env=env, capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"integrations: not checked ({exc})")
         return
@@ -617,7 +695,9 @@ def _recorder_status() -> str:
 
     clock = time.get_clock_info("perf_counter").implementation
     if importlib.util.find_spec("commpatch.record._hot") is None:
-        return "pure Python (the optional C recorder was not built: reinstall with a C compiler for ~0.2 us less per call)"
+        return (
+            "pure Python (the optional C recorder was not built: reinstall with a C compiler for ~0.2 us less per call)"
+        )
     if clock != "clock_gettime(CLOCK_MONOTONIC)":
         return f"pure Python (perf_counter here is {clock}; the C recorder reads CLOCK_MONOTONIC)"
     return "C recorder (commpatch.record._hot)"
@@ -647,7 +727,9 @@ def cmd_watch(args) -> int:
             print(f"commpatch watch: {option} {value:g}: give a number of seconds > 0", file=sys.stderr)
             return 2
     if os.path.lexists(args.run_dir) and not os.path.isdir(args.run_dir):
-        print(f"commpatch watch: {args.run_dir}: not a directory (give the run's directory of rank logs)", file=sys.stderr)
+        print(
+            f"commpatch watch: {args.run_dir}: not a directory (give the run's directory of rank logs)", file=sys.stderr
+        )
         return 2
     from .watch import watch  # lazy: the CLI's other commands never load rich, numpy or pandas
 
@@ -669,66 +751,132 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("report", help="summarise per-rank log files (cross-rank checks, trace, plots)")
     p.add_argument("paths", nargs="*", help="files, directories or globs (every rank's file for cross-rank checks)")
-    p.add_argument("--by", default="collective,size_bucket",
-                   help="summary grouping: comma-separated columns and/or size_bucket, default collective,size_bucket "
-                        "(op, api, source: the other names of a call)")
-    p.add_argument("--format", choices=("text", "markdown", "json", "csv"), default="text",
-                   help="text and markdown show every section (long tables cut); json holds every section in full; "
-                        "csv writes one section (--section)")
-    p.add_argument("--section", default="summary",
-                   help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "
-                        "(with --compare: scaling or by_op)")
+    p.add_argument(
+        "--by",
+        default="collective,size_bucket",
+        help="summary grouping: comma-separated columns and/or size_bucket, default collective,size_bucket "
+        "(op, api, source: the other names of a call)",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "markdown", "json", "csv"),
+        default="text",
+        help="text and markdown show every section (long tables cut); json holds every section in full; "
+        "csv writes one section (--section)",
+    )
+    p.add_argument(
+        "--section",
+        default="summary",
+        help="table written by --format csv: summary, steps, ranks, skew, mismatches, p2p "
+        "(with --compare: scaling or by_op)",
+    )
     p.add_argument("--steps", metavar="A:B", help="only steps A to B-1 (100:200; 100: or :50 leave an end open)")
-    p.add_argument("--ranks", metavar="LIST", help="only these ranks, e.g. 0-7,12 (the other ranks' files are not read)")
-    p.add_argument("--step-times", metavar="CSV",
-                   help="step times: columns step and duration_us (or start_ns, end_ns), optionally rank; default: "
-                        "derived from the log's step column (--steps CSV is still read as this)")
-    p.add_argument("--engine", choices=("auto", "pandas", "duckdb"), default="auto",
-                   help="duckdb: the cross-rank report on DuckDB, in bounded memory (pip install 'commpatch[scale]'); "
-                        "auto (default): DuckDB from 256 MB of logs on when it is installed, else pandas")
+    p.add_argument(
+        "--ranks", metavar="LIST", help="only these ranks, e.g. 0-7,12 (the other ranks' files are not read)"
+    )
+    p.add_argument(
+        "--step-times",
+        metavar="CSV",
+        help="step times: columns step and duration_us (or start_ns, end_ns), optionally rank; default: "
+        "derived from the log's step column (--steps CSV is still read as this)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "pandas", "duckdb"),
+        default="auto",
+        help="duckdb: the cross-rank report on DuckDB, in bounded memory (pip install 'commpatch[scale]'); "
+        "auto (default): DuckDB from 256 MB of logs on when it is installed, else pandas",
+    )
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
-    p.add_argument("--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)")
+    p.add_argument(
+        "--trace", metavar="FILE", help="also write a Chrome trace / Perfetto JSON timeline (.json or .json.gz)"
+    )
     p.add_argument("--plots", metavar="DIR", help="also write PNG plots (needs matplotlib)")
-    p.add_argument("--html", metavar="FILE", help="also write the report as one self-contained HTML page (works offline)")
-    p.add_argument("--wide", action="store_true",
-                   help="text: every column of every table, sentences unwrapped (default: fits 120 columns)")
-    p.add_argument("--tensorboard", metavar="OUTDIR",
-                   help="also write TensorBoard scalars per step and rank (OUTDIR/rank{r}: step time, communication and "
-                        "exposed share, busbw per collective; needs pip install 'commpatch[tensorboard]')")
-    p.add_argument("--module-tree", metavar="FILE",
-                   help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column")
-    p.add_argument("--compare", nargs="+", metavar="RUN_DIR",
-                   help="compare runs of one job at several world sizes instead (one directory per run)")
-    p.add_argument("--scaling", choices=("weak", "strong"), default="weak",
-                   help="with --compare: weak (the same batch per rank, default) or strong (the same global batch)")
-    p.add_argument("--global-batch", type=float, metavar="SAMPLES",
-                   help="with --compare: samples per step of the smallest run (weak scaling: it grows with the world "
-                        "size), for a samples/s column")
+    p.add_argument(
+        "--html", metavar="FILE", help="also write the report as one self-contained HTML page (works offline)"
+    )
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="text: every column of every table, sentences unwrapped (default: fits 120 columns)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="OUTDIR",
+        help="also write TensorBoard scalars per step and rank (OUTDIR/rank{r}: step time, communication and "
+        "exposed share, busbw per collective; needs pip install 'commpatch[tensorboard]')",
+    )
+    p.add_argument(
+        "--module-tree",
+        metavar="FILE",
+        help="also write the per-module collective tree (CommDebugMode JSON format); needs the module column",
+    )
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="compare runs of one job at several world sizes instead (one directory per run)",
+    )
+    p.add_argument(
+        "--scaling",
+        choices=("weak", "strong"),
+        default="weak",
+        help="with --compare: weak (the same batch per rank, default) or strong (the same global batch)",
+    )
+    p.add_argument(
+        "--global-batch",
+        type=float,
+        metavar="SAMPLES",
+        help="with --compare: samples per step of the smallest run (weak scaling: it grows with the world "
+        "size), for a samples/s column",
+    )
     p.add_argument("--fail-on-mismatch", action="store_true", help="exit with status 1 when ranks disagree")
-    p.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="progress on stderr while reading (default: when stderr is a terminal)")
+    p.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="progress on stderr while reading (default: when stderr is a terminal)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("convert", help="write the CSV of binary rank logs (e.g. of a job that died), or a "
-                                       "rank-partitioned Parquet dataset of them")
+    p = sub.add_parser(
+        "convert",
+        help="write the CSV of binary rank logs (e.g. of a job that died), or a "
+        "rank-partitioned Parquet dataset of them",
+    )
     p.add_argument("paths", nargs="+", help=".cplog files, or directories (a run, or a directory of runs: the latest)")
-    p.add_argument("--to", choices=("csv", "parquet"), default="csv",
-                   help="csv: rank{r}.csv beside each log; parquet: one dataset per run, parquet/rank=R/rank{r}.parquet "
-                        "(hive layout: DuckDB, Spark, Trino, pyarrow and commpatch report read it as is)")
-    p.add_argument("--progress", dest="progress", action="store_true", default=None,
-                   help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)")
+    p.add_argument(
+        "--to",
+        choices=("csv", "parquet"),
+        default="csv",
+        help="csv: rank{r}.csv beside each log; parquet: one dataset per run, parquet/rank=R/rank{r}.parquet "
+        "(hive layout: DuckDB, Spark, Trino, pyarrow and commpatch report read it as is)",
+    )
+    p.add_argument(
+        "--progress",
+        dest="progress",
+        action="store_true",
+        default=None,
+        help="progress on stderr (default: when stderr is a terminal and it takes more than 2 s)",
+    )
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("watch", help="the live view of a running job: per rank its step, step time and shares "
-                                     "(reads its growing rank logs; needs rich)")
+    p = sub.add_parser(
+        "watch",
+        help="the live view of a running job: per rank its step, step time and shares "
+        "(reads its growing rank logs; needs rich)",
+    )
     p.add_argument("run_dir", help="the run's directory of rank logs (or a directory of runs: the latest)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    p.add_argument("--idle", type=float, default=60.0,
-                   help="stop when no rank log grew for this many seconds (default 60)")
-    p.add_argument("--stuck", type=float, default=30.0,
-                   help="list a call in flight for longer than this many seconds (default 30)")
+    p.add_argument(
+        "--idle", type=float, default=60.0, help="stop when no rank log grew for this many seconds (default 60)"
+    )
+    p.add_argument(
+        "--stuck", type=float, default=30.0, help="list a call in flight for longer than this many seconds (default 30)"
+    )
     p.set_defaults(func=cmd_watch)
 
     p = sub.add_parser("env", help="show settings and their environment variables")

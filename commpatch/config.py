@@ -30,7 +30,9 @@ def _parse_bool(name: str, env: str, value: Any) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ConfigError(f"{env}={value!r} (setting {name!r}) is not a boolean: use one of 1/0, true/false, yes/no, on/off")
+    raise ConfigError(
+        f"{env}={value!r} (setting {name!r}) is not a boolean: use one of 1/0, true/false, yes/no, on/off"
+    )
 
 
 def _parse_choice(*allowed: str) -> Callable[[str, str, Any], str]:
@@ -62,6 +64,7 @@ def _parse_ops(name: str, env: str, value: Any) -> tuple[str, ...] | None:
 
 def _parse_number(kind: type, what: str) -> Callable[[str, str, Any], Any]:
     """A parser for a number >= 0 of type ``kind`` (0 means off / no limit)."""
+
     def parse(name: str, env: str, value: Any):
         try:
             number = kind(value)
@@ -86,7 +89,7 @@ def template_error(template: str) -> str:
     may appear, bare (no index, attribute, conversion or format spec); ``{{`` and ``}}`` are literal."""
     try:
         fields = [(name, conv, spec) for _, name, spec, conv in string.Formatter().parse(template) if name is not None]
-    except ValueError as exc:           # an unmatched brace
+    except ValueError as exc:  # an unmatched brace
         return f"only the fields {{run}}, {{rank}} and {{pid}} may appear ({exc})"
     for name, conv, spec in fields:
         if name not in TEMPLATE_FIELDS or conv or spec:
@@ -100,7 +103,9 @@ def _parse_output(name: str, env: str, value: Any) -> str:
     if text.lower() in ("", "0", "none", "off"):
         return ""
     if not text.endswith((".csv", ".parquet")):
-        raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .csv or .parquet, or be 'none' to write nothing at exit")
+        raise ConfigError(
+            f"{env}={value!r} (setting {name!r}) must end in .csv or .parquet, or be 'none' to write nothing at exit"
+        )
     problem = template_error(text)
     if problem:
         raise ConfigError(f"{env}={value!r} (setting {name!r}): {problem}")
@@ -111,7 +116,9 @@ def _needs_metrics_extra(env: str, value: Any) -> None:
     try:
         import prometheus_client  # noqa: F401 - only asked when a metrics setting is given
     except ImportError:
-        raise ConfigError(f"{env}={value!r} needs the prometheus-client package: pip install 'commpatch[metrics]'") from None
+        raise ConfigError(
+            f"{env}={value!r} needs the prometheus-client package: pip install 'commpatch[metrics]'"
+        ) from None
 
 
 def _parse_metrics_port(name: str, env: str, value: Any) -> tuple[str, int] | None:
@@ -121,8 +128,10 @@ def _parse_metrics_port(name: str, env: str, value: Any) -> tuple[str, int] | No
         return None
     host, sep, port = text.rpartition(":")
     if not port.isdigit() or not 0 < int(port) < 65536 or (sep and not host):
-        raise ConfigError(f"{env}={value!r} (setting {name!r}) must be a port 1-65535 or HOST:PORT (each rank serves "
-                          "on the port plus its LOCAL_RANK), or 0 for none")
+        raise ConfigError(
+            f"{env}={value!r} (setting {name!r}) must be a port 1-65535 or HOST:PORT (each rank serves "
+            "on the port plus its LOCAL_RANK), or 0 for none"
+        )
     _needs_metrics_extra(env, value)
     return host.strip("[]") if sep else "0.0.0.0", int(port)
 
@@ -132,8 +141,10 @@ def _parse_metrics_file(name: str, env: str, value: Any) -> str:
     if text.lower() in ("", "0", "none", "off"):
         return ""
     if not text.endswith(".prom"):
-        raise ConfigError(f"{env}={value!r} (setting {name!r}) must end in .prom (node-exporter's textfile collector "
-                          "reads only those), or be 'none'")
+        raise ConfigError(
+            f"{env}={value!r} (setting {name!r}) must end in .prom (node-exporter's textfile collector "
+            "reads only those), or be 'none'"
+        )
     problem = template_error(text)
     if problem:
         raise ConfigError(f"{env}={value!r} (setting {name!r}): {problem}")
@@ -151,41 +162,91 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("active", "COMMPATCH", False, _parse_bool,
-            "Instrument every Python process started with this set (via the installed .pth hook or `commpatch run`)."),
-    Setting("output", "COMMPATCH_OUTPUT", "commpatch_logs/{run}/rank{rank}.csv", _parse_output,
-            "Per-rank files: the binary log (same name, .cplog) is written from the first row on, the .csv or "
-            ".parquet at a clean exit; {run} (one name per job and restart attempt, agreed by the ranks), {rank} and "
-            "{pid} expand; an existing file is never replaced; 'none' keeps the rows in memory only."),
-    Setting("ops", "COMMPATCH_OPS", None, _parse_ops,
-            "Comma-separated torch.distributed function names to wrap, or 'all'."),
-    Setting("timing", "COMMPATCH_TIMING", "auto", _parse_choice("auto", "host"),
-            "auto: device events for tensors on an accelerator, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only."),
-    Setting("watchdog", "COMMPATCH_WATCHDOG", 0.0, _parse_seconds,
-            "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed."),
-    Setting("max_rows", "COMMPATCH_MAX_ROWS", 0, _parse_count,
-            "With output 'none': rows kept in memory (0: no limit); beyond it the oldest are dropped and counted. "
-            "With an output file: rows waiting for the disk (a slow, full or unwritable one) are bounded by it, "
-            "or by 262144 (~15 MB) if that is more; beyond it the oldest waiting rows are dropped, counted and noted "
-            "in the log: the training thread never waits for the disk."),
-    Setting("strict", "COMMPATCH_STRICT", False, _parse_bool,
-            "1: enable() refuses an output that cannot be written (ConfigError; with COMMPATCH=1 the process exits "
-            "with status 2 before the job starts). 0: a warning, and the rows are kept in memory (bounded as "
-            "COMMPATCH_MAX_ROWS says) while the file is retried every second."),
-    Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool,
-            "Print a per-op summary table to stderr at exit."),
-    Setting("modules", "COMMPATCH_MODULES", True, _parse_bool,
-            "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call)."),
-    Setting("ddp_packing", "COMMPATCH_DDP_PACKING", True, _parse_bool,
-            "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.6-2.1 us per parameter per step. 0: not timed, and not in the shares."),
-    Setting("metrics_port", "COMMPATCH_METRICS_PORT", "0", _parse_metrics_port,
-            "Serve live Prometheus metrics over HTTP on PORT (or HOST:PORT; all interfaces by default) plus the "
-            "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
-            "Needs pip install 'commpatch[metrics]'. 0: none."),
-    Setting("metrics_file", "COMMPATCH_METRICS_FILE", "none", _parse_metrics_file,
-            "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
-            "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
-            "'none': no file."),
+    Setting(
+        "active",
+        "COMMPATCH",
+        False,
+        _parse_bool,
+        "Instrument every Python process started with this set (via the installed .pth hook or `commpatch run`).",
+    ),
+    Setting(
+        "output",
+        "COMMPATCH_OUTPUT",
+        "commpatch_logs/{run}/rank{rank}.csv",
+        _parse_output,
+        "Per-rank files: the binary log (same name, .cplog) is written from the first row on, the .csv or "
+        ".parquet at a clean exit; {run} (one name per job and restart attempt, agreed by the ranks), {rank} and "
+        "{pid} expand; an existing file is never replaced; 'none' keeps the rows in memory only.",
+    ),
+    Setting(
+        "ops", "COMMPATCH_OPS", None, _parse_ops, "Comma-separated torch.distributed function names to wrap, or 'all'."
+    ),
+    Setting(
+        "timing",
+        "COMMPATCH_TIMING",
+        "auto",
+        _parse_choice("auto", "host"),
+        "auto: device events for tensors on an accelerator, future callbacks for async CPU calls, NCCL's own timing when enabled; host: wall time of the call only.",
+    ),
+    Setting(
+        "watchdog",
+        "COMMPATCH_WATCHDOG",
+        0.0,
+        _parse_seconds,
+        "Seconds a collective may stay in flight before its pending calls, their stacks and the last completed rows are dumped to stderr and hang_rank{rank}.txt beside the output (0: off). The job is not killed.",
+    ),
+    Setting(
+        "max_rows",
+        "COMMPATCH_MAX_ROWS",
+        0,
+        _parse_count,
+        "With output 'none': rows kept in memory (0: no limit); beyond it the oldest are dropped and counted. "
+        "With an output file: rows waiting for the disk (a slow, full or unwritable one) are bounded by it, "
+        "or by 262144 (~15 MB) if that is more; beyond it the oldest waiting rows are dropped, counted and noted "
+        "in the log: the training thread never waits for the disk.",
+    ),
+    Setting(
+        "strict",
+        "COMMPATCH_STRICT",
+        False,
+        _parse_bool,
+        "1: enable() refuses an output that cannot be written (ConfigError; with COMMPATCH=1 the process exits "
+        "with status 2 before the job starts). 0: a warning, and the rows are kept in memory (bounded as "
+        "COMMPATCH_MAX_ROWS says) while the file is retried every second.",
+    ),
+    Setting("summary", "COMMPATCH_SUMMARY", False, _parse_bool, "Print a per-op summary table to stderr at exit."),
+    Setting(
+        "modules",
+        "COMMPATCH_MODULES",
+        True,
+        _parse_bool,
+        "Attribute each call to the nn.Module and phase (forward/backward/optimizer) that issued it (a wrapper of nn.Module._call_impl: ~0.5 us per module call).",
+    ),
+    Setting(
+        "ddp_packing",
+        "COMMPATCH_DDP_PACKING",
+        True,
+        _parse_bool,
+        "Time DDP's packing of gradients into its buckets on CPU models (ddp_pack_us, counted in the shares): two hooks per parameter on its gradient accumulator, ~1.6-2.1 us per parameter per step. 0: not timed, and not in the shares.",
+    ),
+    Setting(
+        "metrics_port",
+        "COMMPATCH_METRICS_PORT",
+        "0",
+        _parse_metrics_port,
+        "Serve live Prometheus metrics over HTTP on PORT (or HOST:PORT; all interfaces by default) plus the "
+        "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
+        "Needs pip install 'commpatch[metrics]'. 0: none.",
+    ),
+    Setting(
+        "metrics_file",
+        "COMMPATCH_METRICS_FILE",
+        "none",
+        _parse_metrics_file,
+        "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
+        "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
+        "'none': no file.",
+    ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 

@@ -20,25 +20,25 @@ import time
 
 import numpy as np
 
-from .data.follow import Follower
 from .analysis import REPORT_COLUMNS
 from .analysis.live import counted_steps
 from .analysis.steps import per_step
+from .data.follow import Follower
 from .io.paths import rank_path
 from .io.writer import write_bytes
 
 PREFIX = "commpatch_"
 LABELS = ("collective", "group", "phase", "dtype")
-WHO = ("rank", "host", "run")               # 'run', not 'job': Prometheus sets 'job' itself
+WHO = ("rank", "host", "run")  # 'run', not 'job': Prometheus sets 'job' itself
 MAX_GROUPS = 16
 MAX_DTYPES = 8
 OTHER = "other"
 DURATION_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 BUSBW_BUCKETS = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0)
 STEP_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
-HORIZON_S = 10.0       # an async call's row waits this long for its duration, then counts as unmeasured
-STEPS_EVERY_S = 2.0    # per-step figures and the text file, at most this often (per_step: ~50 ms a pass)
-KEEP_STEPS = 16        # steps of rows kept for the per-step figures
+HORIZON_S = 10.0  # an async call's row waits this long for its duration, then counts as unmeasured
+STEPS_EVERY_S = 2.0  # per-step figures and the text file, at most this often (per_step: ~50 ms a pass)
+KEEP_STEPS = 16  # steps of rows kept for the per-step figures
 COUNTED = ("seq", "collective", "group", "phase", "dtype", "bytes", "duration_us", "own_us", "busbw_gbps")
 
 # name -> (type, help): every metric this module exposes (the Grafana dashboard's test reads it)
@@ -53,7 +53,10 @@ METRICS = {
     "step_seconds": ("gauge", "Time of the rank's last complete step"),
     "step_time_seconds": ("histogram", "Time of each complete step"),
     "comm_share": ("gauge", "Share of the last complete step with communication under way (NaN: unknown)"),
-    "exposed_share": ("gauge", "Share of the last complete step the training thread spent on communication (NaN: unknown)"),
+    "exposed_share": (
+        "gauge",
+        "Share of the last complete step the training thread spent on communication (NaN: unknown)",
+    ),
     "inflight_calls": ("gauge", "Calls in flight now (async calls; every call with COMMPATCH_WATCHDOG set)"),
     "inflight_oldest_seconds": ("gauge", "Age of the oldest call in flight: the hang alarm (0: none in flight)"),
     "uncounted_rows": ("counter", "Rows the metrics could not count (their window overflowed)"),
@@ -66,11 +69,11 @@ class _Histograms:
 
     def __init__(self, bounds) -> None:
         self.bounds = np.asarray(bounds, np.float64)
-        self.by_key: dict[tuple, list] = {}          # key -> [bucket counts (len(bounds) + 1), sum]
+        self.by_key: dict[tuple, list] = {}  # key -> [bucket counts (len(bounds) + 1), sum]
 
     def observe(self, keys: list, inverse, values) -> None:
         ok = ~np.isnan(values)
-        slot = np.searchsorted(self.bounds, values[ok], side="left")    # le semantics: value <= bound
+        slot = np.searchsorted(self.bounds, values[ok], side="left")  # le semantics: value <= bound
         n = len(self.bounds) + 1
         counts = np.bincount(inverse[ok] * n + slot, minlength=len(keys) * n).reshape(len(keys), n)
         sums = np.bincount(inverse[ok], weights=values[ok], minlength=len(keys))
@@ -84,7 +87,9 @@ class _Histograms:
         family = family_type(name, help_text, labels=labels)
         for key, (counts, total) in list(self.by_key.items()):
             cumulative = np.cumsum(counts)
-            buckets = [(_le(b), float(c)) for b, c in zip(self.bounds, cumulative[:-1])] + [("+Inf", float(cumulative[-1]))]
+            buckets = [(_le(b), float(c)) for b, c in zip(self.bounds, cumulative[:-1])] + [
+                ("+Inf", float(cumulative[-1]))
+            ]
             family.add_metric(list(key), buckets, total)
         return family
 
@@ -104,16 +109,19 @@ class Exporter:
         self.log = log
         self.warn = warn or (lambda message: None)
         self.follower = Follower(keep_steps=KEEP_STEPS, with_magic=False, settling=True)
-        self.lock = threading.Lock()                 # the counters (updated here, read by the server)
-        self.update_lock = threading.Lock()          # one update at a time (the flusher, the exit)
+        self.lock = threading.Lock()  # the counters (updated here, read by the server)
+        self.update_lock = threading.Lock()  # one update at a time (the flusher, the exit)
         self.host = socket.gethostname().split(".")[0]
-        self.counts: dict[tuple, list] = {}          # key -> [calls, bytes, unmeasured]
-        self.hist = {"duration_seconds": _Histograms(DURATION_BUCKETS), "own_seconds": _Histograms(DURATION_BUCKETS),
-                     "busbw_gbps": _Histograms(BUSBW_BUCKETS)}
+        self.counts: dict[tuple, list] = {}  # key -> [calls, bytes, unmeasured]
+        self.hist = {
+            "duration_seconds": _Histograms(DURATION_BUCKETS),
+            "own_seconds": _Histograms(DURATION_BUCKETS),
+            "busbw_gbps": _Histograms(BUSBW_BUCKETS),
+        }
         self.step_hist = _Histograms(STEP_BUCKETS)
         self.step_gauges: dict[str, float] = {}
         self.last_step_seen = None
-        self.names = {"group": {}, "dtype": {}}      # bounded label values
+        self.names = {"group": {}, "dtype": {}}  # bounded label values
         self.who: tuple = ()
         self.file_template = file_template
         self.last_steps = 0.0
@@ -137,8 +145,10 @@ class Exporter:
             self.server, _ = start_http_server(number, addr=host, registry=self.registry)
             self.address = (host, number)
         except (OSError, OverflowError) as exc:
-            self.warn(f"commpatch: metrics not served on {host}:{number} (COMMPATCH_METRICS_PORT {base} + local rank "
-                      f"{local}): {getattr(exc, 'strerror', None) or exc}; the job runs on")
+            self.warn(
+                f"commpatch: metrics not served on {host}:{number} (COMMPATCH_METRICS_PORT {base} + local rank "
+                f"{local}): {getattr(exc, 'strerror', None) or exc}; the job runs on"
+            )
 
     def close(self) -> None:
         server, self.server = self.server, None
@@ -193,8 +203,10 @@ class Exporter:
         key, names = np.zeros(n, np.int64), []
         for name in LABELS:
             c = cols[name]
-            values = [self._label(name, v, MAX_GROUPS if name == "group" else MAX_DTYPES)
-                      if name in self.names else v for v in c.categories] + ["?"]
+            values = [
+                self._label(name, v, MAX_GROUPS if name == "group" else MAX_DTYPES) if name in self.names else v
+                for v in c.categories
+            ] + ["?"]
             codes = np.where(c.codes < 0, len(values) - 1, c.codes).astype(np.int64)
             key = key * len(values) + codes
             names.append(values)
@@ -217,7 +229,10 @@ class Exporter:
             entry[2] += int(unmeasured[i])
         # as analysis.summaries.own_durations: the own time, never more than the duration; the
         # duration where the own time is unknown
-        own = np.where(np.isnan(cols["own_us"]), cols["duration_us"], np.minimum(cols["own_us"], cols["duration_us"])) / 1e6
+        own = (
+            np.where(np.isnan(cols["own_us"]), cols["duration_us"], np.minimum(cols["own_us"], cols["duration_us"]))
+            / 1e6
+        )
         self.hist["duration_seconds"].observe(keys, inverse, duration)
         self.hist["own_seconds"].observe(keys, inverse, own)
         self.hist["busbw_gbps"].observe(keys, inverse, cols["busbw_gbps"])
@@ -227,7 +242,7 @@ class Exporter:
         if not len(follower.window) or not self.who:
             return
         df = follower.dataframe(names=REPORT_COLUMNS)
-        if not counted_steps(df):            # steps found from a pattern would be the window's: left out
+        if not counted_steps(df):  # steps found from a pattern would be the window's: left out
             return
         table = per_step(df)
         known = table[table["step_us"].notna()]
@@ -237,14 +252,18 @@ class Exporter:
             fresh = known
         with self.lock:
             if len(fresh):
-                self.step_hist.observe([self.who], np.zeros(len(fresh), np.int64), fresh["step_us"].to_numpy(np.float64) / 1e6)
+                self.step_hist.observe(
+                    [self.who], np.zeros(len(fresh), np.int64), fresh["step_us"].to_numpy(np.float64) / 1e6
+                )
                 self.last_step_seen = int(fresh["step"].max())
             self.step_gauges["step"] = float(table["step"].max())
             if len(known):
                 last = known.iloc[-1]
-                self.step_gauges.update(step_seconds=float(last["step_us"]) / 1e6,
-                                        comm_share=float(last["comm_share"]),
-                                        exposed_share=float(last["exposed_share"]))
+                self.step_gauges.update(
+                    step_seconds=float(last["step_us"]) / 1e6,
+                    comm_share=float(last["comm_share"]),
+                    exposed_share=float(last["exposed_share"]),
+                )
 
     def write_file(self) -> str:
         """The metrics in Prometheus' text format to this rank's file (replaced whole: readers never
@@ -264,17 +283,24 @@ class Exporter:
 
         labels = LABELS + WHO
         with self.lock:
-            counters = [CounterMetricFamily(PREFIX + name, METRICS[name][1], labels=labels)
-                        for name in ("calls", "bytes", "unmeasured_calls")]
+            counters = [
+                CounterMetricFamily(PREFIX + name, METRICS[name][1], labels=labels)
+                for name in ("calls", "bytes", "unmeasured_calls")
+            ]
             for key, values in self.counts.items():
                 for family, value in zip(counters, values):
                     family.add_metric(list(key), float(value))
             out = counters
-            out += [h.families(HistogramMetricFamily, PREFIX + name, METRICS[name][1], labels)
-                    for name, h in self.hist.items()]
+            out += [
+                h.families(HistogramMetricFamily, PREFIX + name, METRICS[name][1], labels)
+                for name, h in self.hist.items()
+            ]
             if self.who:
-                out.append(self.step_hist.families(HistogramMetricFamily, PREFIX + "step_time_seconds",
-                                                   METRICS["step_time_seconds"][1], WHO))
+                out.append(
+                    self.step_hist.families(
+                        HistogramMetricFamily, PREFIX + "step_time_seconds", METRICS["step_time_seconds"][1], WHO
+                    )
+                )
                 for name, value in self.step_gauges.items():
                     gauge = GaugeMetricFamily(PREFIX + name, METRICS[name][1], labels=WHO)
                     gauge.add_metric(list(self.who), value)
@@ -297,7 +323,7 @@ def in_flight(log) -> tuple[int, float]:
         try:
             starts = [p[4] for p in list(log.pending.values())]
             break
-        except RuntimeError:            # changed size while read: read again
+        except RuntimeError:  # changed size while read: read again
             continue
     else:
         return 0, float("nan")

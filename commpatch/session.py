@@ -38,14 +38,14 @@ class Session:
         self.log = Log()
         self.timing = Timing(self.log)
         self.patcher = Patcher(self.log, self.timing, on_destroy=self._on_destroy)
-        self.integrations = None           # integrations.Context while enabled
+        self.integrations = None  # integrations.Context while enabled
         self.flusher: Flusher | None = None
-        self.metrics: metrics.Exporter | None = None     # live Prometheus metrics, when asked for
-        self.clock = None                  # record.clocksync.ClockSync: this rank's offset to rank 0
+        self.metrics: metrics.Exporter | None = None  # live Prometheus metrics, when asked for
+        self.clock = None  # record.clocksync.ClockSync: this rank's offset to rank 0
         self.lock = threading.RLock()
         self.warned: set[str] = set()
         self.exit_lock = threading.Lock()
-        self.exported: set[str] = set()    # binary logs already converted by this process
+        self.exported: set[str] = set()  # binary logs already converted by this process
         self.exit_handler = False
 
     # ---- enable / disable ------------------------------------------------------------------
@@ -65,32 +65,43 @@ class Session:
                 if world.isdigit() and int(world) > 1 and "{rank}" not in output and "{pid}" not in output:
                     raise config.ConfigError(
                         f"{setting}={output!r} has no {{rank}} in a {world}-rank job (WORLD_SIZE={world}): every rank "
-                        "writes its own file, e.g. 'commpatch_logs/{run}/rank{rank}.csv'")
+                        "writes its own file, e.g. 'commpatch_logs/{run}/rank{rank}.csv'"
+                    )
             for key, env in (("metrics_file", "COMMPATCH_METRICS_FILE"),):
                 template = resolved[key]
                 world = os.environ.get("WORLD_SIZE", "")
-                if template and world.isdigit() and int(world) > 1 and "{rank}" not in template and "{pid}" not in template:
-                    raise config.ConfigError(f"{env}={template!r} has no {{rank}} in a {world}-rank job: every rank "
-                                             "writes its own file, e.g. 'commpatch_rank{rank}.prom'")
+                if (
+                    template
+                    and world.isdigit()
+                    and int(world) > 1
+                    and "{rank}" not in template
+                    and "{pid}" not in template
+                ):
+                    raise config.ConfigError(
+                        f"{env}={template!r} has no {{rank}} in a {world}-rank job: every rank "
+                        "writes its own file, e.g. 'commpatch_rank{rank}.prom'"
+                    )
             state.settings = resolved
             log = self.log
             log.set_output(output)
-            log.forget_groups()         # groups may have been destroyed and re-created while disabled
+            log.forget_groups()  # groups may have been destroyed and re-created while disabled
             if log.rank >= 0:
                 import torch.distributed as dist
 
                 if not dist.is_initialized() or dist.get_rank() != log.rank:
-                    log.end_file()      # re-initialised while disabled: a new file for the new rank
+                    log.end_file()  # re-initialised while disabled: a new file for the new rank
             log.max_rows = resolved["max_rows"]
             log.on_open = self._start_flusher
             log.on_warn = self._warn_once
             if problem:
-                log.failing = problem       # said here once; the log retries quietly until it can write
-                self._warn_once(f"commpatch: {problem}: the job runs; the rows are kept in memory (bounded, "
-                                "COMMPATCH_MAX_ROWS) and the file is tried again every second (COMMPATCH_STRICT=1 "
-                                "refuses instead)")
+                log.failing = problem  # said here once; the log retries quietly until it can write
+                self._warn_once(
+                    f"commpatch: {problem}: the job runs; the rows are kept in memory (bounded, "
+                    "COMMPATCH_MAX_ROWS) and the file is tried again every second (COMMPATCH_STRICT=1 "
+                    "refuses instead)"
+                )
             if log.sink is not None and log.sink.path is not None or log.backlog:
-                self._start_flusher(log)    # rows recorded after a disable() reach the disk as before
+                self._start_flusher(log)  # rows recorded after a disable() reach the disk as before
             _register_fork_handler()
             self._start_metrics(resolved)
             self.patcher.apply(resolved["ops"], host_only=resolved["timing"] == "host")
@@ -100,7 +111,7 @@ class Session:
             watchdog.start(log, resolved)
             if not self.exit_handler:
                 self.exit_handler = True
-                atexit.register(self.write_at_exit)   # atexit only: the binary log needs no signal handler
+                atexit.register(self.write_at_exit)  # atexit only: the binary log needs no signal handler
 
     def disable(self) -> None:
         with self.lock:
@@ -112,7 +123,7 @@ class Session:
                 integrations.remove(self.integrations)
                 self.integrations = None
                 self.patcher.remove()
-                self.log.flush_soon()       # the flusher writes it: disable() never waits for the disk
+                self.log.flush_soon()  # the flusher writes it: disable() never waits for the disk
                 state.enabled = False
 
     def close(self) -> None:
@@ -155,14 +166,14 @@ class Session:
         if self.flusher is None or not self.flusher.alive():
             self.flusher = Flusher(self._tick)
             log.wake = self.flusher.wake
-        self.flusher.wake()                 # the file's first bytes (its header) right away
+        self.flusher.wake()  # the file's first bytes (its header) right away
         if self.clock is None or not self.clock.alive():
-            self.clock = clocksync.start(log)   # a thread: the training thread never waits for it
+            self.clock = clocksync.start(log)  # a thread: the training thread never waits for it
 
     def _stop_clock(self, join_s: float = 0.0) -> None:
         clock, self.clock = self.clock, None
         if clock is not None:
-            clock.stop(join_s)              # it returns from the store at once: stop() sets the key it waits on
+            clock.stop(join_s)  # it returns from the store at once: stop() sets the key it waits on
 
     def _tick(self) -> None:
         """The flusher's pass: the log to its file, then the live metrics from what was written."""
@@ -179,7 +190,9 @@ class Session:
         with output 'none')."""
         if self.metrics is not None or not (resolved["metrics_port"] or resolved["metrics_file"]):
             return
-        self.metrics = metrics.Exporter(self.log, resolved["metrics_port"], resolved["metrics_file"], warn=self._warn_once)
+        self.metrics = metrics.Exporter(
+            self.log, resolved["metrics_port"], resolved["metrics_file"], warn=self._warn_once
+        )
         self.log.observed = []
         self._start_flusher(self.log)
 
@@ -197,7 +210,7 @@ class Session:
 
     # ---- exit, destroy_process_group, fork -------------------------------------------------------
     def _on_destroy(self) -> None:
-        self._stop_clock()                  # its store goes with the process group
+        self._stop_clock()  # its store goes with the process group
         self.write_at_exit(reason="destroy_process_group")
 
     def write_at_exit(self, reason: str = "exit") -> list[str]:
@@ -211,7 +224,7 @@ class Session:
         try:
             self.timing.resolve(block=True)
             if reason == "exit":
-                self._stop_clock(join_s=1.0)    # not inside the store when the interpreter ends
+                self._stop_clock(join_s=1.0)  # not inside the store when the interpreter ends
             if reason == "destroy_process_group":
                 log.end_file()
             else:
@@ -219,19 +232,22 @@ class Session:
                 log.flush()
                 if self.metrics is not None and reason == "exit":
                     try:
-                        self.metrics.update(final=True)      # the text file's last figures
+                        self.metrics.update(final=True)  # the text file's last figures
                     except Exception as exc:  # noqa: BLE001 - the export below still runs
                         _runtime.fail("metrics", exc)
-                if log.unwritten():          # the file never took them: say how many
-                    _runtime.fail(f"export.{reason}", OSError(f"cannot write {log.failing or 'this rank'}"),
-                                  rows=log.unwritten())
+                if log.unwritten():  # the file never took them: say how many
+                    _runtime.fail(
+                        f"export.{reason}", OSError(f"cannot write {log.failing or 'this rank'}"), rows=log.unwritten()
+                    )
             last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
             if reason == "exit" and isinstance(last, KeyboardInterrupt):
                 # Ctrl-C: the rows are on disk already; importing the writers' extension modules now
                 # would turn the process's exit status from -SIGINT into 1 (CPython), and slow it down
                 if log.files:
-                    sys.stderr.write(f"commpatch: interrupted: this rank's rows are in {log.files[-1].path} "
-                                     "(`commpatch report` reads it, `commpatch convert` converts it)\n")
+                    sys.stderr.write(
+                        f"commpatch: interrupted: this rank's rows are in {log.files[-1].path} "
+                        "(`commpatch report` reads it, `commpatch convert` converts it)\n"
+                    )
                 return written
             _, suffix = os.path.splitext(settings.get("output") or ".csv")
             for sink in list(log.files):
@@ -245,14 +261,19 @@ class Session:
                 try:
                     written.append(convert(sink.path, out))
                 except FileExistsError:
-                    _runtime.fail("export.exists", FileExistsError(
-                        f"{out} exists and was not written by commpatch; the rows are in {sink.path}"), rows=0)
+                    _runtime.fail(
+                        "export.exists",
+                        FileExistsError(f"{out} exists and was not written by commpatch; the rows are in {sink.path}"),
+                        rows=0,
+                    )
                 except Exception as exc:  # noqa: BLE001 - the rows stay in the binary log
                     _runtime.fail("export.convert", exc, rows=0)
             if settings.get("summary") and reason == "exit" and len(log):
-                df = log.to_dataframe()           # the rank from the rows: destroy_process_group() forgot it
+                df = log.to_dataframe()  # the rank from the rows: destroy_process_group() forgot it
                 ranks = sorted(set(df["rank"].tolist()) - {-1})
-                who = f"rank {','.join(map(str, ranks))} of {int(df['world_size'].max())}" if ranks else f"pid {log.pid}"
+                who = (
+                    f"rank {','.join(map(str, ranks))} of {int(df['world_size'].max())}" if ranks else f"pid {log.pid}"
+                )
                 sys.stderr.write(render_text(summary(df), title=f"commpatch summary, {who}") + "\n")
             return written
         except Exception as exc:  # noqa: BLE001 - the user's exit must not fail because of us
@@ -265,8 +286,8 @@ class Session:
         """A forked child (a DataLoader worker, say) starts with an empty log and never writes the
         parent's file: its exit (or SIGTERM from the parent) must not overwrite the parent's rows."""
         self.lock = threading.RLock()
-        self.flusher = None                 # threads do not survive fork
-        self.metrics = None                 # the parent's metrics, not a child's
+        self.flusher = None  # threads do not survive fork
+        self.metrics = None  # the parent's metrics, not a child's
         self.clock = None
         self.exit_lock = threading.Lock()
         self.exported.clear()

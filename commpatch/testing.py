@@ -43,11 +43,21 @@ def make_log(world_size: int = 4, steps: int = 10, **options):
     return apply_schema(pd.concat(list(rank_logs(world_size, steps, **options)), ignore_index=True))
 
 
-def rank_logs(world_size: int = 4, steps: int = 10, *, pattern=PATTERN, p2p: bool = False,
-              straggler: int | None = None, straggler_delay_us: float = 2000.0,
-              jitter_us: float = 50.0, bandwidth_gbps: float = 5.0, compute_us: float = 20000.0,
-              mismatch: tuple[int, int] | None = None, missing: tuple[int, int] | None = None,
-              seed: int = 0):
+def rank_logs(
+    world_size: int = 4,
+    steps: int = 10,
+    *,
+    pattern=PATTERN,
+    p2p: bool = False,
+    straggler: int | None = None,
+    straggler_delay_us: float = 2000.0,
+    jitter_us: float = 50.0,
+    bandwidth_gbps: float = 5.0,
+    compute_us: float = 20000.0,
+    mismatch: tuple[int, int] | None = None,
+    missing: tuple[int, int] | None = None,
+    seed: int = 0,
+):
     """Yield each rank's log in turn (memory for one rank at a time; ``make_log`` joins them).
 
     ``p2p``: each step ends with rank r sending to rank r+1 (mod n), which bumps group_seq on
@@ -61,7 +71,7 @@ def rank_logs(world_size: int = 4, steps: int = 10, *, pattern=PATTERN, p2p: boo
     nbytes = np.array([p[1] for p in pattern], np.int64)[index]
     dtypes = np.array([p[2] for p in pattern])[index]
     step = np.arange(k_total) // per_step
-    transfer_us = nbytes / (bandwidth_gbps * 1e3) + 20.0            # latency + size / bandwidth
+    transfer_us = nbytes / (bandwidth_gbps * 1e3) + 20.0  # latency + size / bandwidth
 
     # collective k is issued by rank r at ready[k] + jitter (+ the straggler's delay)
     issue_us = rng.exponential(jitter_us, size=(k_total, n))
@@ -71,11 +81,21 @@ def rank_logs(world_size: int = 4, steps: int = 10, *, pattern=PATTERN, p2p: boo
     span = issue_us.max(axis=1) + transfer_us + np.where(index == per_step - 1, compute_us, 0.0)
     ready = compute_us + np.concatenate(([0.0], np.cumsum(span)[:-1]))
     end_us = ready + issue_us.max(axis=1) + transfer_us
-    last = np.flatnonzero(index == per_step - 1)                     # p2p after these collectives
+    last = np.flatnonzero(index == per_step - 1)  # p2p after these collectives
     for rank in range(n):
-        yield _rank_frame(rank, n, ops, dtypes, nbytes, step, ready + issue_us[:, rank], end_us,
-                          (mismatch, missing), last if p2p and n > 1 else last[:0],
-                          5.0 + transfer_us[0] / 100)
+        yield _rank_frame(
+            rank,
+            n,
+            ops,
+            dtypes,
+            nbytes,
+            step,
+            ready + issue_us[:, rank],
+            end_us,
+            (mismatch, missing),
+            last if p2p and n > 1 else last[:0],
+            5.0 + transfer_us[0] / 100,
+        )
 
 
 def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2p_after, p2p_us):
@@ -89,15 +109,28 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
     if missing is not None and missing[0] == rank:
         keep[missing[1]] = False
     order = np.arange(len(ops), dtype=np.float64)
-    parts = {"op": [ops[keep]], "dtype": [dtypes[keep]], "bytes": [nbytes[keep]], "step": [step[keep]],
-             "start_us": [start_us[keep]], "duration_us": [(end_us - start_us)[keep]],
-             "peer": [np.full(keep.sum(), -1)], "order": [order[keep]]}
+    parts = {
+        "op": [ops[keep]],
+        "dtype": [dtypes[keep]],
+        "bytes": [nbytes[keep]],
+        "step": [step[keep]],
+        "start_us": [start_us[keep]],
+        "duration_us": [(end_us - start_us)[keep]],
+        "peer": [np.full(keep.sum(), -1)],
+        "order": [order[keep]],
+    }
     m = len(p2p_after)
     for op, peer, offset in (("send", (rank + 1) % n, 0.5), ("recv", (rank - 1) % n, 0.6)):
-        for key, value in (("op", np.full(m, op)), ("dtype", np.full(m, "float32")),
-                           ("bytes", np.full(m, 1 << 12)), ("step", step[p2p_after]),
-                           ("start_us", end_us[p2p_after] + 10.0), ("duration_us", np.full(m, p2p_us)),
-                           ("peer", np.full(m, peer)), ("order", p2p_after + offset)):
+        for key, value in (
+            ("op", np.full(m, op)),
+            ("dtype", np.full(m, "float32")),
+            ("bytes", np.full(m, 1 << 12)),
+            ("step", step[p2p_after]),
+            ("start_us", end_us[p2p_after] + 10.0),
+            ("duration_us", np.full(m, p2p_us)),
+            ("peer", np.full(m, peer)),
+            ("order", p2p_after + offset),
+        ):
             parts[key].append(value)
     cols = {key: np.concatenate(value) for key, value in parts.items()}
     sort = np.argsort(cols["order"], kind="stable")
@@ -105,14 +138,31 @@ def _rank_frame(rank, n, ops, dtypes, nbytes, step, start_us, end_us, faults, p2
     rows = len(sort)
     elsize = pd.Series(cols["dtype"]).map(ELEMENT_BYTES).to_numpy()
     known = {
-        "seq": np.arange(rows), "op": cols["op"], "rank": rank, "world_size": n, "group": "0",
-        "group_size": n, "group_ranks": compact_ranks(range(n)), "group_seq": np.arange(rows),
-        "backend": "gloo", "device": "cpu", "dtype": cols["dtype"],
-        "numel": cols["bytes"] // elsize, "bytes": cols["bytes"], "peer": cols["peer"],
-        "async_op": False, "start_ns": T0_NS + (cols["start_us"] * 1e3).astype(np.int64),
-        "host_us": cols["duration_us"], "duration_us": cols["duration_us"],
-        "own_us": cols["duration_us"], "timing": "host",
-        "status": "ok", "step": cols["step"], "pid": 1000 + rank, "bucket": -1, "tensors": 1,
+        "seq": np.arange(rows),
+        "op": cols["op"],
+        "rank": rank,
+        "world_size": n,
+        "group": "0",
+        "group_size": n,
+        "group_ranks": compact_ranks(range(n)),
+        "group_seq": np.arange(rows),
+        "backend": "gloo",
+        "device": "cpu",
+        "dtype": cols["dtype"],
+        "numel": cols["bytes"] // elsize,
+        "bytes": cols["bytes"],
+        "peer": cols["peer"],
+        "async_op": False,
+        "start_ns": T0_NS + (cols["start_us"] * 1e3).astype(np.int64),
+        "host_us": cols["duration_us"],
+        "duration_us": cols["duration_us"],
+        "own_us": cols["duration_us"],
+        "timing": "host",
+        "status": "ok",
+        "step": cols["step"],
+        "pid": 1000 + rank,
+        "bucket": -1,
+        "tensors": 1,
     }
     unique_ops, which = np.unique(cols["op"].astype(str), return_inverse=True)
     for i, name in enumerate(DERIVED_FROM_OP):
@@ -129,8 +179,10 @@ def write_rank_files(directory: str, world_size: int = 4, steps: int = 10, **opt
     """Write one CSV per rank (``rank{r}.csv``) as a real job does, one rank in memory at a time."""
     import os
 
-    return [write(frame, os.path.join(directory, f"rank{rank}.csv"))
-            for rank, frame in enumerate(rank_logs(world_size, steps, **options))]
+    return [
+        write(frame, os.path.join(directory, f"rank{rank}.csv"))
+        for rank, frame in enumerate(rank_logs(world_size, steps, **options))
+    ]
 
 
 # ---- binary rank logs, as a real run writes them ----------------------------------------------
@@ -149,7 +201,7 @@ BINARY_PATTERN = (
     ("all_reduce", "world", 8, "float32"),
     ("broadcast", "dp", 1 << 10, "int64"),
 )
-_DTYPE_CODES = {"bfloat16": (2, 2), "float32": (3, 4), "int64": (4, 8)}   # code, element size
+_DTYPE_CODES = {"bfloat16": (2, 2), "float32": (3, 4), "int64": (4, 8)}  # code, element size
 
 
 def binary_groups(world_size: int, rank: int) -> dict:
@@ -157,14 +209,23 @@ def binary_groups(world_size: int, rank: int) -> dict:
     named as torch names them (the default group '0', then one number per new_group call)."""
     tp = min(8, world_size)
     n_tp = world_size // tp
-    return {"world": ("0", list(range(world_size))),
-            "tp": (str(1 + rank // tp), list(range(rank // tp * tp, rank // tp * tp + tp))),
-            "dp": (str(1 + n_tp + rank % tp), list(range(rank % tp, world_size, tp)))}
+    return {
+        "world": ("0", list(range(world_size))),
+        "tp": (str(1 + rank // tp), list(range(rank // tp * tp, rank // tp * tp + tp))),
+        "dp": (str(1 + n_tp + rank % tp), list(range(rank % tp, world_size, tp))),
+    }
 
 
-def write_binary_run(directory: str, world_size: int = 16, rows: int = 10_000, *, straggler: int | None = 3,
-                     straggler_delay_us: float = 400.0, mismatch: tuple[int, int] | None = (5, 7),
-                     seed: int = 0) -> list[str]:
+def write_binary_run(
+    directory: str,
+    world_size: int = 16,
+    rows: int = 10_000,
+    *,
+    straggler: int | None = 3,
+    straggler_delay_us: float = 400.0,
+    mismatch: tuple[int, int] | None = (5, 7),
+    seed: int = 0,
+) -> list[str]:
     """One binary rank log (``rank{r}.cplog``) per rank, framed exactly as ``record.log`` writes them
     (header, groups with their ranks once, dtypes, clock offset, rows in chunks of 16,384), with
     ``rows`` rows per rank (rounded to whole steps) of ``BINARY_PATTERN``: groups of three sizes,
@@ -186,8 +247,12 @@ def write_binary_run(directory: str, world_size: int = 16, rows: int = 10_000, *
     transfer_us = np.array([20.0 + p[2] / 5e3 for p in BINARY_PATTERN])[index]
     jitter_us, compute_us = 30.0, 2000.0
     # the slot of call k: every rank issues it at slot[k] + its jitter (+ the straggler's delay)
-    slot = np.cumsum(np.r_[compute_us, (transfer_us + jitter_us + straggler_delay_us
-                                        + np.where(index == per_step - 1, compute_us, 0.0))[:-1]])
+    slot = np.cumsum(
+        np.r_[
+            compute_us,
+            (transfer_us + jitter_us + straggler_delay_us + np.where(index == per_step - 1, compute_us, 0.0))[:-1],
+        ]
+    )
     perf0, unix0 = 10**12, 1_763_800_000 * 10**9
     os.makedirs(directory, exist_ok=True)
     paths = []
@@ -213,19 +278,38 @@ def write_binary_run(directory: str, world_size: int = 16, rows: int = 10_000, *
         data["end"] = perf0 + (end * 1e3).astype(np.int64)
         data["peer"] = np.where(p2p, rank ^ 1, -1)
         data["step"] = np.arange(n) // per_step
-        data["where"] = 2                                                  # phase backward, no module
-        meta = [logfile.meta("header", version=logfile.FORMAT_VERSION, schema=SCHEMA_VERSION, rank=rank,
-                             world_size=world_size, pid=10_000 + rank, ops=list(OP_NAMES),
-                             timings=list(TIMINGS), created_ns=unix0)]
+        data["where"] = 2  # phase backward, no module
+        meta = [
+            logfile.meta(
+                "header",
+                version=logfile.FORMAT_VERSION,
+                schema=SCHEMA_VERSION,
+                rank=rank,
+                world_size=world_size,
+                pid=10_000 + rank,
+                ops=list(OP_NAMES),
+                timings=list(TIMINGS),
+                created_ns=unix0,
+            )
+        ]
         for kind in ("world", "tp", "dp"):
             name, members = groups[kind]
-            meta.append(logfile.meta("group", gid=gids[kind], name=name, size=len(members),
-                                     ranks=compact_ranks(members), backend="nccl", backends=["gloo", "nccl", "gloo"]))
+            meta.append(
+                logfile.meta(
+                    "group",
+                    gid=gids[kind],
+                    name=name,
+                    size=len(members),
+                    ranks=compact_ranks(members),
+                    backend="nccl",
+                    backends=["gloo", "nccl", "gloo"],
+                )
+            )
         meta.append(logfile.meta("clock", seq=0, offset=unix0 - perf0))
         meta += [logfile.meta("dtype", code=code, name=name, size=size) for name, (code, size) in _DTYPE_CODES.items()]
         raw = data.tobytes()
         chunk = ROW.size << 14
-        body = [logfile.frame(logfile.ROWS, raw[i:i + chunk]) for i in range(0, len(raw), chunk)]
+        body = [logfile.frame(logfile.ROWS, raw[i : i + chunk]) for i in range(0, len(raw), chunk)]
         path = os.path.join(directory, f"rank{rank}{logfile.SUFFIX}")
         with open(path, "wb") as f:
             f.write(logfile.MAGIC + b"".join(meta) + b"".join(body))

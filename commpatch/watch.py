@@ -16,8 +16,8 @@ from .io.follow import RunFollower
 from .io.paths import export_path
 from .render.live import screen
 
-WINDOW_STEPS = 4          # steps of rows kept per rank
-WINDOW_ROWS = 1 << 16     # at most this many rows per rank
+WINDOW_STEPS = 4  # steps of rows kept per rank
+WINDOW_ROWS = 1 << 16  # at most this many rows per rank
 
 
 def snapshot(follower: RunFollower, now_ns: int, stuck_s: float) -> dict:
@@ -30,18 +30,25 @@ def snapshot(follower: RunFollower, now_ns: int, stuck_s: float) -> dict:
         if not len(live.window):
             continue
         df = live.dataframe()
-        with warnings.catch_warnings(record=True) as said:      # shown under the table, not over it
+        with warnings.catch_warnings(record=True) as said:  # shown under the table, not over it
             warnings.simplefilter("always")
             ranks.append(rank_live(df))
         notes += sorted({f"rank {rank}: {str(w.message).splitlines()[0][:200]}" for w in said})
         stuck.append(in_flight(df, now_ns, stuck_s))
         if live.skipped_bytes or live.bad_rows or live.bad_records:
-            notes.append(f"rank {rank}: {live.skipped_bytes} byte(s) that are no frame, {live.bad_rows} impossible "
-                         f"row(s), {live.bad_records} bad record(s) skipped")
+            notes.append(
+                f"rank {rank}: {live.skipped_bytes} byte(s) that are no frame, {live.bad_rows} impossible "
+                f"row(s), {live.bad_records} bad record(s) skipped"
+            )
     notes += follower.errors()
     frames = [s for s in stuck if len(s)]
-    return dict(ranks=ranks, slowest=slowest(ranks), stuck=pd.concat(frames, ignore_index=True) if frames else None,
-                notes=notes, now_ns=now_ns)
+    return dict(
+        ranks=ranks,
+        slowest=slowest(ranks),
+        stuck=pd.concat(frames, ignore_index=True) if frames else None,
+        notes=notes,
+        now_ns=now_ns,
+    )
 
 
 def finished(follower: RunFollower) -> bool:
@@ -70,15 +77,20 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
                 snap["title"] = f"commpatch watch {follower.directory()} ({time.strftime('%H:%M:%S')})"
                 snap["idle_s"] = quiet if seen else None
                 if not seen:
-                    snap["notes"].append(f"waiting for rank logs (*.cplog) in {follower.directory()} (for {idle:g} s at most)")
+                    snap["notes"].append(
+                        f"waiting for rank logs (*.cplog) in {follower.directory()} (for {idle:g} s at most)"
+                    )
                 live.update(screen(snap), refresh=True)
                 if seen and finished(follower):
                     reason = "the job ended: every rank wrote its export at exit"
                     break
                 if quiet >= idle:
                     last = time.strftime("%H:%M:%S", time.localtime(time.time() - quiet))
-                    reason = (f"no rank's log grew for {idle:g} s (last growth at {last})" if seen else
-                              f"no rank log appeared in {idle:g} s")
+                    reason = (
+                        f"no rank's log grew for {idle:g} s (last growth at {last})"
+                        if seen
+                        else f"no rank log appeared in {idle:g} s"
+                    )
                     break
                 time.sleep(interval)
     except KeyboardInterrupt:

@@ -31,13 +31,13 @@ from .io.paths import rank_path
 from .io.writer import write_bytes
 from .record import state as _runtime
 
-LAST_ROWS = 20        # most recent rows shown after the pending calls
-STACK_LIMIT = 40      # frames per stack
+LAST_ROWS = 20  # most recent rows shown after the pending calls
+STACK_LIMIT = 40  # frames per stack
 FILE_NAME = "hang_rank{rank}.txt"
 _NOFOLLOW, _CLOEXEC = getattr(os, "O_NOFOLLOW", 0), getattr(os, "O_CLOEXEC", 0)
 
 _lock = threading.Lock()
-_current: "Watchdog | None" = None
+_current: Watchdog | None = None
 
 
 def start(log, settings: dict) -> None:
@@ -74,9 +74,9 @@ class Watchdog(threading.Thread):
         self.threshold_ns = int(threshold_s * 1e9)
         self.interval_s = min(1.0, threshold_s / 4)
         self.output_template = output_template
-        self.reported: set[int] = set()      # seqs already dumped (each stuck call once)
+        self.reported: set[int] = set()  # seqs already dumped (each stuck call once)
         self.files_written = 0
-        self.dump_file = None                # (path, (st_dev, st_ino)) of this process's dump file
+        self.dump_file = None  # (path, (st_dev, st_ino)) of this process's dump file
         self._stopped = threading.Event()
 
     def run(self) -> None:
@@ -95,8 +95,8 @@ class Watchdog(threading.Thread):
     def check(self, now_ns: int | None = None) -> str | None:
         """Dump if some call is stuck and not dumped yet; returns the dump text, or None."""
         now_ns = time.perf_counter_ns() if now_ns is None else now_ns
-        pending = self.log.pending.copy()           # one C call: safe against concurrent updates
-        self.reported &= pending.keys()             # forget calls that finished
+        pending = self.log.pending.copy()  # one C call: safe against concurrent updates
+        self.reported &= pending.keys()  # forget calls that finished
         stuck = [seq for seq, entry in pending.items() if now_ns - entry[4] > self.threshold_ns]
         if not stuck or self.reported.issuperset(stuck):
             return None
@@ -136,7 +136,7 @@ class Watchdog(threading.Thread):
                 os.close(fd)
             return
         base = self.path()
-        os.makedirs(os.path.dirname(base) or ".", exist_ok=True)     # removed since enable()
+        os.makedirs(os.path.dirname(base) or ".", exist_ok=True)  # removed since enable()
         stem, suffix = os.path.splitext(base)
         for n in range(1000):
             path = base if n == 0 else f"{stem}.{n}{suffix}"
@@ -144,7 +144,7 @@ class Watchdog(threading.Thread):
                 continue
             try:
                 write_bytes(data, path, exclusive=True)
-            except FileExistsError:                   # taken meanwhile, or its temporary name is
+            except FileExistsError:  # taken meanwhile, or its temporary name is
                 continue
             st = os.lstat(path)
             self.dump_file = (path, (st.st_dev, st.st_ino))
@@ -155,7 +155,7 @@ class Watchdog(threading.Thread):
         rank = self.rank()
         directory = "."
         sink = self.log.sink
-        if sink is not None and sink.path is not None:      # beside this rank's binary log
+        if sink is not None and sink.path is not None:  # beside this rank's binary log
             directory = os.path.dirname(sink.path) or "."
         elif self.output_template:
             directory = os.path.dirname(os.path.normpath(rank_path(self.output_template, rank=rank))) or "."
@@ -206,8 +206,11 @@ class Watchdog(threading.Thread):
         out = {}
         for s, entry in pending.items():
             before = (gid == entry[1]) & (seq < s)
-            out[s] = ("call", int(before.sum())) if OP_NAMES[entry[0]] in P2P_OPS else \
-                ("collective", int((before & ~p2p).sum()))
+            out[s] = (
+                ("call", int(before.sum()))
+                if OP_NAMES[entry[0]] in P2P_OPS
+                else ("collective", int((before & ~p2p).sum()))
+            )
         return out
 
     def _pending_lines(self, seq, entry, now_ns, frames, threads, number=None) -> list[str]:
@@ -222,7 +225,7 @@ class Watchdog(threading.Thread):
             f"[{stuck}] {op}  seq={seq}  {where}  group={name} (ranks {ranks}; size {size}; {backend})  "
             f"numel={numel}  pending for {age:.1f} s  thread {threads.get(ident, '?')!r} ({ident})",
         ]
-        if issue_stack is not None:      # (file, line, function) per frame, from record.wrapper._issue_stack
+        if issue_stack is not None:  # (file, line, function) per frame, from record.wrapper._issue_stack
             lines.append("  issued from (async call; the thread has moved on), most recent call last:")
             summary = [traceback.FrameSummary(*frame) for frame in issue_stack][-STACK_LIMIT:]
             stack = traceback.StackSummary.from_list(summary).format()
@@ -253,17 +256,21 @@ class Watchdog(threading.Thread):
 
             rows = rows[np.argpartition(rows["seq"], len(rows) - LAST_ROWS)[-LAST_ROWS:]]
         rows = sorted(rows.tolist(), key=lambda r: r[0])
-        lines = ["", f"last {len(rows)} recorded call(s) on this rank, oldest first "
-                     "(async ones may still be in flight):",
-                 f"  {'seq':>8}  {'op':<24} {'group':<8} {'dtype':<9} {'numel':>10} {'bytes':>12} "
-                 f"{'host_us':>10}  {'timing':<12} {'status':<6} {'issued_s_ago':>12}"]
+        lines = [
+            "",
+            f"last {len(rows)} recorded call(s) on this rank, oldest first (async ones may still be in flight):",
+            f"  {'seq':>8}  {'op':<24} {'group':<8} {'dtype':<9} {'numel':>10} {'bytes':>12} "
+            f"{'host_us':>10}  {'timing':<12} {'status':<6} {'issued_s_ago':>12}",
+        ]
         names, sizes = self.log.dtype_names, self.log.dtype_sizes
         for seq, op, gid, dtype, numel, flags, start, end, *_ in rows:
             name, numel = OP_NAMES[op], self._numel(op, gid, numel)
             known = dtype < len(names)
             is_async, _, err, tcode = unpack_flags(flags)
             timing = TIMINGS[tcode] + (" async" if is_async else "")
-            lines.append(f"  {seq:>8}  {name:<24} {self._group(gid)[0]:<8} {names[dtype] if known else '?':<9} "
-                         f"{numel:>10} {numel * sizes[dtype] if known else '?':>12} {(end - start) / 1e3:>10.1f}  "
-                         f"{timing:<12} {'error' if err else 'ok':<6} {(now_ns - start) / 1e9:>12.1f}")
+            lines.append(
+                f"  {seq:>8}  {name:<24} {self._group(gid)[0]:<8} {names[dtype] if known else '?':<9} "
+                f"{numel:>10} {numel * sizes[dtype] if known else '?':>12} {(end - start) / 1e3:>10.1f}  "
+                f"{timing:<12} {'error' if err else 'ok':<6} {(now_ns - start) / 1e9:>12.1f}"
+            )
         return lines

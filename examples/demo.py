@@ -22,10 +22,27 @@ def main() -> int:
     parser.add_argument("--slow-ms", type=float, default=5.0)
     args = parser.parse_args()
     run_dir = new_run_dir(args.out)
-    cmd = [sys.executable, "-m", "commpatch", "run", "--output", os.path.join(run_dir, "rank{rank}.csv"), "--",
-           sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           os.path.join(HERE, "train_ddp.py"), "--steps", str(args.steps), "--slow-rank", str(args.slow_rank),
-           "--slow-ms", str(args.slow_ms)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commpatch",
+        "run",
+        "--output",
+        os.path.join(run_dir, "rank{rank}.csv"),
+        "--",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        os.path.join(HERE, "train_ddp.py"),
+        "--steps",
+        str(args.steps),
+        "--slow-rank",
+        str(args.slow_rank),
+        "--slow-ms",
+        str(args.slow_ms),
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     print(f"\nper-rank logs: {sorted(os.listdir(run_dir))} in {run_dir}/\n", flush=True)

@@ -10,7 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed import all_reduce   # bound at import: still caught (post-import hook)
+from torch.distributed import all_reduce  # bound at import: still caught (post-import hook)
 
 
 def main() -> None:
@@ -24,11 +24,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, args.hidden), torch.nn.ReLU(),
-        torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
+        torch.nn.Linear(64, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
         torch.nn.Linear(args.hidden, 1),
     )
-    for p in model.parameters():            # every rank starts from rank 0's weights
+    for p in model.parameters():  # every rank starts from rank 0's weights
         dist.broadcast(p.data, src=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
@@ -46,7 +48,7 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
-        works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters()]   # overlapped
+        works = [dist.all_reduce(p.grad, async_op=True) for p in model.parameters()]  # overlapped
         for w in works:
             w.wait()
         for p in model.parameters():
@@ -55,7 +57,7 @@ def main() -> None:
         losses = [torch.zeros(1) for _ in range(world)]
         dist.all_gather(losses, loss.detach().reshape(1))
         if step % 10 == 0:
-            all_reduce(torch.ones(1))        # the name imported at the top
+            all_reduce(torch.ones(1))  # the name imported at the top
     stats = [None] * world
     dist.all_gather_object(stats, {"rank": rank, "final_loss": float(loss.detach())})
     dist.barrier()

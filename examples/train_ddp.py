@@ -27,13 +27,20 @@ def main() -> None:
     parser.add_argument("--slow-ms", type=float, default=5.0)
     args = parser.parse_args()
 
-    torch.set_num_threads(1)                 # one core per rank: ranks do not fight over threads
+    torch.set_num_threads(1)  # one core per rank: ranks do not fight over threads
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     h = args.hidden
-    model = torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(),
-                                torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, h),
+        torch.nn.ReLU(),
+        torch.nn.Linear(h, 1),
+    )
     ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)

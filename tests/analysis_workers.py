@@ -1,8 +1,16 @@
 """Real training jobs for the analysis tests (spawned by tests/multiproc.py run_ranks)."""
 
 
-def _ddp_train(rank: int, steps: int = 12, slow_rank: int = -1, slow_ms: float = 0.0, accumulate: int = 1,
-               hidden: int = 64, seed: int = 0, user_steps: bool = False) -> None:
+def _ddp_train(
+    rank: int,
+    steps: int = 12,
+    slow_rank: int = -1,
+    slow_ms: float = 0.0,
+    accumulate: int = 1,
+    hidden: int = 64,
+    seed: int = 0,
+    user_steps: bool = False,
+) -> None:
     """A small DDP job: ``slow_rank`` sleeps ``slow_ms`` before each step's forward (a straggler);
     ``accumulate`` forwards / backwards per optimizer step (the first ``accumulate - 1`` under
     no_sync(), as gradient accumulation does); ``user_steps``: commpatch.step() before each step (a
@@ -14,9 +22,14 @@ def _ddp_train(rank: int, steps: int = 12, slow_rank: int = -1, slow_ms: float =
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-                                torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
-    ddp = DDP(model, bucket_cap_mb=hidden * hidden * 4 / 2**20 * 0.6)     # a few buckets
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+    ddp = DDP(model, bucket_cap_mb=hidden * hidden * 4 / 2**20 * 0.6)  # a few buckets
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
@@ -75,9 +88,8 @@ def pipeline_job(rank: int, n: int, steps: int = 8):
     import torch
     from torch.distributed.pipelining import ScheduleGPipe
 
-    from tests.torch_compat import pipeline_stage
-
     import commpatch
+    from tests.torch_compat import pipeline_stage
 
     torch.set_num_threads(1)
     torch.manual_seed(rank)
@@ -85,7 +97,7 @@ def pipeline_job(rank: int, n: int, steps: int = 8):
     opt = torch.optim.SGD(stage_mod.parameters(), lr=0.01)
     commpatch.enable(output="none")
     try:
-        stage = pipeline_stage(stage_mod, rank, n, (2, 8))   # torch 2.4 needs a microbatch's shape
+        stage = pipeline_stage(stage_mod, rank, n, (2, 8))  # torch 2.4 needs a microbatch's shape
         schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.pow(2).mean())
         for _ in range(steps):
             if rank == 0:

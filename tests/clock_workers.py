@@ -13,7 +13,7 @@ def exchange_job(rank: int, n: int, out: str, seconds: float = 3.0):
     import commpatch
 
     commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
-    calls = int(seconds / 0.005)         # the same number on every rank
+    calls = int(seconds / 0.005)  # the same number on every rank
     for _ in range(calls):
         x = torch.full((256,), float(rank))
         dist.all_reduce(x)
@@ -39,5 +39,5 @@ def tcp_exchange(rank: int, n: int, port: int, seconds: float = 2.5):
     time.sleep(seconds)
     sync.stop()
     store.set(f"done{rank}", "1")
-    store.wait([f"done{r}" for r in range(n)])        # rank 0's server lives until every rank is done
+    store.wait([f"done{r}" for r in range(n)])  # rank 0's server lives until every rank is done
     return noted, sync.rounds, sync.error

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-os.environ.setdefault("COMMPATCH_OUTPUT", "none")   # tests write files only where they ask to
+os.environ.setdefault("COMMPATCH_OUTPUT", "none")  # tests write files only where they ask to
 # Subprocesses (workers, scripts run from a temporary directory) import this checkout's commpatch,
 # not whichever one is installed in site-packages (an editable install may point at another tree).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,11 +30,12 @@ def fresh_session(request):
     yield
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
     from commpatch.data.ops import TARGET_NAMES
     from commpatch.record import state
     from commpatch.record.wrapper import MARK
 
-    session.new_default()          # closes the test's session: disabled, exit handler dropped
+    session.new_default()  # closes the test's session: disabled, exit handler dropped
     errors = dict(state.ERRORS)
     state.reset_errors()
     if request.node.get_closest_marker("faults") is None:

@@ -17,7 +17,7 @@ import time
 import traceback
 
 STEPS = 2
-SMALL_BUCKETS = 0.0002      # MB: a few parameters per bucket, several buckets
+SMALL_BUCKETS = 0.0002  # MB: a few parameters per bucket, several buckets
 
 
 def _model(kind: str):
@@ -59,17 +59,19 @@ def _model(kind: str):
 CASES = {
     "default": {},
     "join_initial": dict(join=True),
-    "join_running": dict(join=False),                     # divisor: ranks still running
+    "join_running": dict(join=False),  # divisor: ranks still running
     "static_graph": dict(ddp=dict(static_graph=True)),
     "bucket_view": dict(ddp=dict(gradient_as_bucket_view=True)),
     "bucket_view_kept": dict(ddp=dict(gradient_as_bucket_view=True), set_to_none=False, no_sync=True),
-    "bucket_view_mixed": dict(ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=25), set_to_none=False,
-                              none_first=True),        # one bucket: some grads views, some not
+    "bucket_view_mixed": dict(
+        ddp=dict(gradient_as_bucket_view=True, bucket_cap_mb=25), set_to_none=False, none_first=True
+    ),  # one bucket: some grads views, some not
     "bucket_view_join": dict(ddp=dict(gradient_as_bucket_view=True), set_to_none=False, join=False),
     "no_sync": dict(no_sync=True),
     "find_unused": dict(ddp=dict(find_unused_parameters=True), kind="unused"),
-    "find_unused_view_accum": dict(ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True),
-                                   kind="sometimes", no_step=True),
+    "find_unused_view_accum": dict(
+        ddp=dict(find_unused_parameters=True, gradient_as_bucket_view=True), kind="sometimes", no_step=True
+    ),
     "sparse": dict(kind="sparse"),
     "mixed_precision": dict(mixed_precision=True),
     "user_hook_early": dict(register=("user", 0)),
@@ -95,7 +97,7 @@ def _register(ddp, what: str) -> None:
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     elif what == "fp16":
         ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-    elif what == "fused":                    # its hook reduces over the default group: 4 ranks
+    elif what == "fused":  # its hook reduces over the default group: 4 ranks
         ddp._register_fused_optim(torch.optim.SGD, 0.1)
 
 
@@ -116,15 +118,16 @@ def _train(rank: int, group, cfg: dict, on_step=None) -> dict:
         if cfg.get("mixed_precision"):
             from torch.nn.parallel.distributed import _MixedPrecision
 
-            kwargs["mixed_precision"] = _MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
-                                                        buffer_dtype=torch.float16)
+            kwargs["mixed_precision"] = _MixedPrecision(
+                param_dtype=torch.float16, reduce_dtype=torch.float16, buffer_dtype=torch.float16
+            )
         ddp = DDP(model, **kwargs)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
         steps = STEPS
         join = cfg.get("join")
         if join is not None:
-            steps = 1 + rank                          # uneven inputs: ranks join one after another
+            steps = 1 + rank  # uneven inputs: ranks join one after another
         ctx = ddp.join(divide_by_initial_world_size=join) if join is not None else contextlib.nullcontext()
         what, at = cfg.get("register", (None, -1))
         with ctx:
@@ -143,14 +146,13 @@ def _train(rank: int, group, cfg: dict, on_step=None) -> dict:
                         ddp(torch.randn(4, 8, generator=gen)).sum().backward()
                 ddp(torch.randn(4, 8, generator=gen)).sum().backward()
                 out["grads"].append([None if p.grad is None else p.grad.clone() for p in ddp.parameters()])
-                if cfg.get("no_step"):                # gradients accumulate across steps
+                if cfg.get("no_step"):  # gradients accumulate across steps
                     continue
                 opt.step()
                 opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
                 if cfg.get("none_first"):
                     next(ddp.parameters()).grad = None
-        out["logging"] = {k: v for k, v in ddp._get_ddp_logging_data().items()
-                          if "time" not in k and "avg" not in k}
+        out["logging"] = {k: v for k, v in ddp._get_ddp_logging_data().items() if "time" not in k and "avg" not in k}
     except Exception as exc:  # noqa: BLE001
         out["raised"] = f"{type(exc).__name__}: {exc}"
     return out
@@ -210,17 +212,22 @@ def _run(rank: int, group, cases: tuple) -> dict:
                 df = commpatch.log()
             finally:
                 commpatch.disable()
-            logging_diff = {k: (plain["logging"].get(k), patched["logging"].get(k))
-                            for k in set(plain["logging"]) | set(patched["logging"])
-                            if plain["logging"].get(k) != patched["logging"].get(k)}
+            logging_diff = {
+                k: (plain["logging"].get(k), patched["logging"].get(k))
+                for k in set(plain["logging"]) | set(patched["logging"])
+                if plain["logging"].get(k) != patched["logging"].get(k)
+            }
             results[name] = dict(
-                identical=_identical(plain["grads"], patched["grads"]), steps=len(plain["grads"]),
+                identical=_identical(plain["grads"], patched["grads"]),
+                steps=len(plain["grads"]),
                 raised=(plain["raised"], patched["raised"]),
                 raised_twice=(plain["raised_twice"], patched["raised_twice"]),
                 logging_diff=logging_diff,
                 comm_hook=(plain["logging"].get("comm_hook"), patched["logging"].get("comm_hook")),
                 bucket_rows=int((df["op"] == "ddp_bucket_allreduce").sum()) if len(df) else 0,
-                hook_rows=int((df["bucket"] >= 0).sum()) if len(df) else 0, seconds=time.perf_counter() - t0)
+                hook_rows=int((df["bucket"] >= 0).sum()) if len(df) else 0,
+                seconds=time.perf_counter() - t0,
+            )
         except Exception:  # noqa: BLE001
             results[name] = dict(error=traceback.format_exc())
     return results

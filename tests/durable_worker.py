@@ -34,7 +34,7 @@ def main() -> None:
         import commpatch
 
         commpatch.enable(output=os.path.join(a.out, "{run}", "rank{rank}.csv"))
-    if a.mode == "user_handler":        # a handler installed after enable(): cleans up, then exits 7
+    if a.mode == "user_handler":  # a handler installed after enable(): cleans up, then exits 7
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
     dist.init_process_group("gloo", init_method=f"file://{a.store}", rank=a.rank, world_size=a.world)
     t = torch.ones(64)
@@ -53,12 +53,12 @@ def main() -> None:
     if a.mode == "os_exit":
         time.sleep(1.2)
         os._exit(3)
-    if a.mode == "hang":              # the classic divergence: ranks wait in different collectives
+    if a.mode == "hang":  # the classic divergence: ranks wait in different collectives
         if a.rank == 0:
             dist.barrier()
         else:
             dist.broadcast(t, src=1)
-    time.sleep(120)                   # the test's signal ends this
+    time.sleep(120)  # the test's signal ends this
 
 
 if __name__ == "__main__":

@@ -33,15 +33,23 @@ def _witness(prof, world_size, df) -> dict:
     """Both sides per gloo op; bytes only for ops whose every row issues one collective."""
     claimed_counts, claimed_bytes = _gloo_view(df)
     seen_bytes = dict(witness_bytes(prof, world_size))
-    return dict(counts=(claimed_counts, dict(witness_counts(prof))),
-                bytes=(claimed_bytes, {op: seen_bytes.get(op, 0) for op in claimed_bytes}))
+    return dict(
+        counts=(claimed_counts, dict(witness_counts(prof))),
+        bytes=(claimed_bytes, {op: seen_bytes.get(op, 0) for op in claimed_bytes}),
+    )
 
 
 def _env(rank, world_size):
     """The variables a launcher (torchrun) sets: the frameworks read them (the default process
     group already exists; they use it)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29850")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29850",
+    )
 
 
 def _hf_train(out_dir: str):
@@ -55,10 +63,20 @@ def _hf_train(out_dir: str):
     model = GPT2LMHeadModel(config)
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (64, 16), generator=gen)]
-    args = TrainingArguments(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, use_cpu=True, ddp_backend="gloo", report_to=[],
-                             save_strategy="no", logging_steps=1, dataloader_num_workers=0, seed=0,
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=data)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -81,7 +99,9 @@ def hf_trainer(rank, world_size, out_dir):
     errors = commpatch.internal_errors()
     commpatch.disable()
     identical = base[1] == got[1] and all(torch.equal(a, b) for a, b in zip(base[0], got[0]))
-    return dict(identical=identical, errors=errors, ops=dict(Counter(df["op"].astype(str))), **_witness(prof, world_size, df))
+    return dict(
+        identical=identical, errors=errors, ops=dict(Counter(df["op"].astype(str))), **_witness(prof, world_size, df)
+    )
 
 
 def _lightning_train(rank: int, world_size: int, out_dir: str):
@@ -94,8 +114,9 @@ def _lightning_train(rank: int, world_size: int, out_dir: str):
     class Tiny(L.LightningModule):
         def __init__(self):
             super().__init__()
-            self.layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
-                                                          batch_first=True)
+            self.layer = torch.nn.TransformerEncoderLayer(
+                d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True
+            )
             self.head = torch.nn.Linear(16, 1)
             self.losses = []
 
@@ -108,14 +129,22 @@ def _lightning_train(rank: int, world_size: int, out_dir: str):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    _env(rank, world_size)           # Lightning's teardown removes them
+    _env(rank, world_size)  # Lightning's teardown removes them
     torch.manual_seed(0)
     model = Tiny()
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 4, 16, generator=gen), torch.randn(32, 4, generator=gen))
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS,
-                        strategy=DDPStrategy(process_group_backend="gloo"), logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out_dir)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=STEPS,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out_dir,
+    )
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
     return [p.detach().clone() for p in model.parameters()], model.losses
 
@@ -133,6 +162,11 @@ def lightning(rank, world_size, out_dir):
     df = commpatch.log()
     errors = commpatch.internal_errors()
     commpatch.disable()
-    identical = len(base[1]) == len(got[1]) and all(torch.equal(a, b) for a, b in zip(base[1], got[1])) and \
-        all(torch.equal(a, b) for a, b in zip(base[0], got[0]))
-    return dict(identical=identical, errors=errors, ops=dict(Counter(df["op"].astype(str))), **_witness(prof, world_size, df))
+    identical = (
+        len(base[1]) == len(got[1])
+        and all(torch.equal(a, b) for a, b in zip(base[1], got[1]))
+        and all(torch.equal(a, b) for a, b in zip(base[0], got[0]))
+    )
+    return dict(
+        identical=identical, errors=errors, ops=dict(Counter(df["op"].astype(str))), **_witness(prof, world_size, df)
+    )

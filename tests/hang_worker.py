@@ -16,7 +16,7 @@ import os
 import time
 
 STEPS = 20
-SLOW_S = 3.0     # --mode clean: the last rank is this late for one all_reduce (the others wait in it)
+SLOW_S = 3.0  # --mode clean: the last rank is this late for one all_reduce (the others wait in it)
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
             if a.mode == "clean" and step == STEPS // 2 and a.rank == a.world - 1:
                 time.sleep(SLOW_S)
             if a.mode == "skip" and step == STEPS - 1:
-                ready()                 # the others write it before they block: the test waits a little more
+                ready()  # the others write it before they block: the test waits a little more
                 if a.rank == last:
                     break
             dist.all_reduce(t)
@@ -72,7 +72,7 @@ def main() -> None:
                 dist.isend(t, dst=peer).wait()
             else:
                 dist.send(t, dst=peer)
-    time.sleep(600)                     # the test's SIGKILL ends this
+    time.sleep(600)  # the test's SIGKILL ends this
 
 
 if __name__ == "__main__":

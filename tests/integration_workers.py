@@ -12,7 +12,7 @@ from collections import Counter
 
 def witness_counts(prof) -> Counter:
     """gloo ops the profiler saw: {'all_reduce': 4, ...}."""
-    return Counter(e.name[len("gloo:"):] for e in prof.events() if e.name.startswith("gloo:"))
+    return Counter(e.name[len("gloo:") :] for e in prof.events() if e.name.startswith("gloo:"))
 
 
 def settle_gloo(seconds: float = 0.2) -> None:
@@ -38,16 +38,34 @@ def claimed_counts(df) -> Counter:
 
 # torch.distributed functions whose gloo kernels have other names, or that issue several
 # (gloo runs reduce_scatter_single, and what is built on it, as an all_reduce of the full input)
-GLOO_RUNS = {"all_gather_into_tensor": ("all_gather",), "all_gather_single": ("all_gather",),
-             "reduce_scatter_tensor": ("all_reduce",), "reduce_scatter_single": ("all_reduce",),
-             "isend": ("send",), "irecv": ("recv",),
-             "send_object_list": ("send", "send"), "recv_object_list": ("recv", "recv"),
-             "all_gather_object": ("all_gather", "all_gather")}
+GLOO_RUNS = {
+    "all_gather_into_tensor": ("all_gather",),
+    "all_gather_single": ("all_gather",),
+    "reduce_scatter_tensor": ("all_reduce",),
+    "reduce_scatter_single": ("all_reduce",),
+    "isend": ("send",),
+    "irecv": ("recv",),
+    "send_object_list": ("send", "send"),
+    "recv_object_list": ("recv", "recv"),
+    "all_gather_object": ("all_gather", "all_gather"),
+}
 
 
 # bytes per element of the scalar types the profiler names (kineto events' dtypes())
-_ITEMSIZE = {"float": 4, "double": 8, "int": 4, "long": 8, "long int": 8, "long long": 8, "short": 2, "c10::Half": 2, "c10::BFloat16": 2,
-             "signed char": 1, "unsigned char": 1, "bool": 1}
+_ITEMSIZE = {
+    "float": 4,
+    "double": 8,
+    "int": 4,
+    "long": 8,
+    "long int": 8,
+    "long long": 8,
+    "short": 2,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+}
 
 
 def witness_bytes(prof, world_size) -> Counter:
@@ -58,7 +76,7 @@ def witness_bytes(prof, world_size) -> Counter:
     out = Counter()
     for e in prof.profiler.kineto_results.events():
         if e.name().startswith("gloo:"):
-            op = e.name()[len("gloo:"):]
+            op = e.name()[len("gloo:") :]
             n = sum(math.prod(shape) * _ITEMSIZE[dtype] for shape, dtype in zip(e.shapes(), e.dtypes()))
             out[op] += n * (world_size if op == "all_gather" else 1)
     return out
@@ -123,24 +141,31 @@ def ddp_default(rank, world_size):
     reference = _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     commpatch.enable(output="none")
     with _counting_installs() as installs, profile(record_shapes=True) as prof:
-        ddp = DDP(_model(), bucket_cap_mb=0.0002)     # several buckets
+        ddp = DDP(_model(), bucket_cap_mb=0.0002)  # several buckets
         grads = _train(ddp, rank)
         settle_gloo()
     df = commpatch.log()
     commpatch.disable()
     identical = all(torch.equal(a, b) for ga, gb in zip(reference, grads) for a, b in zip(ga, gb))
-    after = _train(ddp, rank, steps=2)        # the hook stays registered: a pass-through now
-    return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size), identical=identical,
-                rows_after_disable=len(commpatch.log()) - len(df), finite=all(g.isfinite().all() for g in after[-1]),
-                params=[p.numel() * p.element_size() for p in ddp.parameters()], installs=dict(installs))
+    after = _train(ddp, rank, steps=2)  # the hook stays registered: a pass-through now
+    return dict(
+        df=df,
+        witness=witness_counts(prof),
+        witness_bytes=witness_bytes(prof, world_size),
+        identical=identical,
+        rows_after_disable=len(commpatch.log()) - len(df),
+        finite=all(g.isfinite().all() for g in after[-1]),
+        params=[p.numel() * p.element_size() for p in ddp.parameters()],
+        installs=dict(installs),
+    )
 
 
 def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
-    then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often
-    the Python default hook ran in each, and whether the gradients agree (also with commpatch's own
-    error injected after each last bucket: its internal error counts; that model's first forward
-runs under inference_mode())."""
+        then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often
+        the Python default hook ran in each, and whether the gradients agree (also with commpatch's own
+        error injected after each last bucket: its internal error counts; that model's first forward
+    runs under inference_mode())."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -177,21 +202,31 @@ runs under inference_mode())."""
     cp_ddp._time_finalize = broken
     try:
         model = DDP(_model(), bucket_cap_mb=0.0002)
-        with torch.inference_mode():         # commpatch installs at this first forward: packing timed anyway
+        with torch.inference_mode():  # commpatch installs at this first forward: packing timed anyway
             model(torch.randn(4, 8))
         grads_fault = _train(model, rank)
     finally:
         cp_ddp._time_finalize = time_finalize
     unpacked = rows.peek_seq()
     commpatch.disable()
-    commpatch.enable(output="none", ddp_packing=False)      # COMMPATCH_DDP_PACKING=0: no packing timed
+    commpatch.enable(output="none", ddp_packing=False)  # COMMPATCH_DDP_PACKING=0: no packing timed
     _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     df = commpatch.log()
     commpatch.disable()
-    identical = all(torch.equal(a, b) for runs in (grads_py, grads_fault) for ga, gb in zip(grads_c, runs)
-                    for a, b in zip(ga, gb))
-    return dict(df=df, lo=lo, mid=mid, hi=hi, unpacked=unpacked, calls=dict(calls), c_rows=rows.C_ROWS, identical=identical,
-                errors=commpatch.internal_errors())
+    identical = all(
+        torch.equal(a, b) for runs in (grads_py, grads_fault) for ga, gb in zip(grads_c, runs) for a, b in zip(ga, gb)
+    )
+    return dict(
+        df=df,
+        lo=lo,
+        mid=mid,
+        hi=hi,
+        unpacked=unpacked,
+        calls=dict(calls),
+        c_rows=rows.C_ROWS,
+        identical=identical,
+        errors=commpatch.internal_errors(),
+    )
 
 
 @contextlib.contextmanager
@@ -240,9 +275,15 @@ def ddp_unused(rank, world_size):
         settle_gloo()
     df = commpatch.log()
     commpatch.disable()
-    return dict(df=df, witness=witness_counts(prof), witness_bytes=witness_bytes(prof, world_size),
-                kernels_between_steps=kernels_between_steps, errors=commpatch.internal_errors(),
-                params=[p.numel() * p.element_size() for p in ddp.parameters()], installs=dict(installs))
+    return dict(
+        df=df,
+        witness=witness_counts(prof),
+        witness_bytes=witness_bytes(prof, world_size),
+        kernels_between_steps=kernels_between_steps,
+        errors=commpatch.internal_errors(),
+        params=[p.numel() * p.element_size() for p in ddp.parameters()],
+        installs=dict(installs),
+    )
 
 
 def compiled_tp(rank, world_size):
@@ -276,13 +317,14 @@ def compiled_tp(rank, world_size):
     model = tp_mlp()
     cmodel = torch.compile(model, fullgraph=True)
     with commpatch.capture() as cap, profile(record_shapes=True) as prof:
-        first = step(cmodel)                         # compiles forward and backward, then runs them
+        first = step(cmodel)  # compiles forward and backward, then runs them
         for p in model.parameters():
             p.grad = None
         second = step(cmodel)
     out["tp"] = (cap.df, witness_counts(prof), witness_bytes(prof, world_size))
-    out["equal_eager"] = all(torch.equal(a, b) for a, b in zip(eager, first)) and \
-        all(torch.equal(a, b) for a, b in zip(eager, second))
+    out["equal_eager"] = all(torch.equal(a, b) for a, b in zip(eager, first)) and all(
+        torch.equal(a, b) for a, b in zip(eager, second)
+    )
 
     x = torch.ones(4, 3, requires_grad=True)
     with commpatch.capture() as cap, profile(record_shapes=True) as prof:
@@ -336,6 +378,7 @@ def functional(rank, world_size):
     import torch
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import init_device_mesh
+
     from tests.torch_compat import comm_debug_mode, dtensor
 
     Replicate, Shard, distribute_tensor = dtensor().Replicate, dtensor().Shard, dtensor().distribute_tensor
@@ -345,18 +388,18 @@ def functional(rank, world_size):
 
     import commpatch
 
-    mesh = init_device_mesh("cpu", (world_size,))       # torch.distributed.tensor imported before enable()
+    mesh = init_device_mesh("cpu", (world_size,))  # torch.distributed.tensor imported before enable()
     commpatch.enable(output="none")
     out = {}
     x = torch.ones(4, 6) * (rank + 1)
     with commpatch.capture() as cap, profile() as prof:
         a = funcol.all_reduce(x, "sum", mesh)
-        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor    # torch < 2.5
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # torch < 2.5
         scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
         b = gather(x, 0, mesh)
         c = scatter(x, "sum", 0, mesh)
         d = funcol.all_to_all_single(x, None, None, mesh)
-        values = [float(r.wait().sum()) for r in (a, b, c, d)]     # every lazy wait completes
+        values = [float(r.wait().sum()) for r in (a, b, c, d)]  # every lazy wait completes
     out["funcol"] = (cap.df, witness_counts(prof), values)
 
     with commpatch.capture() as cap, profile() as prof:
@@ -364,7 +407,11 @@ def functional(rank, world_size):
         dt_shard = distribute_tensor(full, mesh, [Shard(0)])
         dt_rep = distribute_tensor(full, mesh, [Replicate()])
         gathered = dt_shard.redistribute(mesh, [Replicate()]).to_local()
-    out["distribute"] = (cap.df, witness_counts(prof), torch.equal(gathered, full) and dt_rep.to_local().shape == full.shape)
+    out["distribute"] = (
+        cap.df,
+        witness_counts(prof),
+        torch.equal(gathered, full) and dt_rep.to_local().shape == full.shape,
+    )
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
@@ -396,14 +443,13 @@ def pipeline(rank, world_size):
     from torch.distributed.pipelining import ScheduleGPipe
     from torch.profiler import profile
 
-    from tests.torch_compat import pipeline_stage
-
     import commpatch
+    from tests.torch_compat import pipeline_stage
 
     torch.manual_seed(0)
     stage_mod = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     commpatch.enable(output="none")
-    stage = pipeline_stage(stage_mod, rank, world_size, (2, 8))   # torch 2.4 needs a microbatch's shape
+    stage = pipeline_stage(stage_mod, rank, world_size, (2, 8))  # torch 2.4 needs a microbatch's shape
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, target: out.sum())
     x = torch.randn(4, 8)
     with commpatch.capture() as cap, profile(record_shapes=True) as prof:
@@ -446,17 +492,21 @@ def fsdp(rank, world_size):
         for unit in (model[0], model[2], model):
             fully_shard(unit)
         # S of a unit's all-gather / reduce-scatter: every rank's shard (DTensor local shards)
-        sharded = {name: world_size * 4 * sum(p.to_local().numel() for p in model[int(name)].parameters())
-                   for name in ("0", "2")}
+        sharded = {
+            name: world_size * 4 * sum(p.to_local().numel() for p in model[int(name)].parameters())
+            for name in ("0", "2")
+        }
         with commpatch.capture() as cap, profile() as prof:
             _fsdp_train(model)
         out["fsdp2"] = (cap.df, witness_counts(prof), sharded)
 
-    model = FullyShardedDataParallel(_model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
-                                     device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(
+        _model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu")
+    )
     units = {name: m for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel) and name}
-    sharded = {name: world_size * 4 * sum(h.flat_param._sharded_size.numel() for h in [m._handle])
-               for name, m in units.items()}
+    sharded = {
+        name: world_size * 4 * sum(h.flat_param._sharded_size.numel() for h in [m._handle]) for name, m in units.items()
+    }
     with commpatch.capture() as cap, profile() as prof:
         _fsdp_train(model)
     out["fsdp1"] = (cap.df, witness_counts(prof), sharded)
@@ -478,10 +528,10 @@ def _forwarding_backend(store, rank, size, timeout):
         def allreduce(self, tensors, opts):
             return gloo.allreduce(tensors, opts)
 
-        def allgather(self, outputs, inputs, opts=None):     # torch 2.4's all_gather passes no options
+        def allgather(self, outputs, inputs, opts=None):  # torch 2.4's all_gather passes no options
             return gloo.allgather(outputs, inputs) if opts is None else gloo.allgather(outputs, inputs, opts)
 
-        def all_gather_single(self, output, input, opts):   # torch >= 2.15's all_gather_object calls it
+        def all_gather_single(self, output, input, opts):  # torch >= 2.15's all_gather_object calls it
             return gloo.all_gather_single(output, input, opts)
 
         def broadcast(self, tensors, opts):
@@ -511,7 +561,7 @@ def backends(rank, world_size):
         with commpatch.capture() as cap, profile() as prof:
             dist.all_reduce(torch.ones(4), group=group)
             dist.barrier(group=group)
-            if not spec.startswith("cpu:fake"):   # fake moves no data: no object to unpickle
+            if not spec.startswith("cpu:fake"):  # fake moves no data: no object to unpickle
                 dist.all_gather_object([None] * world_size, {"rank": rank}, group=group)
         out[spec] = (cap.df, witness_counts(prof), str(dist.get_backend(group)))
     commpatch.disable()
@@ -553,7 +603,7 @@ def module_attribution(rank, world_size):
     class ClipSGD(torch.optim.SGD):
         def step(self, closure=None):
             norm = torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"]]).norm()
-            dist.all_reduce(norm.reshape(1))           # a global gradient norm, as clipping needs
+            dist.all_reduce(norm.reshape(1))  # a global gradient norm, as clipping needs
             return super().step(closure)
 
     torch.manual_seed(0)

@@ -25,8 +25,12 @@ def main() -> None:
     p.add_argument("--done", default="")
     p.add_argument("--release", default="")
     p.add_argument("--hold", type=float, default=60.0)
-    p.add_argument("--lag", type=float, default=0.0,
-                   help="after the steps, rank 0 issues an async all_reduce that rank 1 joins this many seconds later")
+    p.add_argument(
+        "--lag",
+        type=float,
+        default=0.0,
+        help="after the steps, rank 0 issues an async all_reduce that rank 1 joins this many seconds later",
+    )
     args = p.parse_args()
     os.environ["LOCAL_RANK"] = str(args.rank)
     import torch
@@ -45,7 +49,7 @@ def main() -> None:
         dist.all_reduce(u, async_op=True).wait()
         out = [torch.empty(256) for _ in range(args.world)]
         dist.all_gather(out, torch.ones(256))
-        time.sleep(args.sleep * (1 + args.rank))       # rank 1 computes longer: rank 0 waits for it
+        time.sleep(args.sleep * (1 + args.rank))  # rank 1 computes longer: rank 0 waits for it
     if args.lag:
         if args.rank == 1:
             time.sleep(args.lag)

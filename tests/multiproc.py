@@ -39,8 +39,10 @@ def run_ranks(fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | 
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store, q, kwargs, pg_timeout), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, store, q, kwargs, pg_timeout), daemon=True)
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results: dict[int, object] = {}
@@ -54,7 +56,9 @@ def run_ranks(fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | 
                     errors.append(f"rank {rank} failed:\n{value}")
                     break
         except queue_mod.Empty:
-            errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+            errors.append(
+                f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(results))}"
+            )
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)

@@ -32,7 +32,7 @@ def _sac_train(rank, world_size, layers, steps=STEPS):
     group = dist.group.WORLD
 
     def forward(x):
-        for dim, (w1, w2) in enumerate(layers):   # the second layer gathers and scatters along dim 1
+        for dim, (w1, w2) in enumerate(layers):  # the second layer gathers and scatters along dim 1
             h = funcol.all_gather_tensor_autograd(x, dim, group)
             y = torch.relu(h @ w1.T) @ w2.T
             x = x + funcol.reduce_scatter_tensor_autograd(y, "sum", dim, group)
@@ -43,8 +43,7 @@ def _sac_train(rank, world_size, layers, steps=STEPS):
     for _ in range(steps):
         x = torch.randn(4, WIDTH, generator=gen)
         with set_checkpoint_early_stop(False):
-            out = checkpoint(forward, x, use_reentrant=False,
-                             context_fn=context_fn)
+            out = checkpoint(forward, x, use_reentrant=False, context_fn=context_fn)
             loss = out.square().sum()
             loss.backward()
         losses.append(loss.detach().clone())
@@ -64,8 +63,10 @@ def _layers():
     import torch
 
     torch.manual_seed(0)
-    return [(torch.nn.Parameter(torch.randn(2 * WIDTH, WIDTH)), torch.nn.Parameter(torch.randn(WIDTH, 2 * WIDTH))),
-            (torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH)), torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH)))]
+    return [
+        (torch.nn.Parameter(torch.randn(2 * WIDTH, WIDTH)), torch.nn.Parameter(torch.randn(WIDTH, 2 * WIDTH))),
+        (torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH)), torch.nn.Parameter(torch.randn(2 * WIDTH, 2 * WIDTH))),
+    ]
 
 
 def selective_checkpoint(rank, world_size):
@@ -85,11 +86,16 @@ def selective_checkpoint(rank, world_size):
     errors = commpatch.internal_errors()
     commpatch.disable()
     identical = all(torch.equal(a, b) for a, b in zip(reference[0], got[0])) and all(
-        torch.equal(a, b) for ga, gb in zip(reference[1], got[1]) for a, b in zip(ga, gb))
-    return dict(identical=identical, ops=dict(Counter(df["op"].astype(str))), errors=errors,
-                said=[str(w.message) for w in said if "commpatch" in str(w.message)],
-                counts=(_as_gloo_runs(claimed_counts(df)), dict(witness_counts(prof))),
-                bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))))
+        torch.equal(a, b) for ga, gb in zip(reference[1], got[1]) for a, b in zip(ga, gb)
+    )
+    return dict(
+        identical=identical,
+        ops=dict(Counter(df["op"].astype(str))),
+        errors=errors,
+        said=[str(w.message) for w in said if "commpatch" in str(w.message)],
+        counts=(_as_gloo_runs(claimed_counts(df)), dict(witness_counts(prof))),
+        bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))),
+    )
 
 
 def funcol_after_reinit(rank, world_size):
@@ -148,8 +154,10 @@ def p2p(rank, world_size):
     with profile(record_shapes=True) as prof:
         for peers in ((nxt, prev), (partner, partner)):
             received = torch.zeros(4)
-            ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), peers[0]),
-                   dist.P2POp(dist.irecv, received, peers[1])]
+            ops = [
+                dist.P2POp(dist.isend, torch.full((4,), float(rank)), peers[0]),
+                dist.P2POp(dist.irecv, received, peers[1]),
+            ]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             assert received[0].item() == peers[1]
@@ -162,5 +170,8 @@ def p2p(rank, world_size):
     df = commpatch.log()
     commpatch.disable()
     moved = witness_bytes(prof, world_size)
-    return dict(rows=list(zip(df["op"].astype(str), df["bytes"].astype(int), df["peer"].astype(int))),
-                witness=moved["send"] + moved["recv"], expected_peers=[nxt if nxt == prev else -1, partner])
+    return dict(
+        rows=list(zip(df["op"].astype(str), df["bytes"].astype(int), df["peer"].astype(int))),
+        witness=moved["send"] + moved["recv"],
+        expected_peers=[nxt if nxt == prev else -1, partner],
+    )

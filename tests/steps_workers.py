@@ -31,7 +31,7 @@ def step_sources(rank: int, n: int):
             seen.setdefault((int(s), str(src)), None)
         return list(seen)
 
-    def by_hand(m, iterations=3):             # an update without an optimizer
+    def by_hand(m, iterations=3):  # an update without an optimizer
         with commpatch.capture() as cap:
             for _ in range(iterations):
                 m(x).sum().backward()
@@ -52,8 +52,11 @@ def step_sources(rank: int, n: int):
             for unit in (fsdp2[0], fsdp2[2], fsdp2):
                 fully_shard(unit)
             out["fsdp2"] = by_hand(fsdp2)
-        out["fsdp1"] = by_hand(FullyShardedDataParallel(model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
-                                                        device_id=torch.device("cpu")))
+        out["fsdp1"] = by_hand(
+            FullyShardedDataParallel(
+                model(), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), device_id=torch.device("cpu")
+            )
+        )
         ddp = DDP(model())
         out["ddp"] = by_hand(ddp)
         first, second = (torch.optim.SGD([p], lr=0.01) for p in (ddp.module[0].weight, ddp.module[2].weight))
@@ -61,7 +64,7 @@ def step_sources(rank: int, n: int):
             for _ in range(3):
                 ddp(x).sum().backward()
                 first.step()
-                second.step()                 # a second optimizer in the same iteration
+                second.step()  # a second optimizer in the same iteration
         out["optimizer"] = steps_of(cap.df[cap.df["op"] == "ddp_bucket_allreduce"])
         commpatch.step(100)
         with commpatch.capture() as cap:

@@ -28,8 +28,16 @@ def _env(**extra):
 
 
 def _torchrun(out, env, prefix=()):
-    cmd = list(prefix) + [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          TRAIN, "--steps", str(STEPS)]
+    cmd = list(prefix) + [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        TRAIN,
+        "--steps",
+        str(STEPS),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
 
 
@@ -41,14 +49,15 @@ def _check_rank_files(out):
         df = commpatch.read_csv(str(out / "logs" / f"rank{rank}.csv"))
         assert (df["rank"] == rank).all() and (df["world_size"] == 2).all()
         assert df["op"].astype(str).value_counts().to_dict() == EXPECTED
-        assert df["step"].max() == STEPS       # commpatch.step() reached through sys.modules
+        assert df["step"].max() == STEPS  # commpatch.step() reached through sys.modules
         assert df["status"].eq("ok").all()
 
 
 @pytest.mark.slow
 def test_commpatch_run_instruments_torchrun_workers(tmp_path):
-    res = _torchrun(tmp_path, _env(), prefix=[sys.executable, "-m", "commpatch", "run",
-                                               "--output", "logs/rank{rank}.csv", "--"])
+    res = _torchrun(
+        tmp_path, _env(), prefix=[sys.executable, "-m", "commpatch", "run", "--output", "logs/rank{rank}.csv", "--"]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     _check_rank_files(tmp_path)
 
@@ -87,22 +96,39 @@ def test_bad_env_value_fails_clearly_in_a_subprocess(pth_hook, tmp_path):
     """Only in processes that use torch.distributed: anything else (pip, a data script) runs as
     without commpatch and leaves nothing behind."""
     for env in (dict(COMMPATCH="1", COMMPATCH_TIMING="fast"), dict(COMMPATCH="perhaps")):
-        res = subprocess.run([sys.executable, "-c", "print('ran')"], env=_env(**env), cwd=str(tmp_path),
-                             capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [sys.executable, "-c", "print('ran')"],
+            env=_env(**env),
+            cwd=str(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 0 and res.stdout == "ran\n" and res.stderr == ""
     assert os.listdir(tmp_path) == []
-    res = subprocess.run([sys.executable, "-c", USES_DIST], env=_env(COMMPATCH="1", COMMPATCH_TIMING="fast"),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", USES_DIST],
+        env=_env(COMMPATCH="1", COMMPATCH_TIMING="fast"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "ran" not in res.stdout
     assert "COMMPATCH_TIMING" in res.stderr and "auto, host" in res.stderr
-    res = subprocess.run([sys.executable, "-c", USES_DIST], env=_env(COMMPATCH="perhaps"),
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", USES_DIST], env=_env(COMMPATCH="perhaps"), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 2 and "COMMPATCH=" in res.stderr
 
 
 def test_commpatch_run_rejects_bad_settings_before_starting(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "commpatch", "run", "--ops", "allreduce", "--", sys.executable, "-c", "print('ran')"],
-                         env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "run", "--ops", "allreduce", "--", sys.executable, "-c", "print('ran')"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2 and "COMMPATCH_OPS" in res.stderr and "all_reduce" in res.stderr
     assert "ran" not in res.stdout
 
@@ -133,16 +159,18 @@ def test_sigterm_keeps_the_rows_and_the_users_handler(tmp_path, mode):
     script = tmp_path / "job.py"
     script.write_text(SIGTERM_SCRIPT)
     out = tmp_path / "out.csv"
-    proc = subprocess.Popen([sys.executable, str(script), str(out), mode], env=_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(out), mode], env=_env(), stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(1.0)                 # the promise: calls that returned 1 s before the signal are on disk
+        time.sleep(1.0)  # the promise: calls that returned 1 s before the signal are on disk
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     finally:
         proc.kill()
     if mode == "default":
-        assert code == -signal.SIGTERM           # still dies by SIGTERM, as torchrun expects
+        assert code == -signal.SIGTERM  # still dies by SIGTERM, as torchrun expects
     else:
         assert code == 0 and (tmp_path / "out.csv.user").read_text() == "called"
     df = commpatch.read_csv(str(tmp_path / "out.cplog"))
@@ -150,14 +178,16 @@ def test_sigterm_keeps_the_rows_and_the_users_handler(tmp_path, mode):
 
 
 def test_commpatch_env_lists_every_setting():
-    res = subprocess.run([sys.executable, "-m", "commpatch", "env"], env=_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "env"], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0
     for var in ("COMMPATCH", "COMMPATCH_OUTPUT", "COMMPATCH_OPS", "COMMPATCH_TIMING", "COMMPATCH_SUMMARY"):
         assert var in res.stdout
-    lines = res.stdout.splitlines()           # defaults as the README writes them, unset values said so
+    lines = res.stdout.splitlines()  # defaults as the README writes them, unset values said so
     assert any(line.split() == ["COMMPATCH", "=", "(unset)", "(default", "0)"] for line in lines)
     assert any(line.split() == ["COMMPATCH_OPS", "=", "(unset)", "(default", "all)"] for line in lines)
     from commpatch.record import rows
 
-    hot = [line for line in lines if line.startswith("hot path: ")]    # which tail records, said plainly
+    hot = [line for line in lines if line.startswith("hot path: ")]  # which tail records, said plainly
     assert len(hot) == 1 and hot[0].startswith("hot path: C recorder" if rows.C_ROWS else "hot path: pure Python")

@@ -21,12 +21,46 @@ from .multiproc import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
-DEFAULTS = dict(seq=0, op="all_reduce", collective="all_reduce", api="all_reduce", source="c10d", rank=0,
-                world_size=2, group="0", group_size=2, group_ranks="0 1", group_seq=0, backend="gloo", device="cpu",
-                dtype="float32", numel=0, bytes=0, peer=-1, async_op=False, start_ns=0, host_us=0.0,
-                duration_us=0.0, own_us=np.nan, timing="host", algbw_gbps=np.nan, busbw_gbps=np.nan, status="ok",
-                step=0, tag="", pid=1, module="", phase="other", bucket=-1, bucket_params=0, tensors=1,
-                step_source="user", sync_end_us=np.nan, pack_us=np.nan, pack_alone_us=np.nan)
+DEFAULTS = dict(
+    seq=0,
+    op="all_reduce",
+    collective="all_reduce",
+    api="all_reduce",
+    source="c10d",
+    rank=0,
+    world_size=2,
+    group="0",
+    group_size=2,
+    group_ranks="0 1",
+    group_seq=0,
+    backend="gloo",
+    device="cpu",
+    dtype="float32",
+    numel=0,
+    bytes=0,
+    peer=-1,
+    async_op=False,
+    start_ns=0,
+    host_us=0.0,
+    duration_us=0.0,
+    own_us=np.nan,
+    timing="host",
+    algbw_gbps=np.nan,
+    busbw_gbps=np.nan,
+    status="ok",
+    step=0,
+    tag="",
+    pid=1,
+    module="",
+    phase="other",
+    bucket=-1,
+    bucket_params=0,
+    tensors=1,
+    step_source="user",
+    sync_end_us=np.nan,
+    pack_us=np.nan,
+    pack_alone_us=np.nan,
+)
 T0 = 1_700_000_000_000_000_000
 
 
@@ -49,10 +83,26 @@ def _ddp_log(buckets, steps=12, step_us=50_000.0, finalize_us=200.0, ranks=2):
             t0 = step * step_us
             for i, (nbytes, issue_us, dur_us, params) in enumerate(buckets):
                 last = i == len(buckets) - 1
-                rows.append(dict(op="ddp_bucket_allreduce", api="Reducer.allreduce", source="ddp", rank=rank, step=step,
-                                 bytes=nbytes, async_op=True, timing="future", start_ns=T0 + int((t0 + issue_us) * 1e3),
-                                 duration_us=dur_us, own_us=dur_us, bucket=i, bucket_params=params, phase="backward",
-                                 step_source="optimizer", sync_end_us=dur_us + finalize_us if last else np.nan))
+                rows.append(
+                    dict(
+                        op="ddp_bucket_allreduce",
+                        api="Reducer.allreduce",
+                        source="ddp",
+                        rank=rank,
+                        step=step,
+                        bytes=nbytes,
+                        async_op=True,
+                        timing="future",
+                        start_ns=T0 + int((t0 + issue_us) * 1e3),
+                        duration_us=dur_us,
+                        own_us=dur_us,
+                        bucket=i,
+                        bucket_params=params,
+                        phase="backward",
+                        step_source="optimizer",
+                        sync_end_us=dur_us + finalize_us if last else np.nan,
+                    )
+                )
     return _log(rows)
 
 
@@ -78,15 +128,21 @@ def test_one_bucket_holding_all_gradients_gets_a_smaller_cap():
 
 def test_split_buckets_get_no_bucket_advice():
     # the same 8 MiB in four buckets during the backward: the tail is the last 2 MiB bucket (5% of the step)
-    df = _ddp_log([(2 * MIB, 0.0, 2500.0, 4), (2 * MIB, 10_000.0, 2500.0, 4), (2 * MIB, 20_000.0, 2500.0, 4),
-                   (2 * MIB, 30_000.0, 2500.0, 4)])
+    df = _ddp_log(
+        [
+            (2 * MIB, 0.0, 2500.0, 4),
+            (2 * MIB, 10_000.0, 2500.0, 4),
+            (2 * MIB, 20_000.0, 2500.0, 4),
+            (2 * MIB, 30_000.0, 2500.0, 4),
+        ]
+    )
     assert _advice(df, "ddp_bucket_size") == []
 
 
 def test_weak_evidence_gets_no_bucket_advice():
     one = [(8 * MIB, 30_000.0, 10_000.0, 16)]
-    assert _advice(_ddp_log(one, steps=5), "ddp_bucket_size") == []          # 3 steady steps
-    assert _advice(_ddp_log([(8 * MIB, 30_000.0, 2000.0, 16)]), "ddp_bucket_size") == []    # a 4% tail
+    assert _advice(_ddp_log(one, steps=5), "ddp_bucket_size") == []  # 3 steady steps
+    assert _advice(_ddp_log([(8 * MIB, 30_000.0, 2000.0, 16)]), "ddp_bucket_size") == []  # a 4% tail
     # one parameter of 8 MiB: no smaller bucket can hold it
     assert _advice(_ddp_log([(8 * MIB, 30_000.0, 10_000.0, 1)]), "ddp_bucket_size") == []
     # the all-reduce is most of the step: the other buckets' transfer cannot hide under its backward
@@ -112,8 +168,9 @@ def _calls_log(sizes_per_step, steps=12, latency_us=100.0, us_per_byte=0.001, co
             t += compute_us
             for nbytes in sizes_per_step:
                 dur = latency_us + nbytes * us_per_byte
-                rows.append(dict(rank=rank, step=step, bytes=nbytes, start_ns=T0 + int(t * 1e3), duration_us=dur,
-                                 own_us=dur))
+                rows.append(
+                    dict(rank=rank, step=step, bytes=nbytes, start_ns=T0 + int(t * 1e3), duration_us=dur, own_us=dur)
+                )
                 t += dur
     return _log(rows)
 
@@ -123,14 +180,16 @@ def test_many_small_calls_get_coalesced():
     (a,) = _advice(df, "small_messages")
     ev = a.evidence
     assert ev["calls_per_step"] == 20 and ev["latency_us"] == pytest.approx(100.0)
-    assert ev["latency_bound_bytes"] == pytest.approx(100_000.0) and ev["latency_share"] == pytest.approx(100 / 100.064, rel=1e-4)
+    assert ev["latency_bound_bytes"] == pytest.approx(100_000.0) and ev["latency_share"] == pytest.approx(
+        100 / 100.064, rel=1e-4
+    )
     assert a.gain_us == pytest.approx(19 * 100.0) and "_coalescing_manager" in a.change and a.setting == {}
 
 
 def test_coalesced_or_unfitted_calls_get_no_advice():
-    assert _advice(_calls_log([64 * 20] + [MIB] * 3), "small_messages") == []        # already one call
-    assert _advice(_calls_log([64] * 20), "small_messages") == []                    # one size: no latency fit
-    assert _advice(_calls_log([64] * 20 + [512] * 3), "small_messages") == []        # sizes too close to fit
+    assert _advice(_calls_log([64 * 20] + [MIB] * 3), "small_messages") == []  # already one call
+    assert _advice(_calls_log([64] * 20), "small_messages") == []  # one size: no latency fit
+    assert _advice(_calls_log([64] * 20 + [512] * 3), "small_messages") == []  # sizes too close to fit
 
 
 # ---- straggler ---------------------------------------------------------------------------------
@@ -171,12 +230,37 @@ def _train_ddp(tmp_path, port, *args):
     out = tmp_path / "run"
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-m", "commpatch", "run", "--output", str(out / "rank{rank}.csv"), "--",
-                    sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-                    f"--master_port={port}", os.path.join(ROOT, "examples", "train_ddp.py"), *args],
-                   check=True, env=env, timeout=300, capture_output=True)
-    rep = subprocess.run([sys.executable, "-m", "commpatch", "report", str(out), "--format", "json", "--no-progress"],
-                         check=True, env=env, timeout=120, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commpatch",
+            "run",
+            "--output",
+            str(out / "rank{rank}.csv"),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            os.path.join(ROOT, "examples", "train_ddp.py"),
+            *args,
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
+    rep = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", str(out), "--format", "json", "--no-progress"],
+        check=True,
+        env=env,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(rep.stdout)
 
 
@@ -197,4 +281,4 @@ def test_real_one_bucket_job_gets_a_smaller_cap(tmp_path):
     data = _train_ddp(tmp_path, 35202, "--steps", "30", "--bucket-mb", "1000")
     (a,) = [a for a in data["advice"] if a["rule"] == "ddp_bucket_size"]
     assert a["setting"] == {"bucket_cap_mb": 1.0} and a["evidence"]["buckets"] == 1
-    assert a["evidence"]["last_bucket_params"] == 8 and "On CPU" in a["text"]     # columns the report reads
+    assert a["evidence"]["last_bucket_params"] == 8 and "On CPU" in a["text"]  # columns the report reads

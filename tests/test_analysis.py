@@ -29,11 +29,23 @@ def frame(rows):
 
 # (op, group size, expected bus factor) as nccl-tests defines it (doc/PERFORMANCE.md)
 FACTORS = [
-    ("all_reduce", 4, 2 * 3 / 4), ("all_reduce", 2, 1.0), ("all_reduce", 8, 2 * 7 / 8), ("all_reduce", 1, 0.0),
-    ("all_gather", 8, 7 / 8), ("all_gather_into_tensor", 4, 3 / 4), ("reduce_scatter_tensor", 2, 1 / 2),
-    ("reduce_scatter", 4, 3 / 4), ("all_to_all_single", 4, 3 / 4), ("all_to_all", 8, 7 / 8),
-    ("broadcast", 4, 1.0), ("reduce", 8, 1.0), ("send", 2, 1.0), ("recv", 2, 1.0), ("isend", 4, 1.0),
-    ("gather", 4, 3 / 4), ("scatter", 8, 7 / 8),
+    ("all_reduce", 4, 2 * 3 / 4),
+    ("all_reduce", 2, 1.0),
+    ("all_reduce", 8, 2 * 7 / 8),
+    ("all_reduce", 1, 0.0),
+    ("all_gather", 8, 7 / 8),
+    ("all_gather_into_tensor", 4, 3 / 4),
+    ("reduce_scatter_tensor", 2, 1 / 2),
+    ("reduce_scatter", 4, 3 / 4),
+    ("all_to_all_single", 4, 3 / 4),
+    ("all_to_all", 8, 7 / 8),
+    ("broadcast", 4, 1.0),
+    ("reduce", 8, 1.0),
+    ("send", 2, 1.0),
+    ("recv", 2, 1.0),
+    ("isend", 4, 1.0),
+    ("gather", 4, 3 / 4),
+    ("scatter", 8, 7 / 8),
 ]
 
 
@@ -51,7 +63,7 @@ def test_own_time_leaves_out_the_wait_behind_earlier_calls_of_the_group():
     from commpatch.data.frame import own_times
     from commpatch.data.schema import T_DEVICE, T_FUTURE, T_HOST, T_NCCL, T_NONE
 
-    t0 = 1_700_000_000_000_000_000        # Unix ns: differences must stay exact
+    t0 = 1_700_000_000_000_000_000  # Unix ns: differences must stay exact
     # group 0: a 50 us call, one issued at 10 us that completed at 15 us (overtook it: not queued),
     # one issued at 12 us completing at 53 us (queued behind the first: its own 3 us);
     # group 1 is independent; nccl is kernel time already; device rows come from the device
@@ -64,40 +76,63 @@ def test_own_time_leaves_out_the_wait_behind_earlier_calls_of_the_group():
     device = own_times(np, keys[:1], start[:1], dur[:1], np.array([T_DEVICE]), np.array([4000.0]))
     assert device.tolist() == [4000.0]
     df = frame([dict(op="all_reduce", group_size=2, bytes=10**6, duration_us=1000.0, own_us=10.0)])
-    assert df["algbw_gbps"].iloc[0] == pytest.approx(100.0)        # from the own time, not the duration
+    assert df["algbw_gbps"].iloc[0] == pytest.approx(100.0)  # from the own time, not the duration
     s = analysis.summary(df)
-    assert s[["total_us", "own_us"]].iloc[0].tolist() == [1000.0, 10.0] and s["algbw_gbps"].iloc[0] == pytest.approx(100.0)
+    assert s[["total_us", "own_us"]].iloc[0].tolist() == [1000.0, 10.0] and s["algbw_gbps"].iloc[0] == pytest.approx(
+        100.0
+    )
 
 
 def test_subgroup_uses_its_own_size_not_the_world():
     df = frame([dict(op="all_reduce", group="sub", group_size=2, world_size=8, bytes=10**9, duration_us=1e6)])
-    assert df["busbw_gbps"].iloc[0] == pytest.approx(1.0)       # 2(n-1)/n with n=2, not n=8
+    assert df["busbw_gbps"].iloc[0] == pytest.approx(1.0)  # 2(n-1)/n with n=2, not n=8
 
 
 def test_no_bandwidth_for_barriers_and_unmeasured_calls():
-    df = frame([dict(op="barrier", group_size=4, bytes=0, duration_us=10.0),
-                dict(op="all_reduce", group_size=4, bytes=1000, duration_us=np.nan, timing="none")])
+    df = frame(
+        [
+            dict(op="barrier", group_size=4, bytes=0, duration_us=10.0),
+            dict(op="all_reduce", group_size=4, bytes=1000, duration_us=np.nan, timing="none"),
+        ]
+    )
     assert df["busbw_gbps"].isna().all() and df["algbw_gbps"].isna().all()
 
 
 def test_summary_by_op_and_size_bucket():
     rows = [dict(op="all_reduce", group_size=2, bytes=1000, duration_us=d) for d in (1.0, 2.0, 3.0, 4.0)]
-    rows += [dict(op="all_reduce", group_size=2, bytes=5000, duration_us=10.0),
-             dict(op="all_reduce", group_size=2, bytes=5000, duration_us=np.nan, timing="none"),
-             dict(op="broadcast", group_size=2, bytes=64, duration_us=30.0)]
+    rows += [
+        dict(op="all_reduce", group_size=2, bytes=5000, duration_us=10.0),
+        dict(op="all_reduce", group_size=2, bytes=5000, duration_us=np.nan, timing="none"),
+        dict(op="broadcast", group_size=2, bytes=64, duration_us=30.0),
+    ]
     s = analysis.summary(frame(rows), by=["op", "size_bucket"])
-    assert list(s.columns) == ["op", "size_bucket", "count", "total_us", "mean_us", "p50_us", "p95_us", "max_us",
-                               "own_us", "transfer_us", "bytes", "unmeasured", "algbw_gbps", "busbw_gbps",
-                               "busbw_with_wait_gbps", "time_share"]
-    assert s["op"].astype(str).tolist() == ["broadcast", "all_reduce", "all_reduce"]   # by total time
+    assert list(s.columns) == [
+        "op",
+        "size_bucket",
+        "count",
+        "total_us",
+        "mean_us",
+        "p50_us",
+        "p95_us",
+        "max_us",
+        "own_us",
+        "transfer_us",
+        "bytes",
+        "unmeasured",
+        "algbw_gbps",
+        "busbw_gbps",
+        "busbw_with_wait_gbps",
+        "time_share",
+    ]
+    assert s["op"].astype(str).tolist() == ["broadcast", "all_reduce", "all_reduce"]  # by total time
     small = s[(s["op"] == "all_reduce") & (s["size_bucket"] == 1024)].iloc[0]
     assert small["count"] == 4 and small["total_us"] == 10.0 and small["p50_us"] == 2.5
     assert small["p95_us"] == pytest.approx(np.quantile([1, 2, 3, 4], 0.95))
     assert small["algbw_gbps"] == pytest.approx(4000 / 10e-6 / 1e9)
-    assert small["busbw_gbps"] == pytest.approx(small["algbw_gbps"])                   # 2(n-1)/n = 1 at n=2
+    assert small["busbw_gbps"] == pytest.approx(small["algbw_gbps"])  # 2(n-1)/n = 1 at n=2
     big = s[s["size_bucket"] == 8192].iloc[0]
     assert big["count"] == 2 and big["unmeasured"] == 1 and big["bytes"] == 10000
-    assert big["algbw_gbps"] == pytest.approx(5000 / 10e-6 / 1e9)                      # measured bytes only
+    assert big["algbw_gbps"] == pytest.approx(5000 / 10e-6 / 1e9)  # measured bytes only
     assert s["time_share"].sum() == pytest.approx(1.0)
     assert s.loc[s["op"] == "broadcast", "time_share"].iloc[0] == pytest.approx(30 / 50)
 
@@ -111,8 +146,17 @@ def test_per_step_busy_exposed_and_share():
     us = 1000
     rows = [  # rank 0, step 0: a blocking call [0, 10] and an async one [5, 20] us; step 1 starts at 100
         dict(rank=0, step=0, op="all_reduce", start_ns=t0, duration_us=10.0, group_size=2, bytes=8),
-        dict(rank=0, step=0, op="all_reduce", start_ns=t0 + 5 * us, duration_us=15.0, async_op=True,
-             timing="future", group_size=2, bytes=8),
+        dict(
+            rank=0,
+            step=0,
+            op="all_reduce",
+            start_ns=t0 + 5 * us,
+            duration_us=15.0,
+            async_op=True,
+            timing="future",
+            group_size=2,
+            bytes=8,
+        ),
         dict(rank=0, step=1, op="all_reduce", start_ns=t0 + 100 * us, duration_us=4.0, group_size=2, bytes=8),
         dict(rank=1, step=0, op="all_reduce", start_ns=t0, duration_us=30.0, group_size=2, bytes=8),
         dict(rank=1, step=1, op="all_reduce", start_ns=t0 + 80 * us, duration_us=2.0, group_size=2, bytes=8),
@@ -141,7 +185,7 @@ def test_scaling_tables():
     assert table["world_size"].tolist() == [2, 8] and table["steps"].tolist() == [4, 4]
     assert (table["comm_per_step_us"] > 0).all() and table["comm_share"].between(0, 1).all()
     t = table["step_us"].to_numpy()
-    assert table["efficiency"].tolist() == pytest.approx([1.0, t[0] / t[1]])                  # weak: T(N0) / T(N)
+    assert table["efficiency"].tolist() == pytest.approx([1.0, t[0] / t[1]])  # weak: T(N0) / T(N)
     assert table["speedup"].tolist() == pytest.approx([1.0, 4 * t[0] / t[1]])
     strong = analysis.scaling(runs, mode="strong", global_batch=64)
     assert strong["speedup"].tolist() == pytest.approx([1.0, t[0] / t[1]])
@@ -166,11 +210,32 @@ def test_steps_stages_setup_and_ddp_exposure():
     for step in range(1, 5):
         base = t0 + step * 1000 * us
         rows += [  # buckets issued at 100 and 300 us, ending at 350 and 500: exposed 300..500 = 200 us
-            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 100 * us, duration_us=250.0,
-                 async_op=True, timing="future", bucket=1, group_size=2, bytes=4000),
-            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 300 * us, duration_us=200.0,
-                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000,
-                 sync_end_us=280.0 if step == 3 else np.nan)]      # step 3: the finalize ends at 580 us
+            dict(
+                rank=0,
+                step=step,
+                op="ddp_bucket_allreduce",
+                start_ns=base + 100 * us,
+                duration_us=250.0,
+                async_op=True,
+                timing="future",
+                bucket=1,
+                group_size=2,
+                bytes=4000,
+            ),
+            dict(
+                rank=0,
+                step=step,
+                op="ddp_bucket_allreduce",
+                start_ns=base + 300 * us,
+                duration_us=200.0,
+                async_op=True,
+                timing="future",
+                bucket=0,
+                group_size=2,
+                bytes=4000,
+                sync_end_us=280.0 if step == 3 else np.nan,
+            ),
+        ]  # step 3: the finalize ends at 580 us
         if step == 1:
             rows.append(dict(rank=0, step=1, op="ddp_rebuild_buckets", start_ns=base, duration_us=30.0, group_size=2))
     ps = analysis.per_step(frame(rows), by_rank=False)
@@ -190,7 +255,7 @@ def test_steps_stages_setup_and_ddp_exposure():
     assert st["exposed_share"] == pytest.approx(230 / 1100) and st["ddp_finalize_us"] == 0.0
     setup = analysis.setup_cost(frame(rows), ps)
     assert setup["setup_comm_us"] == pytest.approx(80.0) and setup["by_op"]["ddp_verify_params"] == 50.0
-    assert setup["setup_us"] == pytest.approx(1000.0)      # step 0's first call to step 1's first call
+    assert setup["setup_us"] == pytest.approx(1000.0)  # step 0's first call to step 1's first call
 
 
 def test_ddp_packing_is_exposed_and_busy_where_alone():
@@ -202,10 +267,35 @@ def test_ddp_packing_is_exposed_and_busy_where_alone():
     for step in range(3):
         base = t0 + step * 1000 * us
         rows += [  # as above: busy 400 us, exposed 200 us without the packing
-            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 100 * us, duration_us=250.0,
-                 async_op=True, timing="future", bucket=1, group_size=2, bytes=4000, pack_us=60.0, pack_alone_us=60.0),
-            dict(rank=0, step=step, op="ddp_bucket_allreduce", start_ns=base + 300 * us, duration_us=200.0,
-                 async_op=True, timing="future", bucket=0, group_size=2, bytes=4000, pack_us=40.0, pack_alone_us=10.0)]
+            dict(
+                rank=0,
+                step=step,
+                op="ddp_bucket_allreduce",
+                start_ns=base + 100 * us,
+                duration_us=250.0,
+                async_op=True,
+                timing="future",
+                bucket=1,
+                group_size=2,
+                bytes=4000,
+                pack_us=60.0,
+                pack_alone_us=60.0,
+            ),
+            dict(
+                rank=0,
+                step=step,
+                op="ddp_bucket_allreduce",
+                start_ns=base + 300 * us,
+                duration_us=200.0,
+                async_op=True,
+                timing="future",
+                bucket=0,
+                group_size=2,
+                bytes=4000,
+                pack_us=40.0,
+                pack_alone_us=10.0,
+            ),
+        ]
     one = analysis.per_step(frame(rows), by_rank=False).set_index("step").loc[1]
     assert one["ddp_pack_us"] == pytest.approx(100.0)
     assert one["busy_us"] == pytest.approx(470.0) and one["exposed_us"] == pytest.approx(300.0)
@@ -224,12 +314,12 @@ def test_bandwidth_from_the_transfer_time_not_the_wait_for_late_ranks():
     own = df["own_us"].to_numpy()
     assert (transfer <= own + 1e-9).all()
     late = df["rank"].to_numpy() == 2
-    np.testing.assert_allclose(transfer[late], own[late])          # the last rank waited for no one
+    np.testing.assert_allclose(transfer[late], own[late])  # the last rank waited for no one
     coll = ~df["op"].isin(analysis.P2P_OPS).to_numpy()
-    assert (own[~late & coll] - transfer[~late & coll] > 1500).all()      # the others waited ~2 ms for it
+    assert (own[~late & coll] - transfer[~late & coll] > 1500).all()  # the others waited ~2 ms for it
     s = analysis.summary(analysis.with_transfer(df, cross), by=["collective", "size_bucket"])
     big = s[(s["collective"] == "all_reduce") & (s["size_bucket"] > 1e6)].iloc[0]
-    expected = big["bytes"] / 4 / 6 / (big["bytes"] / 4 / 6 / 5e3 + 20.0) / 1e3       # GB/s of one call
+    expected = big["bytes"] / 4 / 6 / (big["bytes"] / 4 / 6 / 5e3 + 20.0) / 1e3  # GB/s of one call
     assert big["algbw_gbps"] == pytest.approx(expected, rel=1e-6)
     assert big["busbw_with_wait_gbps"] < 0.6 * big["busbw_gbps"]
     # one rank's log alone: no cross-rank arrival, the per-rank figure

@@ -67,6 +67,7 @@ def run_cli(capsys, *argv):
 # case -> builder(dir, frames) returning (the paths to read, the path the message must name,
 # a phrase of the message, more CLI options)
 
+
 def _wrong_dtype(d, fr):
     f = write_ranks(d, fr)[1]
     replace_line(f, 4, lambda line: set_field(line, COL["bytes"], "abc"))
@@ -142,7 +143,7 @@ def _two_jobs_same_rank(d, fr):
 
 
 def _rows_given_twice(d, fr):
-    write_ranks(d, fr)      # rank 1's first 10 rows exported again: overlapping, not a copy
+    write_ranks(d, fr)  # rank 1's first 10 rows exported again: overlapping, not a copy
     f = write_csv(fr[1].iloc[:10], d / "rank1_early.csv")
     return [d], f, "repeats rows of rank 1", []
 
@@ -224,6 +225,7 @@ def test_cli_refuses(case, frames, tmp_path, capsys):
 @pytest.fixture(params=["pyarrow", "pandas"])
 def reader(request, monkeypatch):
     """The reader to use: ``reader.use()`` once the files are written (with pyarrow)."""
+
     class Reader(str):
         def use(self):
             if self == "pandas":
@@ -235,7 +237,7 @@ def reader(request, monkeypatch):
 @pytest.mark.parametrize("case", [c for c in REFUSED if REFUSED[c] is not _only_header_only_files])
 def test_read_csv_refuses(case, frames, tmp_path, reader):
     argv, named, phrase, _ = REFUSED[case](tmp_path / "logs", frames)
-    if reader == "pandas" and "Parquet" in case:        # the first Parquet file is the one named
+    if reader == "pandas" and "Parquet" in case:  # the first Parquet file is the one named
         named, phrase = sorted(str(p) for p in (tmp_path / "logs").glob("*.parquet"))[0], "needs pyarrow"
     reader.use()
     with pytest.raises(LogFileError) as info:
@@ -277,10 +279,14 @@ OPTIONS = {
     "--steps missing": (lambda t: ["--steps", t / "steps.csv"], "--steps"),
     "--steps empty": (lambda t: ["--steps", _write(t / "steps.csv", b"")], "empty file"),
     "--steps binary": (lambda t: ["--steps", _write(t / "steps.csv", b"\x00\xff\xfe" * 50)], "--steps"),
-    "--steps wrong columns": (lambda t: ["--steps", _write(t / "steps.csv", b"a,b\n1,2\n")],
-                              "needs columns step and duration_us"),
-    "--steps text in duration_us": (lambda t: ["--steps", _write(t / "steps.csv", b"step,duration_us\n0,5\n1,slow\n")],
-                                    "column 'duration_us' holds 'slow' on line 3, not a number"),
+    "--steps wrong columns": (
+        lambda t: ["--steps", _write(t / "steps.csv", b"a,b\n1,2\n")],
+        "needs columns step and duration_us",
+    ),
+    "--steps text in duration_us": (
+        lambda t: ["--steps", _write(t / "steps.csv", b"step,duration_us\n0,5\n1,slow\n")],
+        "column 'duration_us' holds 'slow' on line 3, not a number",
+    ),
     "--top negative": (lambda t: ["--top", "-1"], "--top -1"),
 }
 
@@ -314,6 +320,7 @@ def test_module_tree_of_a_log_without_modules_is_refused(frames, tmp_path, capsy
 # case -> builder(dir, frames) returning (CLI arguments, extra CLI options, the frames that
 # should have been read, the path the warning names, a phrase of the warning)
 
+
 def _empty_file(d, fr):
     write_ranks(d, fr[:1])
     f = d / "rank1.csv"
@@ -345,7 +352,7 @@ def _non_utf8_bytes(d, fr):
     tagged = [f.assign(tag=pd.Categorical(np.where(np.arange(len(f)) % 2, "caf\u00e9", ""))) for f in fr]
     f = write_ranks(d, tagged)[1]
     data = Path(f).read_bytes()
-    Path(f).write_bytes(data.replace("caf\u00e9".encode(), b"caf\xe9"))   # latin-1, not UTF-8
+    Path(f).write_bytes(data.replace("caf\u00e9".encode(), b"caf\xe9"))  # latin-1, not UTF-8
     expected = [tagged[0], tagged[1].assign(tag=tagged[1]["tag"].cat.rename_categories({"caf\u00e9": "caf\ufffd"}))]
     return [d], ["--by", "op,tag"], expected, f, "invalid UTF-8 bytes in column 'tag'"
 
@@ -354,8 +361,13 @@ def _older_schema(d, fr):
     d.mkdir()
     for r, f in enumerate(fr):
         write_csv(f.drop(columns=["module", "phase", "bucket", "bucket_params"]), d / f"rank{r}.csv")
-    return [d], ["--trace", d.parent / "trace.json"], fr, str(d / "rank0.csv"), \
-        "written by an older commpatch (schema 1, before the column(s) module, phase, bucket, bucket_params)"
+    return (
+        [d],
+        ["--trace", d.parent / "trace.json"],
+        fr,
+        str(d / "rank0.csv"),
+        "written by an older commpatch (schema 1, before the column(s) module, phase, bucket, bucket_params)",
+    )
 
 
 def _newer_parquet(d, fr):
@@ -388,6 +400,7 @@ def _durations(value, phrase):
         clean = fr[1].copy()
         clean.loc[[0, 3], ["duration_us", "algbw_gbps", "busbw_gbps"]] = np.nan
         return [d], [], [fr[0], clean], f, phrase
+
     return build
 
 
@@ -437,7 +450,8 @@ def test_cli_best_effort(case, frames, tmp_path, capsys):
     assert got["sections"] == ref["sections"]
     text = json.dumps(got["sections"])
     assert "Infinity" not in text and all(
-        row["busbw_gbps"] is None or 0 < row["busbw_gbps"] < 100 for row in got["sections"]["summary"])
+        row["busbw_gbps"] is None or 0 < row["busbw_gbps"] < 100 for row in got["sections"]["summary"]
+    )
 
 
 @pytest.mark.parametrize("case", [c for c in BEST_EFFORT if not c.startswith("--steps")])
@@ -445,7 +459,7 @@ def test_read_csv_best_effort(case, frames, tmp_path, reader):
     if reader == "pandas" and "Parquet" in case:
         pytest.skip("Parquet needs pyarrow")
     argv, _, expected, named, phrase = BEST_EFFORT[case](tmp_path / "logs", frames)
-    with warnings.catch_warnings():         # the clean log has its NaN durations too
+    with warnings.catch_warnings():  # the clean log has its NaN durations too
         warnings.simplefilter("ignore", LogFileWarning)
         ref = cpio.read(write_ranks(tmp_path / "reference", expected))
     reader.use()
@@ -538,7 +552,7 @@ def _torn(data, frame, cut):
     """The file a full disk leaves: ``frame`` written up to ``cut`` bytes of it, and the writer
     appending the next frames after it (the disk freed again)."""
     _, lo, _, hi = frame
-    return data[:lo + cut] + data[hi:]
+    return data[: lo + cut] + data[hi:]
 
 
 @pytest.mark.parametrize("where", ["header", "first row", "mid row", "last row"])
@@ -552,7 +566,7 @@ def test_a_torn_frame_mid_file_loses_only_its_cut_rows(writer_log, tmp_path, whi
     cut = 3 if whole < 0 else 5 + 59 * whole + 30
     path = tmp_path / "rank0.cplog"
     path.write_bytes(_torn(data, frame, cut))
-    lost = set(_seqs(data[frame[2]:frame[3]])[max(whole, 0):])
+    lost = set(_seqs(data[frame[2] : frame[3]])[max(whole, 0) :])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LogFileWarning)
         ref = commpatch.read_csv(writer_log[0])
@@ -579,7 +593,7 @@ def test_a_torn_frame_mid_file_report_and_convert_go_on(writer_log, tmp_path, ca
         warnings.simplefilter("ignore", LogFileWarning)
         converted = commpatch.read_csv(str(tmp_path / "rank0.csv"))
         ref = commpatch.read_csv(writer_log[0])
-    lost = set(_seqs(data[frame[2]:frame[3]])[1:])
+    lost = set(_seqs(data[frame[2] : frame[3]])[1:])
     assert converted["seq"].tolist() == [s for s in ref["seq"] if s not in lost]
 
 
@@ -589,10 +603,10 @@ def test_a_block_of_zeros_in_the_rows_is_skipped_and_counted(writer_log, tmp_pat
     before as all_reduce calls with seq 0, again), or over rows and the next frames' headers."""
     data = Path(writer_log[0]).read_bytes()
     frame = [f for f in _layout(data) if f[0] == b"R"][1]
-    at = frame[2] + 59                       # from the frame's second row on
+    at = frame[2] + 59  # from the frame's second row on
     length = 2 * 59 if span == "rows" else 512
     damaged = bytearray(data)
-    damaged[at:at + length] = bytes(length)
+    damaged[at : at + length] = bytes(length)
     path = tmp_path / "rank0.cplog"
     path.write_bytes(bytes(damaged))
     with pytest.warns(LogFileWarning) as record:
@@ -624,8 +638,8 @@ def _row_tag(data):
     import struct
 
     frame = [f for f in _layout(data) if f[0] == b"R"][2]
-    at = frame[2] + 59 + 51                  # the second row's tag (int32 at offset 51)
-    return data[:at] + struct.pack("<i", 2**31 - 1) + data[at + 4:], "1 row(s) with impossible values"
+    at = frame[2] + 59 + 51  # the second row's tag (int32 at offset 51)
+    return data[:at] + struct.pack("<i", 2**31 - 1) + data[at + 4 :], "1 row(s) with impossible values"
 
 
 def _group_ranks(data):
@@ -635,8 +649,10 @@ def _group_ranks(data):
         record = json.loads(data[start:hi]) if kind == b"M" else {}
         if record.get("k") == "group" and record["gid"] == 0:
             record.update(ranks="0-99999999999", size=10**11)
-            return (data[:lo] + logfile.frame(logfile.META, json.dumps(record).encode()) + data[hi:],
-                    "code(s) used by rows but never registered")
+            return (
+                data[:lo] + logfile.frame(logfile.META, json.dumps(record).encode()) + data[hi:],
+                "code(s) used by rows but never registered",
+            )
 
 
 def _nested_json(data):
@@ -667,12 +683,19 @@ def test_sizes_in_a_binary_log_are_bounded_by_the_file(writer_log, tmp_path, bui
     assert df["group_ranks"].astype(str).map(len).max() < 20
 
 
-@pytest.mark.parametrize("column, value, phrase", [
-    ("rank", str(2**40), "column 'rank' holds 1099511627776 on line 2: not a rank of a world of 1"),
-    ("world_size", str(2**40), "column 'world_size' holds 1099511627776 on line 2: a world size is 1 to"),
-    ("group_ranks", "0-99999999999", "column 'group_ranks' holds '0-99999999999' on line 2, not ranks (range notation"),
-    ("group_ranks", "0-3:0", "column 'group_ranks' holds '0-3:0' on line 2"),
-])
+@pytest.mark.parametrize(
+    "column, value, phrase",
+    [
+        ("rank", str(2**40), "column 'rank' holds 1099511627776 on line 2: not a rank of a world of 1"),
+        ("world_size", str(2**40), "column 'world_size' holds 1099511627776 on line 2: a world size is 1 to"),
+        (
+            "group_ranks",
+            "0-99999999999",
+            "column 'group_ranks' holds '0-99999999999' on line 2, not ranks (range notation",
+        ),
+        ("group_ranks", "0-3:0", "column 'group_ranks' holds '0-3:0' on line 2"),
+    ],
+)
 def test_sizes_in_a_csv_beyond_the_world_are_refused(writer_log, tmp_path, capsys, column, value, phrase):
     path = tmp_path / "rank0.csv"
     path.write_text(Path(writer_log[1]).read_text())
@@ -689,13 +712,18 @@ ESC = ("\x1b", "\x9b", "\x07", "\u202e")
 def test_report_never_prints_terminal_escapes_from_a_log(frames, tmp_path, capsys):
     """Names from a log (group, op, tag, module, dtype) and file names reach the terminal escaped."""
     d = tmp_path / "logs\x1b[2J"
-    hostile = [f.assign(group="\x1b]0;owned\x07g", tag="\x9b31mtag", module="m\u202eod",
-                        dtype="f\x1b[31m32") for f in frames]
+    hostile = [
+        f.assign(group="\x1b]0;owned\x07g", tag="\x9b31mtag", module="m\u202eod", dtype="f\x1b[31m32") for f in frames
+    ]
     write_ranks(d, hostile)
-    (d / "rank1.csv").write_text((d / "rank1.csv").read_text() + "1,al")      # a warning naming the file
+    (d / "rank1.csv").write_text((d / "rank1.csv").read_text() + "1,al")  # a warning naming the file
     outputs = []
-    for options in ([], ["--by", "group,tag,module,dtype"], ["--format", "markdown"],
-                    ["--format", "csv", "--section", "summary", "--by", "tag,dtype"]):
+    for options in (
+        [],
+        ["--by", "group,tag,module,dtype"],
+        ["--format", "markdown"],
+        ["--format", "csv", "--section", "summary", "--by", "tag,dtype"],
+    ):
         code, out, err = run_cli(capsys, d, *options)
         assert code == 0, err
         outputs.append(out + err)
@@ -774,8 +802,9 @@ def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys)
     shim = build_shim(tmp_path, SHORT_WRITE_SHIM)
     out = tmp_path / "run"
     env = dict(__import__("os").environ, LD_PRELOAD=str(shim), COMMPATCH_OUTPUT="none")
-    done = subprocess.run([sys.executable, "-c", FULL_DISK_JOB, str(out)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_JOB, str(out)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     path = out / "rank0.cplog"
     with warnings.catch_warnings(record=True) as record:
@@ -785,7 +814,7 @@ def test_rows_around_a_write_cut_short_by_a_full_disk_are_read(tmp_path, capsys)
     assert df["seq"].is_unique
     for name in ("before", "after", "later"):
         assert (df["tag"] == name).sum() == 25, (name, said, df["tag"].value_counts())
-    if (df["tag"] == "FULLDISK").sum() < 25:      # lost in the failed write: said, never silent
+    if (df["tag"] == "FULLDISK").sum() < 25:  # lost in the failed write: said, never silent
         assert any("cut short" in m or "hold no frame" in m for m in said), said
     code, text, err = run_cli(capsys, path, "--by", "tag")
     assert code == 0 and "Traceback" not in err and "later" in text, err
@@ -820,8 +849,16 @@ def test_convert_on_a_full_disk_says_so_in_one_line(writer_log, tmp_path):
     shim = build_shim(tmp_path, ENOSPC_SHIM)
     path = tmp_path / "rank0.cplog"
     shutil.copy(writer_log[0], path)
-    done = subprocess.run([sys.executable, "-m", "commpatch", "convert", str(path), "--no-progress"],
-                          env=dict(os.environ, LD_PRELOAD=str(shim)), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "commpatch", "convert", str(path), "--no-progress"],
+        env=dict(os.environ, LD_PRELOAD=str(shim)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip() == f"commpatch convert: {tmp_path / 'rank0.csv'}: cannot be written (No space left on device)"
-    assert sorted(os.listdir(tmp_path)) == ["rank0.cplog", "shim.c", "shim.so"]      # no partial file left
+    assert (
+        done.stderr.strip()
+        == f"commpatch convert: {tmp_path / 'rank0.csv'}: cannot be written (No space left on device)"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["rank0.cplog", "shim.c", "shim.so"]  # no partial file left

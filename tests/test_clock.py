@@ -13,11 +13,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from commpatch.io import read
 from commpatch.analysis.stragglers import verdict
 from commpatch.data import logfile
 from commpatch.data.clock import CLOCK_ATTR, rank_clock
 from commpatch.data.frame import parse_log, parsed_clock
+from commpatch.io import read
 from commpatch.io.reader import one_run
 from commpatch.render import text as report
 from commpatch.testing import make_log
@@ -30,14 +30,16 @@ def test_rank_clock_bounds_interpolates_and_says_unknown():
     s = 1_000_000_000
     # two rounds 0.1 s apart: the second's interval narrower; the first tightened by it, widened by the
     # drift allowed meanwhile (50 us)
-    c = rank_clock(1, 2, [(100 * s, -3 * s - 400_000, -3 * s + 400_000), (100 * s + s // 10, -3 * s - 50_000, -3 * s + 30_000)])
+    c = rank_clock(
+        1, 2, [(100 * s, -3 * s - 400_000, -3 * s + 400_000), (100 * s + s // 10, -3 * s - 50_000, -3 * s + 30_000)]
+    )
     info = c.summary()
     assert info["status"] == "measured" and info["measurements"] == 2
     assert c.half == (90_000, 40_000) and c.mid[0] == -3 * s - 10_000
     assert info["uncertainty_us"] == max(c.half) / 1e3
     shift = c.shift(np, np.array([90 * s, 100 * s + s // 20, 120 * s], np.int64))
-    assert shift[0] == round(c.mid[0]) and shift[2] == round(c.mid[1])          # constant outside
-    assert min(c.mid) <= shift[1] <= max(c.mid)                                # interpolated between
+    assert shift[0] == round(c.mid[0]) and shift[2] == round(c.mid[1])  # constant outside
+    assert min(c.mid) <= shift[1] <= max(c.mid)  # interpolated between
     # disjoint intervals (a stepped clock): each kept as measured
     c = rank_clock(1, 2, [(0, 0, 10), (1000, 5 * s, 5 * s + 10)])
     assert c.half == (5.0, 5.0)
@@ -47,10 +49,12 @@ def test_rank_clock_bounds_interpolates_and_says_unknown():
     assert not c.shift(np, np.array([5], np.int64)).any()
     # ... unless an interval excludes 0: a per-process clock (libfaketime, an LD_PRELOAD shim)
     assert rank_clock(2, 4, [(0, -5000, 7000, 1), (s, 2000, 9000, 1)]).summary()["status"] == "measured"
-    assert rank_clock(2, 4, [(0, -5000, 7000, 0)]).summary()["status"] == "measured"     # another machine
+    assert rank_clock(2, 4, [(0, -5000, 7000, 0)]).summary()["status"] == "measured"  # another machine
     assert rank_clock(0, 4, []).summary() == dict(status="reference", offset_us=0.0, uncertainty_us=0.0, measurements=0)
     unknown = rank_clock(3, 4, []).summary()
-    assert unknown["status"] == "unmeasured" and math.isnan(unknown["offset_us"]) and math.isnan(unknown["uncertainty_us"])
+    assert (
+        unknown["status"] == "unmeasured" and math.isnan(unknown["offset_us"]) and math.isnan(unknown["uncertainty_us"])
+    )
 
 
 def _log(rank: int, offsets=(), extra=()) -> bytes:
@@ -60,34 +64,60 @@ def _log(rank: int, offsets=(), extra=()) -> bytes:
 
 
 def test_the_log_records_intervals_and_skips_bad_ones():
-    parsed = parse_log(_log(1, [(5, -10, 20)], [logfile.meta("rank0_offset", at=6, lo=30, hi=20),
-                                                 logfile.meta("rank0_offset", at=7, lo="x", hi=20),
-                                                 logfile.meta("rank0_offset", at=8, lo=0, hi=20, same=2)]))
+    parsed = parse_log(
+        _log(
+            1,
+            [(5, -10, 20)],
+            [
+                logfile.meta("rank0_offset", at=6, lo=30, hi=20),
+                logfile.meta("rank0_offset", at=7, lo="x", hi=20),
+                logfile.meta("rank0_offset", at=8, lo=0, hi=20, same=2),
+            ],
+        )
+    )
     # an empty interval, a non-number, a flag out of range
     assert parsed.rank0_offsets == [(5, -10, 20, 0)] and parsed.bad_records == 3
     assert parsed_clock(parsed).summary()["offset_us"] == 0.005
 
 
 def test_the_verdict_weighs_the_clocks_uncertainty():
-    steps = pd.DataFrame({"step": np.arange(30), "stage": ["setup"] + ["steady"] * 28 + ["end"],
-                          "step_us": [10_000.0] * 29 + [np.nan], "ranks": 2})
-    late = np.r_[0.0, np.random.default_rng(3).normal(3000, 200, 29)]          # rank 1: 3 ms late every step
-    arrivals = pd.DataFrame({"step": np.repeat(np.arange(30), 2), "rank": np.tile([0, 1], 30),
-                             "arrival_us": np.column_stack([np.zeros(30), late]).ravel(), "collectives": 2})
+    steps = pd.DataFrame(
+        {
+            "step": np.arange(30),
+            "stage": ["setup"] + ["steady"] * 28 + ["end"],
+            "step_us": [10_000.0] * 29 + [np.nan],
+            "ranks": 2,
+        }
+    )
+    late = np.r_[0.0, np.random.default_rng(3).normal(3000, 200, 29)]  # rank 1: 3 ms late every step
+    arrivals = pd.DataFrame(
+        {
+            "step": np.repeat(np.arange(30), 2),
+            "rank": np.tile([0, 1], 30),
+            "arrival_us": np.column_stack([np.zeros(30), late]).ravel(),
+            "collectives": 2,
+        }
+    )
 
     def clock(u1):
-        return {0: dict(status="reference", offset_us=0.0, uncertainty_us=0.0, measurements=0),
-                1: dict(status="measured" if not math.isnan(u1) else "unmeasured", offset_us=-1e6, uncertainty_us=u1,
-                        measurements=1)}
+        return {
+            0: dict(status="reference", offset_us=0.0, uncertainty_us=0.0, measurements=0),
+            1: dict(
+                status="measured" if not math.isnan(u1) else "unmeasured",
+                offset_us=-1e6,
+                uncertainty_us=u1,
+                measurements=1,
+            ),
+        }
 
-    assert verdict(arrivals, steps)["straggler"]                                  # no clock information: as before
+    assert verdict(arrivals, steps)["straggler"]  # no clock information: as before
     assert verdict(arrivals, steps, clock(100.0))["straggler"]
-    v = verdict(arrivals, steps, clock(4000.0))                                   # within +/-4 ms: no evidence
+    v = verdict(arrivals, steps, clock(4000.0))  # within +/-4 ms: no evidence
     assert not v["straggler"] and v["reason"] == "clock" and v["clock_us"] == 4000.0
     measured = clock(100.0)
     measured[2] = dict(status="unmeasured", offset_us=math.nan, uncertainty_us=math.nan, measurements=0)
     three = pd.concat([arrivals, arrivals[arrivals["rank"] == 0].assign(rank=2)], ignore_index=True)
-    v = verdict(three, steps, measured)                                           # rank 2's clock unknown
+    v = verdict(three, steps, measured)  # rank 2's clock unknown
     assert not v["straggler"] and v["reason"] == "clock" and math.isnan(v["clock_us"])
     # worded in the report
     df = make_log(2, 12, straggler=1, straggler_delay_us=3000.0, seed=2)
@@ -97,7 +127,8 @@ def test_the_verdict_weighs_the_clocks_uncertainty():
     assert "no straggler" in text and "within the uncertainty of the clocks' offsets (+/-5 ms)" in text, text
     assert [f.text for f in rep.findings if f.kind == "clock"] == [
         "Clocks: the wall clocks of rank(s) 1 differ from rank 0's (the most: rank 1, 1 s ahead, measured to "
-        "+/-5 ms); issue times are aligned to rank 0's clock (largest uncertainty +/-5 ms)."]
+        "+/-5 ms); issue times are aligned to rank 0's clock (largest uncertainty +/-5 ms)."
+    ]
     assert rep.sections["clock"]["status"].tolist() == ["reference", "measured"]
     df.attrs[CLOCK_ATTR] = clock(100.0)
     text = [f.text for f in report.build_report(df).findings if f.kind == "straggler"][0]
@@ -114,7 +145,7 @@ def test_one_run_is_read_from_every_host_directory(tmp_path):
     assert {os.path.basename(v) for v in chosen.values()} == {"20260101-000100-a-2"}
     (tmp_path / "b" / "20260101-000200-b-3").mkdir()
     (tmp_path / "b" / "20260101-000200-b-3" / "rank1.csv").write_text("x\n")
-    chosen = one_run([str(tmp_path / "a"), str(tmp_path / "b")])       # b's latest is not a's: the common one
+    chosen = one_run([str(tmp_path / "a"), str(tmp_path / "b")])  # b's latest is not a's: the common one
     assert {os.path.basename(v) for v in chosen.values()} == {"20260101-000100-a-2"}
 
 
@@ -134,7 +165,7 @@ def test_the_exchange_in_real_ranks_bounds_a_shared_clock(tmp_path):
         if rank == 0:
             assert parsed.rank0_offsets == []
             continue
-        assert len(parsed.rank0_offsets) >= 2, parsed.rank0_offsets      # at the first call, then 2 s later
+        assert len(parsed.rank0_offsets) >= 2, parsed.rank0_offsets  # at the first call, then 2 s later
         for _, lo, hi, same in parsed.rank0_offsets:
             assert lo <= 0 <= hi and same == 1
         assert parsed_clock(parsed).summary()["status"] == "same_machine"

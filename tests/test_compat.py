@@ -36,28 +36,36 @@ def test_resolve_reports_what_is_missing():
         base.resolve("torch.ops._c10d_functional.no_such_op")
     need = base.Needs("torch.distributed.no_such_module.X|torch.distributed.all_reduce")
     fake = base.Integration("fake", "", (need,), lambda s: True, lambda ctx: None)
-    assert base.missing(fake) == []               # one alternative is enough
-    fake = base.Integration("fake", "", (base.Needs("torch.distributed.nope_a|torch.nope_b"),), lambda s: True,
-                            lambda ctx: None)
-    (gap, why), = base.missing(fake)
+    assert base.missing(fake) == []  # one alternative is enough
+    fake = base.Integration(
+        "fake", "", (base.Needs("torch.distributed.nope_a|torch.nope_b"),), lambda s: True, lambda ctx: None
+    )
+    ((gap, why),) = base.missing(fake)
     assert "nope_a" in why and "nope_b" in why
 
 
 def test_resolve_without_loading_does_not_import():
-    code = ("import sys, torch\n"
-            "from commpatch.integrations import base\n"
-            "name = 'torch.distributed.pipelining.schedules._PipelineSchedule'\n"
-            "assert 'torch.distributed.pipelining' not in sys.modules\n"
-            "assert base.resolve(name, load=False) is base._MISSING\n"
-            "assert 'torch.distributed.pipelining' not in sys.modules\n"
-            "assert base.resolve(name) is not None\n")
+    code = (
+        "import sys, torch\n"
+        "from commpatch.integrations import base\n"
+        "name = 'torch.distributed.pipelining.schedules._PipelineSchedule'\n"
+        "assert 'torch.distributed.pipelining' not in sys.modules\n"
+        "assert base.resolve(name, load=False) is base._MISSING\n"
+        "assert 'torch.distributed.pipelining' not in sys.modules\n"
+        "assert base.resolve(name) is not None\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def _gap_integration(calls: list, loses: str) -> base.Integration:
-    return base.Integration(name="gap", patches="nothing", records="the gap integration's rows",
-                            relies_on=(base.Needs("torch.distributed.no_such_internal", loses),),
-                            wanted=lambda s: True, apply=lambda ctx: calls.append(ctx))
+    return base.Integration(
+        name="gap",
+        patches="nothing",
+        records="the gap integration's rows",
+        relies_on=(base.Needs("torch.distributed.no_such_internal", loses),),
+        wanted=lambda s: True,
+        apply=lambda ctx: calls.append(ctx),
+    )
 
 
 @pytest.mark.parametrize("required", [True, False], ids=["required", "optional"])
@@ -81,7 +89,7 @@ def test_a_missing_name_is_said_once_and_never_raises(monkeypatch, required):
     assert len(said) == 1, said
     assert f"torch {torch.__version__}" in said[0]
     assert ("gap integration's rows are not recorded" if required else "durations are not recorded") in said[0]
-    assert len(calls) == (0 if required else 2)       # a required gap: never applied
+    assert len(calls) == (0 if required else 2)  # a required gap: never applied
     assert commpatch.internal_errors() == {}
     assert dist.all_reduce is not None
 
@@ -89,7 +97,7 @@ def test_a_missing_name_is_said_once_and_never_raises(monkeypatch, required):
 def test_a_module_imported_later_is_checked_when_it_is_imported(monkeypatch):
     """A name in a module not yet imported at enable() is checked at that module's import: the
     hook that would patch it does not run, and the gap is said once."""
-    code = r'''
+    code = r"""
 import sys, warnings
 warnings.simplefilter("always")
 import torch, torch.distributed as dist
@@ -113,7 +121,7 @@ assert len(said) == 1 and "not recorded" in said[0], said
 assert ran == [], ran
 assert commpatch.internal_errors() == {}, commpatch.internal_errors()
 print("ok")
-'''
+"""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
@@ -132,12 +140,14 @@ def test_checking_at_enable_imports_nothing():
     """What an integration relies on is checked at enable() without importing anything: asking
     ``torch`` for ``_dynamo`` would import dynamo (torch's module ``__getattr__``), which changes
     what a later compile sees."""
-    code = ("import sys, torch, torch.distributed\n"
-            "before = set(sys.modules)\n"
-            "import commpatch\n"
-            "commpatch.enable(output='none')\n"
-            "new = sorted(m for m in set(sys.modules) - before if m.startswith('torch.'))\n"
-            "assert 'torch._dynamo' not in new and 'torch.distributed.fsdp' not in new, new\n"
-            "print('ok')\n")
+    code = (
+        "import sys, torch, torch.distributed\n"
+        "before = set(sys.modules)\n"
+        "import commpatch\n"
+        "commpatch.enable(output='none')\n"
+        "new = sorted(m for m in set(sys.modules) - before if m.startswith('torch.'))\n"
+        "assert 'torch._dynamo' not in new and 'torch.distributed.fsdp' not in new, new\n"
+        "print('ok')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

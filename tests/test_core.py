@@ -12,8 +12,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import commpatch
 from commpatch import session as _session
-from commpatch.record import state as _runtime
 from commpatch.data.ops import TARGET_NAMES
+from commpatch.record import state as _runtime
 
 WORLD = 8
 
@@ -57,8 +57,8 @@ def test_enable_twice_is_harmless():
 
 def test_names_imported_before_enable_are_patched_and_restored():
     user = types.ModuleType("user_train_script")
-    user.all_reduce = dist.all_reduce          # from torch.distributed import all_reduce
-    user.raw = dist.all_reduce                 # kept on purpose under another name
+    user.all_reduce = dist.all_reduce  # from torch.distributed import all_reduce
+    user.raw = dist.all_reduce  # kept on purpose under another name
     sys.modules[user.__name__] = user
     try:
         orig = dist.all_reduce
@@ -78,7 +78,7 @@ def test_collective_utils_binding_is_patched():
 
     from commpatch.data.ops import COLLECTIVE_UTILS
 
-    for name in COLLECTIVE_UTILS:        # DTensor's: torch.distributed.tensor since 2.5, _tensor before
+    for name in COLLECTIVE_UTILS:  # DTensor's: torch.distributed.tensor since 2.5, _tensor before
         try:
             cu = importlib.import_module(name)
         except ImportError:
@@ -101,7 +101,7 @@ def test_dynamo_remap_follows_the_wrapper():
     orig = dist.all_reduce
     commpatch.enable(output="none")
     remaps = funcol.traceable_collective_remaps
-    assert remaps.get(dist.all_reduce) is remaps.get(orig) is torch_table[orig]   # get(): no compile notice
+    assert remaps.get(dist.all_reduce) is remaps.get(orig) is torch_table[orig]  # get(): no compile notice
     wrapper = dist.all_reduce
     commpatch.disable()
     assert funcol.traceable_collective_remaps is torch_table
@@ -117,13 +117,16 @@ def test_ops_setting_limits_what_is_wrapped():
     assert commpatch.log()["op"].tolist() == ["all_reduce"]
 
 
-@pytest.mark.parametrize("env, value, needle", [
-    ("COMMPATCH_OPS", "all_reduce,allreduce", "allreduce"),
-    ("COMMPATCH_TIMING", "gpu", "auto, host"),
-    ("COMMPATCH_SUMMARY", "maybe", "1/0"),
-    ("COMMPATCH_OUTPUT", "logs/rank{rank}.txt", ".csv or .parquet"),
-    ("COMMPATCH_OUTPUT", "logs/rank{node}.csv", "{rank}"),
-])
+@pytest.mark.parametrize(
+    "env, value, needle",
+    [
+        ("COMMPATCH_OPS", "all_reduce,allreduce", "allreduce"),
+        ("COMMPATCH_TIMING", "gpu", "auto, host"),
+        ("COMMPATCH_SUMMARY", "maybe", "1/0"),
+        ("COMMPATCH_OUTPUT", "logs/rank{rank}.txt", ".csv or .parquet"),
+        ("COMMPATCH_OUTPUT", "logs/rank{node}.csv", "{rank}"),
+    ],
+)
 def test_bad_env_settings_name_the_variable_and_the_allowed_values(monkeypatch, env, value, needle):
     monkeypatch.setenv(env, value)
     with pytest.raises(commpatch.ConfigError) as err:
@@ -197,12 +200,12 @@ def test_round_trip_without_pyarrow(tmp_path, monkeypatch):
 
 
 def test_capture_scopes_recording_and_reset_clears():
-    dist.all_reduce(torch.ones(1))                 # not enabled: nothing
+    dist.all_reduce(torch.ones(1))  # not enabled: nothing
     with commpatch.capture() as cap:
         dist.all_reduce(torch.ones(4))
         dist.broadcast(torch.ones(4), 0)
     assert not commpatch.is_enabled()
-    dist.all_reduce(torch.ones(1))                 # disabled again: nothing
+    dist.all_reduce(torch.ones(1))  # disabled again: nothing
     assert cap.df["op"].tolist() == ["all_reduce", "broadcast"]
     commpatch.enable(output="none")
     dist.all_reduce(torch.ones(1))
@@ -303,8 +306,20 @@ def test_collective_api_and_source_are_separate_columns():
     from commpatch.data.ops import OP_NAMES, describe_op
 
     kinds = {describe_op(op)[0] for op in OP_NAMES}
-    assert kinds == {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
-                     "scatter", "barrier", "send", "recv", "send_recv"}
+    assert kinds == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "broadcast",
+        "reduce",
+        "all_to_all",
+        "gather",
+        "scatter",
+        "barrier",
+        "send",
+        "recv",
+        "send_recv",
+    }
     assert describe_op("ddp_bucket_allreduce") == ("all_reduce", "Reducer.allreduce", "ddp")
     assert describe_op("funcol.all_gather") == ("all_gather", "all_gather", "funcol")
     assert describe_op("coalesced.reduce_scatter_single") == ("reduce_scatter", "reduce_scatter_single", "coalescing")
@@ -360,7 +375,7 @@ def test_c_recorder_writes_the_rows_the_python_path_writes(monkeypatch):
     keep = ["op", "dtype", "numel", "bytes", "peer", "step", "tag", "status", "timing", "async_op", "group"]
     c, py = (logs[k][keep].reset_index(drop=True) for k in (True, False))
     for df in (c, py):
-        df["step"] -= df["step"].min()        # the step counter goes on across reset()
+        df["step"] -= df["step"].min()  # the step counter goes on across reset()
     pd.testing.assert_frame_equal(c, py)
     assert c["status"].tolist().count("error") == 1 and c["numel"].tolist()[:2] == [3, 6]
     assert (logs[True]["host_us"] >= 0).all() and logs[True]["seq"].is_unique
@@ -377,12 +392,12 @@ def test_c_recorder_failure_never_breaks_the_call(monkeypatch):
         def __len__(self):
             raise KeyError("injected")
 
-    monkeypatch.setattr(_session.default().log, "dtype_names", Broken())   # a new dtype cannot register
+    monkeypatch.setattr(_session.default().log, "dtype_names", Broken())  # a new dtype cannot register
     t = torch.ones(2, dtype=torch.float16)
     with pytest.warns(RuntimeWarning, match="internal error"):
         for _ in range(3):
             assert dist.all_reduce(t) is None
-    errors = commpatch.internal_errors()       # Python path: "read"; the C recorder: "record"
+    errors = commpatch.internal_errors()  # Python path: "read"; the C recorder: "record"
     assert set(errors) <= {"read", "record"} and sum(errors.values()) == 3
     monkeypatch.undo()
     commpatch.disable()

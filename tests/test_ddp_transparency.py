@@ -15,11 +15,29 @@ from tests import ddp_transparency_workers as w
 from tests.multiproc import run_ranks
 
 # cases whose gradients come from the reducer's own arithmetic, reproduced by commpatch's hook
-DEFAULT_HOOK = ("default", "join_initial", "join_running", "static_graph", "bucket_view", "bucket_view_kept",
-                "bucket_view_mixed", "bucket_view_join", "no_sync", "find_unused", "find_unused_view_accum",
-                "sparse")
-USER_HOOK = ("user_hook_early", "user_hook_late", "builtin_allreduce_late", "builtin_fp16_late",
-             "builtin_fp16_early", "registered_twice", "late_after_disable")
+DEFAULT_HOOK = (
+    "default",
+    "join_initial",
+    "join_running",
+    "static_graph",
+    "bucket_view",
+    "bucket_view_kept",
+    "bucket_view_mixed",
+    "bucket_view_join",
+    "no_sync",
+    "find_unused",
+    "find_unused_view_accum",
+    "sparse",
+)
+USER_HOOK = (
+    "user_hook_early",
+    "user_hook_late",
+    "builtin_allreduce_late",
+    "builtin_fp16_late",
+    "builtin_fp16_early",
+    "registered_twice",
+    "late_after_disable",
+)
 # on all 4 ranks (the default group): with a power of two, a divisor of 3 appears only once a rank
 # joins; _register_fused_optim's hook always reduces over the default group
 FOUR_RANKS = ("bucket_view_join", "join_running", "fused_optimizer_late")
@@ -31,8 +49,14 @@ CPU_UNAVAILABLE = ("mixed_precision", "optimizer_in_backward")
 @pytest.fixture(scope="module")
 def runs():
     """Per rank: {case: outcome} for ranks 0-2, {case@4: outcome} for all four ranks."""
-    return run_ranks(w.transparency, 4, timeout=150, pg_timeout=60,      # < the 180 s pytest timeout
-                     cases=DEFAULT_HOOK + USER_HOOK + CPU_UNAVAILABLE, four_rank_cases=FOUR_RANKS)
+    return run_ranks(
+        w.transparency,
+        4,
+        timeout=150,
+        pg_timeout=60,  # < the 180 s pytest timeout
+        cases=DEFAULT_HOOK + USER_HOOK + CPU_UNAVAILABLE,
+        four_rank_cases=FOUR_RANKS,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +80,13 @@ def test_gradients_bit_identical_under_every_ddp_option(three):
     for rank, name, out in _check(three, DEFAULT_HOOK):
         assert out["raised"] == (None, None) and out["steps"] >= 1
         assert out["bucket_rows"] > 0, f"rank {rank} {name}: no bucket recorded"
-        assert out["comm_hook"] == (None, None)        # no comm_hook entry, as without commpatch
+        assert out["comm_hook"] == (None, None)  # no comm_hook entry, as without commpatch
 
 
 def test_join_uneven_inputs_steps(three):
     for rank, res in enumerate(three):
         for name in ("join_initial", "join_running", "bucket_view_join"):
-            assert res[name]["steps"] == 1 + rank          # ranks joined one after another
+            assert res[name]["steps"] == 1 + rank  # ranks joined one after another
 
 
 def test_hooks_registered_early_late_and_after_disable(three):

@@ -44,7 +44,7 @@ def tables(markdown: str) -> list[tuple[tuple[str, ...], list[list[str]]]]:
     for i, line in enumerate(lines):
         if i + 1 < len(lines) and line.startswith("|") and re.match(r"^\|(\s*:?-+:?\s*\|)+\s*$", lines[i + 1]):
             rows = []
-            for row in lines[i + 2:]:
+            for row in lines[i + 2 :]:
                 if not row.startswith("|"):
                     break
                 rows.append(_cells(row))
@@ -63,6 +63,7 @@ def _names(cell: str) -> list[str]:
 
 # ---- the generated reference pages (were README checks) ----------------------------------------
 
+
 def test_every_column_is_in_the_reference():
     text = page("reference/columns.md")
     for col in SCHEMA:
@@ -79,7 +80,7 @@ def test_every_setting_is_documented():
 
 def test_every_timing_value_is_named_in_the_columns_page_and_explained_in_the_timing_page():
     assert all(f"`{t}`" in page("reference/columns.md") for t in TIMINGS)
-    (header, rows), = [t for t in tables(page("guide/timing.md")) if t[0][0] == "`timing`"]
+    ((header, rows),) = [t for t in tables(page("guide/timing.md")) if t[0][0] == "`timing`"]
     assert {_names(r[0])[0] for r in rows} == set(TIMINGS)
 
 
@@ -115,14 +116,19 @@ def test_schema_version_section_is_the_codes():
 
 # ---- the other tables: each checked against the code -------------------------------------------
 
+
 def _check_api(rows):
     import commpatch
 
     documented = {re.match(r"(\w+)", name).group(1) for r in rows for name in _names(r[0])}
-    public = {n for n in commpatch.__all__ if callable(getattr(commpatch, n)) and not isinstance(getattr(commpatch, n), type)}
-    public -= {"is_enabled"}          # documented with enable()/disable() in prose
+    public = {
+        n for n in commpatch.__all__ if callable(getattr(commpatch, n)) and not isinstance(getattr(commpatch, n), type)
+    }
+    public -= {"is_enabled"}  # documented with enable()/disable() in prose
     assert public <= documented, f"public functions missing from the API table: {public - documented}"
-    assert documented <= set(commpatch.__all__), f"the API table names non-public functions: {documented - set(commpatch.__all__)}"
+    assert documented <= set(commpatch.__all__), (
+        f"the API table names non-public functions: {documented - set(commpatch.__all__)}"
+    )
 
 
 def _report_parser():
@@ -180,6 +186,7 @@ def _column_table(columns):
         documented = {n for r in rows for n in _names(r[0])}
         real = columns()
         assert documented <= real | {"step", "rank"}, f"documented columns the table does not have: {documented - real}"
+
     return check
 
 
@@ -206,7 +213,7 @@ def _check_gpu_kit_options(rows):
 
 def _check_matrix_cells(rows):
     with open(os.path.join(ROOT, "ci", "matrix.sh")) as f:
-        cells = dict(re.findall(r'\[(\w+)\]="([\d.]+ [\d.]+)"', f.read()))     # name -> "python torch"
+        cells = dict(re.findall(r'\[(\w+)\]="([\d.]+ [\d.]+)"', f.read()))  # name -> "python torch"
     for r in rows:
         name = r[0].split()[0]
         if name in cells:
@@ -218,16 +225,16 @@ def _check_matrix_cells(rows):
 # (page, first header cell) -> check of the rows
 CHECKED = {
     ("guide/usage.md", "function"): _check_api,
-    ("guide/usage.md", "variable"): lambda rows: None,          # generated (commpatch:settings)
-    ("reference/settings.md", "variable"): lambda rows: None,   # generated
-    ("reference/columns.md", "column"): lambda rows: None,      # generated
-    ("reference/cli.md", "option"): lambda rows: None,          # generated
-    ("reference/cli.md", "argument"): lambda rows: None,        # generated
-    ("guide/timing.md", "`timing`"): lambda rows: None,         # test_every_timing_value_...
+    ("guide/usage.md", "variable"): lambda rows: None,  # generated (commpatch:settings)
+    ("reference/settings.md", "variable"): lambda rows: None,  # generated
+    ("reference/columns.md", "column"): lambda rows: None,  # generated
+    ("reference/cli.md", "option"): lambda rows: None,  # generated
+    ("reference/cli.md", "argument"): lambda rows: None,  # generated
+    ("guide/timing.md", "`timing`"): lambda rows: None,  # test_every_timing_value_...
     ("guide/reports.md", "figure"): _check_step_figures,
     ("reporting.md", "flag"): _check_report_flags,
     ("reporting.md", "kind"): _check_mismatch_kinds,
-    ("reporting.md", "column"): None,                           # by section, below
+    ("reporting.md", "column"): None,  # by section, below
     ("reliability.md", "setting"): _check_watchdog_settings,
     ("gpu-validation.md", "option"): _check_gpu_kit_options,
     ("compatibility.md", "cell"): _check_matrix_cells,
@@ -278,17 +285,27 @@ def test_every_table_in_the_docs_is_generated_or_checked():
 
 def _sections(text: str):
     """rows -> the `(name)` of the ### heading above their table."""
+
     def section_of(rows):
         index = next(i for i, line in enumerate(text.splitlines()) if _cells(line) == rows[0] and line.startswith("|"))
         above = [line for line in text.splitlines()[:index] if line.startswith("### ")]
         match = re.search(r"\(`(\w+)`\)", above[-1]) if above else None
         return match.group(1) if match else None
+
     return section_of
 
 
 def test_no_reference_to_removed_modules():
-    removed = ("commpatch.export", "commpatch.merge", "commpatch.plots", "commpatch.report", "commpatch.trace",
-               "commpatch.synthetic", "_log.", "design-notes")
+    removed = (
+        "commpatch.export",
+        "commpatch.merge",
+        "commpatch.plots",
+        "commpatch.report",
+        "commpatch.trace",
+        "commpatch.synthetic",
+        "_log.",
+        "design-notes",
+    )
     for name in list(_pages()) + ["../README.md"]:
         with open(os.path.join(DOCS, name)) as f:
             text = f.read()
@@ -301,7 +318,7 @@ def test_every_commpatch_name_in_the_docs_exists():
     page once named modules that did not)."""
     import importlib
 
-    not_code = {"commpatch.schema_version"}           # the Parquet metadata key
+    not_code = {"commpatch.schema_version"}  # the Parquet metadata key
     missing = []
     for name in list(_pages()) + ["../README.md"]:
         with open(os.path.join(DOCS, name)) as f:
@@ -332,14 +349,20 @@ def test_no_dated_history_in_readme():
 
 # ---- the site builds ----------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_site_builds_strict(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs-material is not installed (pip install -e '.[docs]'; CI installs it with the test extra)")
     site = tmp_path / "site"
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    res = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     html = (site / "reference" / "settings" / "index.html").read_text()
     assert all(s.env in html for s in SETTINGS)

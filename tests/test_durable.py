@@ -20,10 +20,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # mode -> signals the test sends once both ranks are ready (and 1 s has passed), with the gap
 SCENARIOS = {
-    "exit": (), "exception": (), "os_exit": (),
-    "sigint": (signal.SIGINT,), "sigterm": (signal.SIGTERM,), "sigterm_twice": (signal.SIGTERM, signal.SIGTERM),
-    "hang": (signal.SIGTERM,), "sighup": (signal.SIGHUP,), "sigusr1": (signal.SIGUSR1,),
-    "sigabrt": (signal.SIGABRT,), "sigsegv": (signal.SIGSEGV,), "sigkill": (signal.SIGKILL,),
+    "exit": (),
+    "exception": (),
+    "os_exit": (),
+    "sigint": (signal.SIGINT,),
+    "sigterm": (signal.SIGTERM,),
+    "sigterm_twice": (signal.SIGTERM, signal.SIGTERM),
+    "hang": (signal.SIGTERM,),
+    "sighup": (signal.SIGHUP,),
+    "sigusr1": (signal.SIGUSR1,),
+    "sigabrt": (signal.SIGABRT,),
+    "sigsegv": (signal.SIGSEGV,),
+    "sigkill": (signal.SIGKILL,),
     "user_handler": (signal.SIGTERM,),
 }
 
@@ -42,15 +50,34 @@ def _launch(tmp, mode, plain):
     env["PYTHONPATH"] = ROOT
     procs = []
     for rank in range(2):
-        cmd = [sys.executable, "-m", "tests.durable_worker", "--rank", str(rank), "--store", str(out / "store"),
-               "--out", str(out), "--mode", "hang" if mode == "hang" else mode]
-        procs.append(subprocess.Popen(cmd + (["--plain"] if plain else []), env=env, cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_default_signals))
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.durable_worker",
+            "--rank",
+            str(rank),
+            "--store",
+            str(out / "store"),
+            "--out",
+            str(out),
+            "--mode",
+            "hang" if mode == "hang" else mode,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd + (["--plain"] if plain else []),
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                preexec_fn=_default_signals,
+            )
+        )
     return out, procs
 
 
-BATCH = 6      # scenarios run at once (4 processes each, with the plain reference): 44 torch
-               # processes started together on a 2-core machine did not all start within the deadline
+BATCH = 6  # scenarios run at once (4 processes each, with the plain reference): 44 torch
+# processes started together on a 2-core machine did not all start within the deadline
 
 
 def _run_batch(runs: dict, results: dict) -> None:
@@ -77,10 +104,14 @@ def _run_batch(runs: dict, results: dict) -> None:
                         signalled[key] = time.time()
                 if all(p.poll() is not None for p in procs):
                     ended = time.time()
-                    results[key] = (out, [p.returncode for p in procs], ended - signalled.get(key, ended),
-                                    [p.stderr.read().decode(errors="replace")[-2000:] for p in procs])
+                    results[key] = (
+                        out,
+                        [p.returncode for p in procs],
+                        ended - signalled.get(key, ended),
+                        [p.stderr.read().decode(errors="replace")[-2000:] for p in procs],
+                    )
             time.sleep(0.05)
-    finally:                               # also when pytest's timeout interrupts: no process left behind
+    finally:  # also when pytest's timeout interrupts: no process left behind
         for _out, procs in runs.values():
             for p in procs:
                 if p.poll() is None:
@@ -95,14 +126,14 @@ def matrix(tmp_path_factory):
     keys = [(mode, plain) for mode in sorted(SCENARIOS) for plain in (True, False)]
     results = {}
     for i in range(0, len(keys), BATCH):
-        _run_batch({key: _launch(tmp, *key) for key in keys[i:i + BATCH]}, results)
+        _run_batch({key: _launch(tmp, *key) for key in keys[i : i + BATCH]}, results)
     missing = sorted(set(keys) - set(results))
     assert not missing, f"scenarios that did not end in time: {missing}"
     return results
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)                 # the first one runs the whole matrix (its fixture)
+@pytest.mark.timeout(900)  # the first one runs the whole matrix (its fixture)
 @pytest.mark.parametrize("mode", sorted(SCENARIOS))
 def test_rows_survive_and_the_exit_is_unchanged(matrix, mode):
     plain_out, plain_codes, plain_s, _ = matrix[(mode, True)]
@@ -110,20 +141,21 @@ def test_rows_survive_and_the_exit_is_unchanged(matrix, mode):
     assert codes == plain_codes, (codes, plain_codes, stderr)
     assert seconds <= plain_s + 1.0, (seconds, plain_s)
     runs = [d for d in out.iterdir() if d.is_dir()]
-    assert len(runs) == 1, runs                                  # one run directory, agreed by the ranks
+    assert len(runs) == 1, runs  # one run directory, agreed by the ranks
     df = commpatch.read_csv(str(runs[0]))
     for rank in (0, 1):
         rows = df[df["rank"] == rank].sort_values("seq")
         ops = rows["op"].astype(str)
         first = rows[ops == "all_reduce"].head(CALLS)
         assert len(first) == CALLS, (rank, len(first))
-        assert first["seq"].tolist() == list(range(CALLS))       # every call, in order, once
+        assert first["seq"].tolist() == list(range(CALLS))  # every call, in order, once
         assert (first["bytes"] == 64 * 4).all() and (first["group_ranks"] == "0 1").all()
         assert first["duration_us"].notna().all() and (first["status"] == "ok").all()
         assert first["start_ns"].is_monotonic_increasing
 
 
 # ---- where the files go ----------------------------------------------------------------------
+
 
 def _spawned_rank(rank, world_size, out):
     """A rank started by torch.multiprocessing (spawn, fork or forkserver) from a parent where
@@ -133,7 +165,7 @@ def _spawned_rank(rank, world_size, out):
 
     import commpatch
 
-    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))      # a no-op if inherited enabled
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))  # a no-op if inherited enabled
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size)
     for _ in range(5):
         dist.all_reduce(torch.ones(2))
@@ -149,11 +181,13 @@ def test_every_rank_writes_its_own_file_whatever_starts_it(tmp_path, method):
         "from tests.test_durable import _spawned_rank\n"
         "if __name__ == '__main__':\n"
         f"    commpatch.enable(output=sys.argv[1] + '/parent{{rank}}.csv')\n"
-        f"    mp.start_processes(_spawned_rank, args=(2, sys.argv[1]), nprocs=2, start_method={method!r})\n")
+        f"    mp.start_processes(_spawned_rank, args=(2, sys.argv[1]), nprocs=2, start_method={method!r})\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")}
     env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     logs = sorted(f for f in os.listdir(tmp_path) if f.endswith(".cplog"))
     # one file per rank, none for the parent (it recorded nothing); forked ranks inherit the
@@ -181,7 +215,7 @@ def test_reinitialising_with_another_rank_starts_a_new_file(tmp_path):
         if rank == 0:
             assert first == str(tmp_path / "rank0.cplog")
     names = sorted(os.listdir(tmp_path))
-    assert "rank0.cplog" in names and "rank0.1.cplog" in names     # a new file, the first kept as it was
+    assert "rank0.cplog" in names and "rank0.1.cplog" in names  # a new file, the first kept as it was
     assert len(commpatch.log()) == 2
 
 
@@ -230,7 +264,7 @@ def test_group_members_cost_the_same_at_1024_ranks(tmp_path):
     assert sizes[1024] <= 1.2 * sizes[2], sizes
 
 
-@pytest.mark.parametrize("name", ["x\udcff", "comma, \"quote\"\nnewline", "日本語", "", "\x00nul"])
+@pytest.mark.parametrize("name", ["x\udcff", 'comma, "quote"\nnewline', "日本語", "", "\x00nul"])
 def test_any_tag_string_round_trips_or_is_escaped(tmp_path, name):
     import torch
     import torch.distributed as dist

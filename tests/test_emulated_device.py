@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUSY_MS = 150
-MIN_MS = 140          # device-side lower bound for a 150 ms stall
-HOST_MAX_MS = 10      # a host call that queues device work must return well under this
+MIN_MS = 140  # device-side lower bound for a 150 ms stall
+HOST_MAX_MS = 10  # a host call that queues device work must return well under this
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +36,12 @@ def built():
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", "from tests import emulated_device as e; e.load(); print(f'{e.build_seconds:.2f}')"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     if proc.returncode != 0:
         pytest.fail(f"building the emulated device failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return {"load_seconds": float(proc.stdout.strip().splitlines()[-1]), "wall_seconds": time.perf_counter() - t0}
@@ -69,20 +73,28 @@ def test_elapsed_time_raises_unless_both_events_timed_and_completed(device):
 
 def test_host_wait_counter_stays_zero_until_someone_synchronizes(device):
     assert device["waits_before_sync"] == 0
-    assert device["waits_after_sync"] == {"stream_synchronize": 0, "event_synchronize": 1,
-                                          "device_synchronize": 0, "op_wait": 0}
-    assert device["waits_stream_device"] == {"stream_synchronize": 1, "event_synchronize": 0,
-                                             "device_synchronize": 1, "op_wait": 0}
+    assert device["waits_after_sync"] == {
+        "stream_synchronize": 0,
+        "event_synchronize": 1,
+        "device_synchronize": 0,
+        "op_wait": 0,
+    }
+    assert device["waits_stream_device"] == {
+        "stream_synchronize": 1,
+        "event_synchronize": 0,
+        "device_synchronize": 1,
+        "op_wait": 0,
+    }
 
 
 def test_a_stream_waits_for_another_streams_event(device):
     assert device["side_id"] != 0
-    assert device["wait_event_ms"] >= 90          # the 100 ms sleep ran on the side stream
+    assert device["wait_event_ms"] >= 90  # the 100 ms sleep ran on the side stream
     assert device["stream_sync_ms"] >= 90
 
 
 def test_aten_ops_run_after_the_work_queued_on_the_stream(device):
-    assert device["op_after_job"] == [8.0] * 4    # the queued job's fill (7) happened first
+    assert device["op_after_job"] == [8.0] * 4  # the queued job's fill (7) happened first
     assert device["op_waits"] == 1
     assert device["matmul_ok"]
 
@@ -103,13 +115,13 @@ def test_a_busy_rank_stretches_its_peers_device_side_collective(collectives):
         assert r["correct"], rank
         assert r["errors"] == [], rank
         assert r["host_call_ms"] < HOST_MAX_MS, (rank, r)
-        assert r["host_wait_ms"] < HOST_MAX_MS, (rank, r)        # work.wait(): the stream waits, not the host
+        assert r["host_wait_ms"] < HOST_MAX_MS, (rank, r)  # work.wait(): the stream waits, not the host
         assert r["waits_before_sync"] == 0, (rank, r)
         # then(): the callback runs on another stream, made to wait for the collective (within the
         # microseconds between the collective's end and the `end` event recorded after it)
         assert r["cb_ms_from_start"] >= r["device_ms"] - 1.0, (rank, r)
         if rank == 0:
-            assert r["device_ms"] < MIN_MS / 2, r                # the busy rank arrives last: no waiting
+            assert r["device_ms"] < MIN_MS / 2, r  # the busy rank arrives last: no waiting
         else:
             assert r["device_ms"] >= MIN_MS, (rank, r)
             assert r["cb_ms_from_start"] >= MIN_MS, (rank, r)
@@ -120,8 +132,17 @@ def test_every_collective_is_correct_on_the_device(collectives):
     for rank, r in enumerate(r["coverage"] for r in results):
         assert r.pop("errors") == [], rank
         assert all(r.values()), (rank, r)
-        assert set(r) >= {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                          "reduce_scatter_tensor", "barrier", "send_recv", "cpu_all_reduce"}
+        assert set(r) >= {
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter",
+            "reduce_scatter_tensor",
+            "barrier",
+            "send_recv",
+            "cpu_all_reduce",
+        }
 
 
 def test_ddp_on_the_device_matches_cpu_exactly(built):
@@ -142,16 +163,21 @@ def test_commpatch_times_collectives_on_the_device_without_host_waits(collective
     for rank, r in enumerate(r["commpatch"] for r in results):
         assert r["errors"] == [], rank
         assert r["sync_host_ms"] < HOST_MAX_MS and r["async_host_ms"] < HOST_MAX_MS, (rank, r)
-        assert r["waits_in_calls"] == {"stream_synchronize": 0, "event_synchronize": 0, "device_synchronize": 0,
-                                       "op_wait": 0}, "the host waited before the log was read"
+        assert r["waits_in_calls"] == {
+            "stream_synchronize": 0,
+            "event_synchronize": 0,
+            "device_synchronize": 0,
+            "op_wait": 0,
+        }, "the host waited before the log was read"
         rows = _collective_rows(r["rows"])
-        assert [(x["async_op"], x["device"], x["backend"], x["timing"]) for x in rows] == \
-            [(False, "emu", "emustream", "device_event")] + [(True, "emu", "emustream", "device_event")] * 3
+        assert [(x["async_op"], x["device"], x["backend"], x["timing"]) for x in rows] == [
+            (False, "emu", "emustream", "device_event")
+        ] + [(True, "emu", "emustream", "device_event")] * 3
         sync = rows[0]["duration_us"] / 1e3
         if rank == 0:
-            assert sync < MIN_MS / 2, r                  # the busy rank arrives last: no waiting
+            assert sync < MIN_MS / 2, r  # the busy rank arrives last: no waiting
         else:
-            assert sync >= MIN_MS, (rank, rows[0])       # waited for rank 0 on the device
+            assert sync >= MIN_MS, (rank, rows[0])  # waited for rank 0 on the device
         barrier = [x for x in r["rows"] if x["op"] == "barrier"]
         assert barrier[0]["device"] == "none" and barrier[0]["backend"] == "gloo"
 
@@ -166,8 +192,8 @@ def test_own_time_excludes_the_wait_behind_an_earlier_collective(collectives):
         assert small["own_us"] <= small["duration_us"]
         if rank > 0:
             assert long["duration_us"] / 1e3 >= MIN_MS and long["own_us"] == long["duration_us"], (rank, long)
-            assert small["duration_us"] / 1e3 >= MIN_MS, (rank, small)       # queued behind the long one
-            assert small["own_us"] / 1e3 < MIN_MS / 2, (rank, small)          # its own time is short
+            assert small["duration_us"] / 1e3 >= MIN_MS, (rank, small)  # queued behind the long one
+            assert small["own_us"] / 1e3 < MIN_MS / 2, (rank, small)  # its own time is short
 
 
 def test_no_event_is_touched_while_the_stream_is_capturing(collectives):
@@ -175,7 +201,7 @@ def test_no_event_is_touched_while_the_stream_is_capturing(collectives):
     for rank, r in enumerate(r["commpatch"] for r in results):
         assert r["capture"] == {"created": 0, "pending": 0, "waits": 0}, rank
         before, *captured = r["capture_rows"]
-        assert before["timing"] == "device_event" and before["duration_us"] > 0   # resolved after the capture
+        assert before["timing"] == "device_event" and before["duration_us"] > 0  # resolved after the capture
         assert [(x["timing"], x["device"]) for x in captured] == [("none", "emu")] * 2
 
 
@@ -186,17 +212,18 @@ def test_the_event_pool_does_not_grow(collectives):
         # events exist for what is in flight between two reads of the user's (100 calls, 2 events
         # each) plus the 64 measurements allowed before resolving early: not for the calls made
         assert at_the_end <= 2 * (100 + 64) + 8, (rank, r["pool"])
-        assert at_the_end - halfway <= 8, (rank, r["pool"])   # flat over the second half of the calls
+        assert at_the_end - halfway <= 8, (rank, r["pool"])  # flat over the second half of the calls
         assert r["pool_rows"] == (10_000 if world_size == 2 else 1_000)
 
 
 def test_ddp_fsdp2_and_nccl_timing_on_the_device(built):
     for rank, r in enumerate(workers.run_emu_ranks(workers.commpatch_frameworks, 2, timeout=120)):
         assert r["errors"] == [], rank
-        assert r["ddp_rows"] and {(x["op"], x["device"], x["backend"], x["timing"]) for x in r["ddp_rows"]} == \
-            {("ddp_bucket_allreduce", "emu", "emustream", "device_event")}, r["ddp_rows"]
+        assert r["ddp_rows"] and {(x["op"], x["device"], x["backend"], x["timing"]) for x in r["ddp_rows"]} == {
+            ("ddp_bucket_allreduce", "emu", "emustream", "device_event")
+        }, r["ddp_rows"]
         assert all(x["duration_us"] > 0 for x in r["ddp_rows"])
-        internal = r["ddp_internal_rows"]        # the constructor's check and broadcast, the bucket rebuild
+        internal = r["ddp_internal_rows"]  # the constructor's check and broadcast, the bucket rebuild
         assert {x["op"] for x in internal} >= {"ddp_verify_params_allgather", "ddp_broadcast_coalesced"}, internal
         assert {(x["device"], x["timing"]) for x in internal} == {("emu", "device_event")}, internal
         assert "fsdp_error" not in r, r.get("fsdp_error")
@@ -205,4 +232,4 @@ def test_ddp_fsdp2_and_nccl_timing_on_the_device(built):
         assert all(x["duration_us"] > 0 for x in r["fsdp_rows"])
         nccl = r["nccl"]
         assert nccl["code_is_nccl"] and nccl["pending_before"] == 1 and nccl["pending_after"] == 0
-        assert 38 <= nccl["duration_ms"] < 60, nccl   # the 40 ms "kernel", not the 20 ms queued before it
+        assert 38 <= nccl["duration_ms"] < 60, nccl  # the 40 ms "kernel", not the 20 ms queued before it

@@ -43,8 +43,9 @@ def _same(a, b, name):
     for col in a.columns:
         x, y = a[col].reset_index(drop=True), b[col].reset_index(drop=True)
         if x.dtype.kind in "fiu" and y.dtype.kind in "fiu":
-            np.testing.assert_allclose(x.to_numpy(np.float64), y.to_numpy(np.float64), rtol=1e-9, equal_nan=True,
-                                       err_msg=f"{name}.{col}")
+            np.testing.assert_allclose(
+                x.to_numpy(np.float64), y.to_numpy(np.float64), rtol=1e-9, equal_nan=True, err_msg=f"{name}.{col}"
+            )
         else:
             assert x.astype(str).tolist() == y.astype(str).tolist(), f"{name}.{col}"
 
@@ -72,7 +73,7 @@ def test_engine_and_pandas_paths_give_the_same_report(tmp_path, monkeypatch):
     rep = _compare(str(tmp_path / "a"))
     assert rep.sections["ranks"]["rank"].iloc[0] == 2 and len(rep.errors) == 1
     df = make_log(4, 5, p2p=True, missing=(3, 6), seed=1)
-    df.loc[(df["rank"] == 1) & (df["op"] == "recv") & (df["step"] == 2), "op"] = "broadcast"   # a lost receive
+    df.loc[(df["rank"] == 1) & (df["op"] == "recv") & (df["step"] == 2), "op"] = "broadcast"  # a lost receive
     df.loc[(df["rank"] == 0) & (df["seq"] == 3), "dtype"] = "bfloat16"
     # rank 3's skipped collective makes its log end one collective before the others' (not a mismatch,
     # issue 24.7); a subgroup whose collective rank 3 never issues while its log goes on: missing
@@ -83,7 +84,7 @@ def test_engine_and_pandas_paths_give_the_same_report(tmp_path, monkeypatch):
     rep = _compare(str(tmp_path / "b"), by=("op", "dtype"))
     assert {"missing", "bytes", "dtype", "p2p_unmatched", "op"} <= set(rep.sections["mismatches"]["kind"])
     assert any(f.kind == "ends" and "rank(s) 3 (#" in f.text for f in rep.findings)
-    monkeypatch.setattr(engine.Engine, "SMALL_DIFFERS", 3)     # many disagreeing collectives: found in SQL
+    monkeypatch.setattr(engine.Engine, "SMALL_DIFFERS", 3)  # many disagreeing collectives: found in SQL
     assert _compare(str(tmp_path / "b"), by=("op", "dtype")).errors == rep.errors
     monkeypatch.undo()
     # binary rank logs as a run writes them: groups of three sizes, p2p pairs, a straggler, a mismatch
@@ -106,34 +107,53 @@ def _cli(capsys, *argv):
 
 def test_report_slices_ranks_and_steps_and_says_what_is_wrong(tmp_path, capsys):
     write_binary_run(str(tmp_path), 16, 300, straggler=3, mismatch=None)
-    code, out, err = _cli(capsys, tmp_path, "--ranks", "0-3,12", "--steps", "10:20", "--format", "json",
-                          "--engine", "duckdb")
+    code, out, err = _cli(
+        capsys, tmp_path, "--ranks", "0-3,12", "--steps", "10:20", "--format", "json", "--engine", "duckdb"
+    )
     rep = json.loads(out)
     assert code == 0 and rep["title"] == "commpatch report: 500 calls, 5 rank(s) 0,1,2,3,12"
     assert [s["step"] for s in rep["sections"]["steps"]] == list(range(10, 20))
     assert rep["sections"]["ranks"][0]["rank"] == 3
-    code, out2, _ = _cli(capsys, tmp_path, "--ranks", "0-3,12", "--steps", "10:20", "--format", "json",
-                         "--engine", "pandas")
-    assert json.loads(out2)["title"] == rep["title"] and json.loads(out2)["sections"]["ranks"] == rep["sections"]["ranks"]
+    code, out2, _ = _cli(
+        capsys, tmp_path, "--ranks", "0-3,12", "--steps", "10:20", "--format", "json", "--engine", "pandas"
+    )
+    assert (
+        json.loads(out2)["title"] == rep["title"] and json.loads(out2)["sections"]["ranks"] == rep["sections"]["ranks"]
+    )
     trace = tmp_path / "out" / "window.json"
     code, _, err = _cli(capsys, tmp_path, "--ranks", "1", "--steps", "5:6", "--trace", trace, "--engine", "duckdb")
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     assert code == 0 and len(events) == 10
     for argv, message in (
-            (["--ranks", "3-1"], "--ranks '3-1': '3-1' is not a range of ranks"),
-            (["--ranks", "a,2"], "--ranks 'a,2': 'a' is not a rank or a range of ranks (e.g. 0-7,12)"),
-            (["--steps", "9:3"], "--steps 9:3: no step in this window"),
-            (["--steps", "x:y"], "--steps x:y: give a window of steps A:B"),
-            (["--ranks", "100-200"], "no collective calls recorded in the log file(s) for the ranks / steps asked"),
-            (["--steps", "5000:"], "no collective calls recorded in the log file(s) for the ranks / steps asked")):
+        (["--ranks", "3-1"], "--ranks '3-1': '3-1' is not a range of ranks"),
+        (["--ranks", "a,2"], "--ranks 'a,2': 'a' is not a rank or a range of ranks (e.g. 0-7,12)"),
+        (["--steps", "9:3"], "--steps 9:3: no step in this window"),
+        (["--steps", "x:y"], "--steps x:y: give a window of steps A:B"),
+        (["--ranks", "100-200"], "no collective calls recorded in the log file(s) for the ranks / steps asked"),
+        (["--steps", "5000:"], "no collective calls recorded in the log file(s) for the ranks / steps asked"),
+    ):
         code, out, err = _cli(capsys, tmp_path, *argv)
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
 
 
 def test_scale_benchmark_runs_a_small_size(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "merge_scale.py"), "--sizes", "16",
-                          "--rows", "2000", "--engine", "duckdb", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "merge_scale.py"),
+            "--sizes",
+            "16",
+            "--rows",
+            "2000",
+            "--engine",
+            "duckdb",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     row = [line for line in out.stdout.splitlines() if line.startswith("| 16 |")]
     assert row and row[0].split("|")[7:9] == [" found ", " found "]
@@ -144,12 +164,12 @@ def test_convert_to_a_rank_partitioned_parquet_dataset_that_report_and_duckdb_re
     assert main(["convert", str(tmp_path), "--to", "parquet"]) == 0
     written = capsys.readouterr().out.split()
     assert written == [str(tmp_path / "parquet" / f"rank={r}" / f"rank{r}.parquet") for r in range(8)]
-    assert main(["convert", str(tmp_path), "--to", "parquet"]) == 0          # never over an existing file
+    assert main(["convert", str(tmp_path), "--to", "parquet"]) == 0  # never over an existing file
     assert capsys.readouterr().err.count("exists: kept as it is") == 8
     dataset = str(tmp_path / "parquet")
     assert _compare(dataset).title == _compare(str(tmp_path)).title == "commpatch report: 2400 calls, 8 rank(s) 0-7"
     assert cpio.file_rank(os.path.join(dataset, "rank=5", "rank5.parquet")) == 5
-    import duckdb   # the README's query
+    import duckdb  # the README's query
 
     top = duckdb.sql(f"""SELECT rank, count(*) AS calls, sum(duration_us) / 1e6 AS comm_s
                          FROM read_parquet('{dataset}/*/*.parquet', hive_partitioning = true)

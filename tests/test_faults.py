@@ -35,6 +35,7 @@ ALL_REDUCE = OP_NAMES.index("all_reduce")
 
 # ---- helpers --------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A small tmpfs (16 MB), mounted for the test; ``remount(options)`` changes it (ro / rw)."""
@@ -75,10 +76,29 @@ def run_job(out, mode, *, plain=False, calls=2000, world=2, env=None, timeout=12
     store = os.path.join(os.path.dirname(str(out).rstrip("/")), f"store-{uuid.uuid4().hex}")
     procs = []
     for rank in range(world):
-        cmd = [sys.executable, "-m", "tests.faults.job", "--rank", str(rank), "--world", str(world), "--store", store,
-               "--out", str(out), "--mode", mode, "--calls", str(calls), *extra] + (["--plain"] if plain else [])
-        procs.append(subprocess.Popen(cmd, env=env or _env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.faults.job",
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--store",
+            store,
+            "--out",
+            str(out),
+            "--mode",
+            mode,
+            "--calls",
+            str(calls),
+            *extra,
+        ] + (["--plain"] if plain else [])
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env or _env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     results = []
     for p in procs:
         try:
@@ -111,6 +131,7 @@ def commpatch_lines(stderr: str) -> list[str]:
 
 # ---- 1 and 8: a full disk, then freed ------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_full_disk_then_freed_leaves_whole_frames_and_every_row(tmpfs, tmp_path):
     mnt, _ = tmpfs
@@ -120,19 +141,19 @@ def test_a_full_disk_then_freed_leaves_whole_frames_and_every_row(tmpfs, tmp_pat
     logs = rank_logs(mnt)
     assert sorted(logs) == [0, 1]
     for rank, parsed in logs.items():
-        assert len(parsed) == 1, (rank, len(parsed))       # one file: cut back to whole frames, written on
+        assert len(parsed) == 1, (rank, len(parsed))  # one file: cut back to whole frames, written on
         p = parsed[0]
-        assert p.torn == 0, (rank, p.torn)                  # no record cut short inside the file
+        assert p.torn == 0, (rank, p.torn)  # no record cut short inside the file
         seqs = np.sort(p.rows["seq"])
-        assert seqs.tolist() == list(range(len(seqs))), rank                # before, during and after the fault
+        assert seqs.tolist() == list(range(len(seqs))), rank  # before, during and after the fault
         assert (p.rows["op"] == ALL_REDUCE).sum() == 3 * 2000, rank
     for _rank, (_code, result, stderr) in enumerate(results):
         assert "Traceback" not in stderr, stderr[-3000:]
-        assert result["errors"] == {} and result["dropped"] == 0, result   # nothing lost: all kept, then written
+        assert result["errors"] == {} and result["dropped"] == 0, result  # nothing lost: all kept, then written
         warned = commpatch_lines(stderr)
         assert any("cannot write" in ln and "tried again" in ln for ln in warned), stderr[-2000:]
         assert any("is written again" in ln for ln in warned), stderr[-2000:]
-    df = commpatch.read_csv(str(mnt))                       # the CSV at exit, once the disk had room again
+    df = commpatch.read_csv(str(mnt))  # the CSV at exit, once the disk had room again
     df = df[df["op"] == "all_reduce"]
     assert sorted(df.groupby("rank").size().to_dict().items()) == [(0, 6000), (1, 6000)]
 
@@ -142,15 +163,19 @@ def test_a_write_cut_short_is_truncated_back_to_the_last_whole_frame(tmpfs):
     then cut back; the file reads as before the failed write; more frames follow once there is room."""
     mnt, _ = tmpfs
     sink = sinks.FileSink(str(mnt / "r.cplog"))
-    rows = lambda lo, n: logfile.frame(logfile.ROWS, b"".join(  # noqa: E731
-        ROW.pack(s, 0, 0, 0, 1, 0, 1, 2, -1, 0, 0, 0) for s in range(lo, lo + n)))
-    sink.append(logfile.meta("header", rank=0, world_size=1, pid=os.getpid()) + rows(0, 100), 100)   # as a rank writes
+    rows = lambda lo, n: logfile.frame(
+        logfile.ROWS,
+        b"".join(  # noqa: E731
+            ROW.pack(s, 0, 0, 0, 1, 0, 1, 2, -1, 0, 0, 0) for s in range(lo, lo + n)
+        ),
+    )
+    sink.append(logfile.meta("header", rank=0, world_size=1, pid=os.getpid()) + rows(0, 100), 100)  # as a rank writes
     from tests.faults.job import fill
 
     filler = fill(str(mnt), 4096)
     size = os.path.getsize(mnt / "r.cplog")
     with pytest.raises(OSError):
-        sink.append(rows(100, 1000), 1000)                  # 59 KB into a page or so: cut short, then cut back
+        sink.append(rows(100, 1000), 1000)  # 59 KB into a page or so: cut short, then cut back
     assert os.path.getsize(mnt / "r.cplog") == size == sink.size
     os.unlink(filler)
     sink.append(rows(100, 1000), 1000)
@@ -160,6 +185,7 @@ def test_a_write_cut_short_is_truncated_back_to_the_last_whole_frame(tmpfs):
 
 
 # ---- 2: disable() then enable(), capture() blocks, then SIGKILL ----------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["reenable", "capture"])
@@ -171,10 +197,11 @@ def test_rows_recorded_after_a_reenable_reach_the_disk_before_a_sigkill(tmp_path
     blocks = 2 if mode == "reenable" else 3
     for rank in (0, 1):
         ops = np.concatenate([p.rows["op"] for p in logs[rank]])
-        assert (ops == ALL_REDUCE).sum() == blocks * 1500, rank   # every row, though none was flushed by a chunk
+        assert (ops == ALL_REDUCE).sum() == blocks * 1500, rank  # every row, though none was flushed by a chunk
 
 
 # ---- 3 and 15: an output that cannot be written ----------------------------------------------
+
 
 @pytest.fixture
 def fake_group():
@@ -202,24 +229,24 @@ def test_a_read_only_output_keeps_a_bounded_log_and_retries_the_file(tmpfs, fake
     monkeypatch.setattr(sinks, "RETRY_S", 0.2)
     seq0 = peek_seq(SEQ)
     with pytest.warns(RuntimeWarning) as record:
-        commpatch.enable(output=str(mnt / "{run}" / "rank{rank}.csv"))   # not refused: the job runs
+        commpatch.enable(output=str(mnt / "{run}" / "rank{rank}.csv"))  # not refused: the job runs
         t = torch.ones(2)
         for _ in range(6 * CHUNK):
             dist.all_reduce(t)
     log = session.default().log
     warned = [str(w.message) for w in record if "commpatch" in str(w.message)]
     assert len([w for w in warned if "not writable" in w or "cannot write" in w]) == 1, warned
-    assert any("were NOT written" in w for w in warned), warned       # the bound: dropped, counted, warned once
-    assert log.nbytes() <= 3 * CHUNK * ROW.size + 65536                # bounded memory
-    df = commpatch.log()                                                # the rows kept are still shown
+    assert any("were NOT written" in w for w in warned), warned  # the bound: dropped, counted, warned once
+    assert log.nbytes() <= 3 * CHUNK * ROW.size + 65536  # bounded memory
+    df = commpatch.log()  # the rows kept are still shown
     dropped = df.attrs["dropped_rows"]
     assert len(df) + dropped == 6 * CHUNK and _runtime.ERRORS["export.dropped"] == dropped
-    assert df["seq"].tolist() == list(range(seq0 + dropped, seq0 + 6 * CHUNK))   # the oldest were dropped
+    assert df["seq"].tolist() == list(range(seq0 + dropped, seq0 + 6 * CHUNK))  # the oldest were dropped
     remount("rw")
     deadline, more = time.monotonic() + 20, 0
     while not list(mnt.rglob("*.cplog")) and time.monotonic() < deadline:
         time.sleep(0.1)
-        dist.all_reduce(t)                                              # the flusher retries meanwhile
+        dist.all_reduce(t)  # the flusher retries meanwhile
         more += 1
     files = list(mnt.rglob("*.cplog"))
     assert len(files) == 1
@@ -227,11 +254,11 @@ def test_a_read_only_output_keeps_a_bounded_log_and_retries_the_file(tmpfs, fake
     log.flush()
     parsed = logfile.parse(files[0].read_bytes(), ROW.size, row_dtype(np))
     dropped = log.dropped
-    assert parsed.torn == 0 and len(parsed.rows) + dropped == 6 * CHUNK + more   # kept rows reached the file
+    assert parsed.torn == 0 and len(parsed.rows) + dropped == 6 * CHUNK + more  # kept rows reached the file
     lost = [json.loads(bytes(m)) for m in _meta_payloads(files[0].read_bytes()) if b'"lost"' in m]
-    assert sum(m["rows"] for m in lost) == dropped and lost[0]["first_seq"] == seq0   # the loss is in the log
+    assert sum(m["rows"] for m in lost) == dropped and lost[0]["first_seq"] == seq0  # the loss is in the log
     assert _runtime.ERRORS["export.dropped"] == dropped
-    assert sum(n for n, _, _, _ in parsed.lost) == dropped               # ... and the reader says it
+    assert sum(n for n, _, _, _ in parsed.lost) == dropped  # ... and the reader says it
     said = [p for p in parsed.damage() if "never written" in p]
     assert len(said) == 1 and said[0].startswith(f"{dropped} row(s) recorded but never written"), parsed.damage()
     with pytest.warns(Warning, match=f"{dropped} row\\(s\\) recorded but never written"):
@@ -243,7 +270,7 @@ def _meta_payloads(data: bytes):
     while pos + 5 <= len(data):
         kind, length = logfile._FRAME.unpack_from(data, pos)
         if kind == logfile.META:
-            yield data[pos + 5:pos + 5 + length]
+            yield data[pos + 5 : pos + 5 + length]
         pos += 5 + length
 
 
@@ -251,25 +278,33 @@ def _meta_payloads(data: bytes):
 def test_an_unwritable_output_under_commpatch_1_runs_the_job_unless_strict(tmpfs, tmp_path, strict):
     mnt, remount = tmpfs
     remount("ro")
-    script = ("import torch, torch.distributed as dist\n"
-              "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
-              "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=1)\n"
-              "t = torch.ones(2)\n"
-              "[dist.all_reduce(t) for _ in range(10)]\n"
-              "import commpatch; print('rows', len(commpatch.log()))\n")
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env=_env(COMMPATCH="1", COMMPATCH_OUTPUT=str(mnt / "rank{rank}.csv"), COMMPATCH_STRICT=strict))
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=1)\n"
+        "t = torch.ones(2)\n"
+        "[dist.all_reduce(t) for _ in range(10)]\n"
+        "import commpatch; print('rows', len(commpatch.log()))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(COMMPATCH="1", COMMPATCH_OUTPUT=str(mnt / "rank{rank}.csv"), COMMPATCH_STRICT=strict),
+    )
     if strict == "1":
         assert res.returncode == 2 and res.stdout == "", res.stderr[-2000:]
         assert len(res.stderr.strip().splitlines()) == 1 and "COMMPATCH_STRICT=1" in res.stderr, res.stderr
     else:
         assert res.returncode == 0 and res.stdout == "rows 10\n", res.stderr[-2000:]
         assert "Traceback" not in res.stderr
-        assert "not writable" in res.stderr and "were NOT written" in res.stderr     # at exit: how many
+        assert "not writable" in res.stderr and "were NOT written" in res.stderr  # at exit: how many
         assert "10 row(s)" in res.stderr, res.stderr
 
 
 # ---- 4: the run directory removed mid-run ----------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.faults
@@ -281,25 +316,26 @@ def test_a_run_directory_removed_mid_run_is_recreated_and_the_loss_said_once(tmp
     for rank, (_code, result, stderr) in enumerate(results):
         removed = [ln for ln in commpatch_lines(stderr) if "was deleted while the job ran" in ln]
         assert len(removed) == 1, stderr[-3000:]
-        assert "2000 row(s) of this rank's log were NOT written" in removed[0]   # counted right
+        assert "2000 row(s) of this rank's log were NOT written" in removed[0]  # counted right
         assert result["errors"] == {"export.removed": 2000}, result
-        (p,) = logs[rank]                                   # re-created, with its registries
+        (p,) = logs[rank]  # re-created, with its registries
         assert p.header["rank"] == rank and p.groups and p.torn == 0
         seqs = np.sort(p.rows["seq"])
         assert seqs[0] >= 2000 and seqs.tolist() == list(range(seqs[0], seqs[0] + len(seqs))), rank
-        assert (p.rows["op"] == ALL_REDUCE).sum() == 2000, rank      # every call after the removal
-    df = commpatch.read_csv(str(tmp_path / "cp"))                    # the CSVs at exit, in the new directory
+        assert (p.rows["op"] == ALL_REDUCE).sum() == 2000, rank  # every call after the removal
+    df = commpatch.read_csv(str(tmp_path / "cp"))  # the CSVs at exit, in the new directory
     assert (df["op"] == "all_reduce").sum() == 2 * 2000
 
 
 # ---- 5: a slow disk (2 s per write) ------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.faults
 def test_a_slow_disk_never_makes_the_training_thread_write_and_drops_past_the_bound(tmp_path, shim):
     shim_log = tmp_path / "writes.txt"
     env = _env(LD_PRELOAD=shim, SHIM_DELAY_MS="2000", SHIM_LOG=str(shim_log))
-    calls = CHUNK + 2000                   # a chunk's maintenance on the training thread included
+    calls = CHUNK + 2000  # a chunk's maintenance on the training thread included
     plain = run_job(tmp_path / "plain", "slow", plain=True, calls=calls)
     results = run_job(tmp_path / "cp", "slow", calls=calls, env=env, extra=("--backlog", "500"), timeout=240)
     assert [r[0] for r in results] == [r[0] for r in plain] == [0, 0], [r[2][-2000:] for r in results]
@@ -307,7 +343,7 @@ def test_a_slow_disk_never_makes_the_training_thread_write_and_drops_past_the_bo
     ends = {ln.split()[1] for ln in lines if ln.startswith("END")}
     assert len(ends) == 2, lines
     training = []
-    for tid in ends:                       # the shim's notes before that thread said END
+    for tid in ends:  # the shim's notes before that thread said END
         for ln in lines:
             if ln == f"END {tid}":
                 break
@@ -320,10 +356,11 @@ def test_a_slow_disk_never_makes_the_training_thread_write_and_drops_past_the_bo
         warned = [ln for ln in commpatch_lines(stderr) if "NOT written" in ln]
         assert len(warned) == 1 and "the job is never made to wait" in warned[0], stderr[-3000:]
         (p,) = logs[rank]
-        assert len(p.rows) + dropped == calls and p.torn == 0           # every row written or counted
+        assert len(p.rows) + dropped == calls and p.torn == 0  # every row written or counted
 
 
 # ---- 12: the watchdog's dump never goes through a link or over a file -------------------------
+
 
 def test_the_hang_dump_never_follows_a_planted_link_or_replaces_a_file(tmp_path, monkeypatch, capsys):
     from commpatch import session, watchdog
@@ -331,8 +368,8 @@ def test_the_hang_dump_never_follows_a_planted_link_or_replaces_a_file(tmp_path,
     monkeypatch.chdir(tmp_path)
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (tmp_path / f"hang_rank0.txt.tmp{os.getpid()}").symlink_to(victim)      # the temporary name
-    (tmp_path / "hang_rank0.1.txt").symlink_to(victim)                       # a later name
+    (tmp_path / f"hang_rank0.txt.tmp{os.getpid()}").symlink_to(victim)  # the temporary name
+    (tmp_path / "hang_rank0.1.txt").symlink_to(victim)  # a later name
     (tmp_path / "hang_rank0.2.txt").write_text("an earlier run's dump\n")
     commpatch.enable(output="none")
     dog = watchdog.Watchdog(session.default().log, 0.1, "")
@@ -365,8 +402,18 @@ def test_a_dump_file_swapped_for_a_link_is_not_appended_to(tmp_path, monkeypatch
 
 # ---- 14: output templates, symlinked parents ---------------------------------------------------
 
-BAD_TEMPLATES = ["{rank[0]}.csv", "{rank.foo}.csv", "{nope}.csv", "{0}.csv", "{}.csv", "a{.csv", "a}.csv",
-                 "{rank!r}.csv", "{rank:03d}.csv", "{pid.real}/{rank}.csv"]
+BAD_TEMPLATES = [
+    "{rank[0]}.csv",
+    "{rank.foo}.csv",
+    "{nope}.csv",
+    "{0}.csv",
+    "{}.csv",
+    "a{.csv",
+    "a}.csv",
+    "{rank!r}.csv",
+    "{rank:03d}.csv",
+    "{pid.real}/{rank}.csv",
+]
 
 
 @pytest.mark.parametrize("template", BAD_TEMPLATES)
@@ -380,12 +427,18 @@ def test_a_bad_output_template_is_one_config_error(template):
 @pytest.mark.parametrize("template", ["{rank[0]}.csv", "{rank.foo}.csv", "{nope}.csv"])
 def test_a_bad_output_template_exits_2_under_commpatch_1_and_is_reported_by_env(tmp_path, template):
     env = _env(COMMPATCH="1", COMMPATCH_OUTPUT=str(tmp_path / template))
-    res = subprocess.run([sys.executable, "-c", "import torch.distributed; print('ran')"], capture_output=True,
-                         text=True, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", "import torch.distributed; print('ran')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert res.returncode == 2 and res.stdout == "", res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "only the fields" in res.stderr, res.stderr
-    res = subprocess.run([sys.executable, "-m", "commpatch", "env"], capture_output=True, text=True, timeout=120,
-                         env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "env"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert "Traceback" not in res.stderr and "only the fields" in res.stdout + res.stderr, res.stdout + res.stderr
 
 
@@ -408,7 +461,7 @@ def test_a_symlinked_parent_directory_is_followed_and_the_file_is_never_a_link(t
     real.mkdir()
     (tmp_path / "logs").symlink_to(real)
     victim = tmp_path / "victim"
-    (real / "rank0.cplog").symlink_to(victim)            # a planted link at the file's name
+    (real / "rank0.cplog").symlink_to(victim)  # a planted link at the file's name
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         commpatch.enable(output=str(tmp_path / "logs" / "rank{rank}.csv"))
@@ -430,9 +483,24 @@ def test_commpatch_run_with_an_unwritable_output_runs_the_command_unless_strict(
     marker = tmp_path / "ran"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")}
     env["COMMPATCH_STRICT"] = strict
-    res = subprocess.run([sys.executable, "-m", "commpatch", "run", "--output", str(blocker / "rank{rank}.csv"), "--",
-                          sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commpatch",
+            "run",
+            "--output",
+            str(blocker / "rank{rank}.csv"),
+            "--",
+            sys.executable,
+            "-c",
+            f"open({str(marker)!r}, 'w').close()",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "is not a directory" in res.stderr and "Traceback" not in res.stderr, res.stderr
     if strict == "1":
         assert res.returncode == 2 and not marker.exists()

@@ -28,7 +28,7 @@ import pytest
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 SEED = 24
 BINARY_CASES, CSV_CASES = 200, 100
-HANG_S = 20                   # a case taking longer than this is a hang (they take ~0.1 s)
+HANG_S = 20  # a case taking longer than this is a hang (they take ~0.1 s)
 PEAK_MB = 256
 ESCAPES = ("\x1b", "\x9b", "\x07")
 
@@ -87,7 +87,7 @@ def child(cases: list[str]) -> dict:
         raise Hang()
 
     vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
-    limit = vm + (3 << 30)       # imports still to come, the arenas of numpy / Arrow: a bound, not the check
+    limit = vm + (3 << 30)  # imports still to come, the arenas of numpy / Arrow: a bound, not the check
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     import numpy  # noqa: F401 - the libraries a case loads, loaded before the baseline
     import pandas  # noqa: F401
@@ -119,18 +119,62 @@ def child(cases: list[str]) -> dict:
 def run_child(cases: list[str], timeout: float, reader: str = "pyarrow") -> dict:
     """``child(cases)`` in a new process; ``reader`` "pandas": as without pyarrow installed."""
     root = str(Path(__file__).parent.parent)
-    done = subprocess.run([sys.executable, "-m", "tests.test_fuzz", reader, *cases], capture_output=True, text=True,
-                          timeout=timeout, cwd=root, env=dict(os.environ, COMMPATCH_OUTPUT="none"))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.test_fuzz", reader, *cases],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=root,
+        env=dict(os.environ, COMMPATCH_OUTPUT="none"),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.splitlines()[-1])
 
 
 # ---- mutations of real logs -------------------------------------------------------------------
-EXTREMES = [0, -1, 1, 2**15 - 1, 2**31 - 1, -2**31, 2**40, 2**63 - 1, -2**63, 10**12]
-JSON_VALUES = [10**12, 2**31 - 1, -1, 2**63, 2**64, 1e308, "0-99999999999", "0-3:0", "3-1", None, [], {}, True,
-               "x" * 2000, "\x1b[2J\x1b[31mred", "\u202eevil", 0.5]
-CSV_VALUES = ["-1", "0", str(2**31 - 1), str(2**40), str(2**63 - 1), str(-2**63), "9" * 30, "1e308", "-inf", "nan", "",
-              "abc", "\x1b[31mred\x1b[0m", "\x9b2J", "0-99999999999", "0-3:0", "3-1", "0 1 2", "true", "[[[[", "9" * 5000]
+EXTREMES = [0, -1, 1, 2**15 - 1, 2**31 - 1, -(2**31), 2**40, 2**63 - 1, -(2**63), 10**12]
+JSON_VALUES = [
+    10**12,
+    2**31 - 1,
+    -1,
+    2**63,
+    2**64,
+    1e308,
+    "0-99999999999",
+    "0-3:0",
+    "3-1",
+    None,
+    [],
+    {},
+    True,
+    "x" * 2000,
+    "\x1b[2J\x1b[31mred",
+    "\u202eevil",
+    0.5,
+]
+CSV_VALUES = [
+    "-1",
+    "0",
+    str(2**31 - 1),
+    str(2**40),
+    str(2**63 - 1),
+    str(-(2**63)),
+    "9" * 30,
+    "1e308",
+    "-inf",
+    "nan",
+    "",
+    "abc",
+    "\x1b[31mred\x1b[0m",
+    "\x9b2J",
+    "0-99999999999",
+    "0-3:0",
+    "3-1",
+    "0 1 2",
+    "true",
+    "[[[[",
+    "9" * 5000,
+]
 
 
 def _frames(data: bytes) -> list[tuple[bytes, int, int]]:
@@ -147,57 +191,57 @@ def _frames(data: bytes) -> list[tuple[bytes, int, int]]:
 
 def mutate_binary(rng: random.Random, data: bytes) -> bytes:
     from commpatch.data import logfile
-    from commpatch.data.schema import ROW, _FIELDS
+    from commpatch.data.schema import _FIELDS, ROW
 
     frames = _frames(data)
     b = bytearray(data)
     for _ in range(rng.randint(1, 3)):
         k = rng.randrange(11)
         i = rng.randrange(len(b)) if b else 0
-        if k == 0:                                   # flip bytes
+        if k == 0:  # flip bytes
             for _ in range(rng.randint(1, 8)):
                 b[rng.randrange(len(b))] = rng.randrange(256)
-        elif k == 1:                                 # cut bytes out
-            del b[i:i + rng.randint(1, 200)]
-        elif k == 2:                                 # random bytes in
+        elif k == 1:  # cut bytes out
+            del b[i : i + rng.randint(1, 200)]
+        elif k == 2:  # random bytes in
             b[i:i] = rng.randbytes(rng.randint(1, 64))
-        elif k == 3:                                 # an extreme integer over the bytes
+        elif k == 3:  # an extreme integer over the bytes
             size = rng.choice((2, 4, 8))
             v = rng.choice(EXTREMES)
-            b[i:i + size] = (v % (1 << (8 * size))).to_bytes(size, "little")
-        elif k == 4:                                 # a block of zeros
-            b[i:i + rng.choice((64, 512, 4096))] = bytes(rng.choice((64, 512, 4096)))
-        elif k == 5:                                 # truncated
+            b[i : i + size] = (v % (1 << (8 * size))).to_bytes(size, "little")
+        elif k == 4:  # a block of zeros
+            b[i : i + rng.choice((64, 512, 4096))] = bytes(rng.choice((64, 512, 4096)))
+        elif k == 5:  # truncated
             del b[i:]
-        elif k in (6, 7) and frames:                 # a frame torn mid-file (a full disk), or repeated
+        elif k in (6, 7) and frames:  # a frame torn mid-file (a full disk), or repeated
             kind, lo, hi = rng.choice(frames)
             if k == 6:
-                b = bytearray(data[:lo + rng.randint(1, max(1, hi - lo - 1))] + data[hi:])
+                b = bytearray(data[: lo + rng.randint(1, max(1, hi - lo - 1))] + data[hi:])
             else:
                 b = bytearray(data[:hi] + data[lo:hi] + data[hi:])
-        elif k == 8 and frames:                      # a registry record with a hostile field
+        elif k == 8 and frames:  # a registry record with a hostile field
             metas = [f for f in frames if f[0] == logfile.META]
             _, lo, hi = rng.choice(metas)
-            record = json.loads(data[lo + 5:hi])
+            record = json.loads(data[lo + 5 : hi])
             key = rng.choice(sorted(record))
             record[key] = rng.choice(JSON_VALUES)
             payload = json.dumps(record).encode()
             if rng.random() < 0.1:
-                payload = b"[" * 5_000 + b"]" * 5_000      # nested past the recursion limit
+                payload = b"[" * 5_000 + b"]" * 5_000  # nested past the recursion limit
             b = bytearray(data[:lo] + logfile.frame(logfile.META, payload) + data[hi:])
-        elif k == 9 and frames:                      # a row with a hostile field
+        elif k == 9 and frames:  # a row with a hostile field
             rows = [f for f in frames if f[0] == logfile.ROWS and f[2] - f[1] > 5]
             _, lo, hi = rng.choice(rows)
             at = lo + 5 + ROW.size * rng.randrange((hi - lo - 5) // ROW.size)
             name, code = rng.choice(_FIELDS)
-            offset = sum(struct.calcsize("<" + c) for _, c in _FIELDS[:[f[0] for f in _FIELDS].index(name)])
+            offset = sum(struct.calcsize("<" + c) for _, c in _FIELDS[: [f[0] for f in _FIELDS].index(name)])
             size = struct.calcsize("<" + code)
             v = rng.choice(EXTREMES)
             b = bytearray(data)
-            b[at + offset:at + offset + size] = (v % (1 << (8 * size))).to_bytes(size, "little")
-        else:                                        # a chunk of the file again, elsewhere
+            b[at + offset : at + offset + size] = (v % (1 << (8 * size))).to_bytes(size, "little")
+        else:  # a chunk of the file again, elsewhere
             j = rng.randrange(len(b)) if b else 0
-            b[i:i] = b[j:j + rng.randint(1, 300)]
+            b[i:i] = b[j : j + rng.randint(1, 300)]
         data = bytes(b)
         frames = []
     return bytes(b)
@@ -207,7 +251,7 @@ def mutate_csv(rng: random.Random, text: str) -> bytes:
     import csv
     import io
 
-    if rng.random() < 0.3:                           # bytes, not cells
+    if rng.random() < 0.3:  # bytes, not cells
         b = bytearray(text.encode())
         for _ in range(rng.randint(1, 4)):
             i = rng.randrange(len(b))
@@ -229,7 +273,7 @@ def mutate_csv(rng: random.Random, text: str) -> bytes:
         else:
             c = rng.randrange(len(header))
             value = rng.choice(CSV_VALUES)
-            for row in (body if rng.random() < 0.3 else [rng.choice(body)]):
+            for row in body if rng.random() < 0.3 else [rng.choice(body)]:
                 if c < len(row):
                     row[c] = value
     out = io.StringIO()
@@ -263,7 +307,7 @@ def test_fuzzed_logs_never_crash_hang_or_blow_memory(writer_log, tmp_path):
     rng = random.Random(SEED)
     cases = []
     for i in range(BINARY_CASES + CSV_CASES):
-        d = tmp_path / f"case{i:03d}"           # a directory each: convert writes beside the file
+        d = tmp_path / f"case{i:03d}"  # a directory each: convert writes beside the file
         d.mkdir()
         if i < BINARY_CASES:
             path, data = d / "rank0.cplog", mutate_binary(rng, binary)

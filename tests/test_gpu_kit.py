@@ -23,8 +23,13 @@ def _kit():
 
 def _run(tmp_path, *args):
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, KIT, "--quick", "--json", str(out), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, KIT, "--quick", "--json", str(out), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 
@@ -37,7 +42,7 @@ def test_without_cuda_every_gpu_check_is_a_skip_and_nothing_is_validated(tmp_pat
     assert [line.split()[0] for line in table] == ["SKIP"] * len(kit.CHECKS)
     assert all("CUDA is not available" in line for line in table)
     assert stdout.strip().splitlines()[-1].startswith("NOTHING VALIDATED")
-    assert "commpatch recorded 8 of 8 collectives" in stdout          # the gloo plumbing ran
+    assert "commpatch recorded 8 of 8 collectives" in stdout  # the gloo plumbing ran
     assert result["validated"] is False and result["exit_status"] == 0
     assert [c["check"] for c in result["checks"]] == list(kit.CHECKS)
 
@@ -53,9 +58,9 @@ def test_the_verdicts_pass_and_fail():
     kernels = [100.0] * 9 + [1000.0]
     ok = kit.compare([k + 5 for k in kernels], kernels, kit.TOL["queued"])
     assert ok["ok"] and ok["n"] == 10 and ok["excess_med_us"] == pytest.approx(5)
-    assert not kit.compare([k + 50 for k in kernels], kernels, kit.TOL["queued"])["ok"]       # too long
-    assert not kit.compare([k - 10 for k in kernels], kernels, kit.TOL["queued"])["ok"]       # shorter than the kernel
-    assert kit.compare([k + 50 for k in kernels], kernels, kit.TOL["idle"])["ok"]             # launch latency allowed
+    assert not kit.compare([k + 50 for k in kernels], kernels, kit.TOL["queued"])["ok"]  # too long
+    assert not kit.compare([k - 10 for k in kernels], kernels, kit.TOL["queued"])["ok"]  # shorter than the kernel
+    assert kit.compare([k + 50 for k in kernels], kernels, kit.TOL["idle"])["ok"]  # launch latency allowed
     assert not kit.compare([float("nan")] * 10, kernels, kit.TOL["idle"])["ok"]
     with pytest.raises(ValueError, match="3 commpatch rows against 10 kernels"):
         kit.compare([1.0] * 3, kernels, kit.TOL["idle"])

@@ -25,7 +25,7 @@ from commpatch.analysis import hangs
 from commpatch.data import logfile
 from commpatch.data.frame import parse_log
 from commpatch.io.dumps import parse_dump
-from tests.hang_worker import SLOW_S, STEPS
+from tests.hang_worker import STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 120
@@ -38,10 +38,27 @@ def _launch(tmp, mode, world, watchdog=False, extra=()):
         env["COMMPATCH_WATCHDOG"] = "0.5"
     procs = []
     for rank in range(world):
-        cmd = [sys.executable, "-m", "tests.hang_worker", "--rank", str(rank), "--world", str(world),
-               "--store", str(tmp / "store"), "--out", str(tmp), "--mode", mode, *extra]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                      stderr=open(tmp / f"err{rank}.txt", "w")))
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.hang_worker",
+            "--rank",
+            str(rank),
+            "--world",
+            str(world),
+            "--store",
+            str(tmp / "store"),
+            "--out",
+            str(tmp),
+            "--mode",
+            mode,
+            *extra,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp / f"err{rank}.txt", "w")
+            )
+        )
     return procs
 
 
@@ -54,9 +71,14 @@ def _kill(procs):
 
 
 def _report(tmp, fmt="json", *options):
-    out = subprocess.run([sys.executable, "-m", "commpatch", "report", "--format", fmt, *options, str(tmp)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=TIMEOUT,
-                         env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    out = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", "--format", fmt, *options, str(tmp)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout) if fmt == "json" else out.stdout
 
@@ -70,7 +92,8 @@ def _run_until_hang(tmp, mode, world, watchdog=False, extra=()):
         while time.monotonic() < deadline:
             dead = [p.returncode for p in procs if p.poll() is not None]
             assert not dead, f"a rank exited early ({dead}): " + "".join(
-                (tmp / f"err{r}.txt").read_text()[-2000:] for r in range(world))
+                (tmp / f"err{r}.txt").read_text()[-2000:] for r in range(world)
+            )
             if all((tmp / f"ready{r}").exists() for r in range(world)):
                 with _quiet():
                     df = commpatch_io.read(str(tmp))
@@ -108,26 +131,35 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
     assert first["kind"] == "hang" and first["section"] == "hangs", rep["findings"]
     last = STEPS - 1
     assert first["text"].startswith(f"hang: ranks 0-2 wait in all_reduce #{last} of group 0 (issued "), first
-    assert f"rank 3 never issued it: its last collective in group 0 was all_reduce #{last - 1} of group 0" \
-        in first["text"]
+    assert (
+        f"rank 3 never issued it: its last collective in group 0 was all_reduce #{last - 1} of group 0" in first["text"]
+    )
     table = _section(rep, "hangs")
     assert len(table) == 1
     row = table.iloc[0]
-    assert (row["kind"], row["verdict"], row["group"], row["number"], row["op"], row["waiting"], row["missing"]) == \
-        ("collective", "hang", "0", last, "all_reduce", "0-2", "3")
-    assert row["issued_exact"] == watchdog      # the watchdog's pending entries know the issue time
-    for rank in range(4):       # one record per hung call, whichever way the flusher saw it
+    assert (row["kind"], row["verdict"], row["group"], row["number"], row["op"], row["waiting"], row["missing"]) == (
+        "collective",
+        "hang",
+        "0",
+        last,
+        "all_reduce",
+        "0-2",
+        "3",
+    )
+    assert row["issued_exact"] == watchdog  # the watchdog's pending entries know the issue time
+    for rank in range(4):  # one record per hung call, whichever way the flusher saw it
         with open(tmp_path / f"rank{rank}.cplog", "rb") as f:
             calls = logfile.in_flight(parse_log(f.read()))["calls"]
-        assert [(c["op"], c["group"], c["seq"] >= 0) for c in calls] == \
-            ([("all_reduce", "0", watchdog)] if rank < 3 else []), calls
+        assert [(c["op"], c["group"], c["seq"] >= 0) for c in calls] == (
+            [("all_reduce", "0", watchdog)] if rank < 3 else []
+        ), calls
     assert not len(_section(rep, "mismatches")), "the hung call is no row: no false mismatch"
     assert not [f for f in rep["findings"] if f["kind"] == "mismatch"]
     assert not any("the straggler" in f["text"] for f in rep["findings"] if f["kind"] == "straggler")
     text = _report(tmp_path, "text")
     assert text.split("Findings:\n- ")[1].startswith(f"hang: ranks 0-2 wait in all_reduce #{last} of group 0")
     dumps = sorted(p.name for p in tmp_path.glob("hang_rank*.txt"))
-    if watchdog:       # the dumps number the call as the report does, and the report names them
+    if watchdog:  # the dumps number the call as the report does, and the report names them
         assert dumps == ["hang_rank0.txt", "hang_rank1.txt", "hang_rank2.txt"]
         for name in dumps:
             stuck = [ln for ln in (tmp_path / name).read_text().splitlines() if ln.startswith("[STUCK]")]
@@ -135,7 +167,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
             assert str(tmp_path / name) in first["text"]
     else:
         assert dumps == []
-    if importlib.util.find_spec("duckdb") is not None:      # the engine says what it cannot tell, first
+    if importlib.util.find_spec("duckdb") is not None:  # the engine says what it cannot tell, first
         first = _report(tmp_path, "json", "--engine", "duckdb")["findings"][0]
         assert first["kind"] == "hang" and first["text"].startswith("3 call(s) were in flight at the end of the logs")
 
@@ -147,12 +179,19 @@ def test_a_send_whose_recv_never_comes_is_named_first(tmp_path, how):
     first = rep["findings"][0]
     assert first["kind"] == "hang", rep["findings"]
     row = _section(rep, "hangs").iloc[0]
-    assert (row["kind"], row["group"], row["number"], row["op"], row["peer"], row["waiting"], row["missing"]) == \
-        ("p2p", "0", STEPS, how, 1, "0", "1")
-    if how == "send":   # blocked inside the wrapper: seen in flight
+    assert (row["kind"], row["group"], row["number"], row["op"], row["peer"], row["waiting"], row["missing"]) == (
+        "p2p",
+        "0",
+        STEPS,
+        how,
+        1,
+        "0",
+        "1",
+    )
+    if how == "send":  # blocked inside the wrapper: seen in flight
         assert row["verdict"] == "hang"
         assert first["text"].startswith(f"hang: rank 0 waits in send #{STEPS} to rank 1 of group 0 (issued ")
-    else:               # isend(...).wait() waits outside commpatch: the unmatched row is all there is
+    else:  # isend(...).wait() waits outside commpatch: the unmatched row is all there is
         assert row["verdict"] == "unmatched"
         assert first["text"].startswith(f"unmatched isend: rank 0's isend #{STEPS} to rank 1 of group 0 (issued ")
     assert f"rank 1 never posted the matching recv: it has {STEPS} recv(s) from rank 0" in first["text"]
@@ -193,15 +232,28 @@ def _rows(calls):
 
 
 def _call(op, seq=-1, below=0, start_s=-1.0, seen_s=0.0, peer=-1):
-    return {"op": op, "group": "0", "group_ranks": "0-1", "peer": peer, "seq": seq, "below": below, "numel": 4,
-            "bytes": 16, "start_ns": int(start_s * 1e9) if start_s > 0 else -1, "seen_ns": int(seen_s * 1e9),
-            "thread": "MainThread", "stack": []}
+    return {
+        "op": op,
+        "group": "0",
+        "group_ranks": "0-1",
+        "peer": peer,
+        "seq": seq,
+        "below": below,
+        "numel": 4,
+        "bytes": 16,
+        "start_ns": int(start_s * 1e9) if start_s > 0 else -1,
+        "seen_ns": int(seen_s * 1e9),
+        "thread": "MainThread",
+        "stack": [],
+    }
 
 
 def test_a_short_wait_is_in_flight_not_a_hang():
     df = _rows([(0, 0, "all_reduce", "0", -1, 100.0, 10.0), (1, 0, "all_reduce", "0", -1, 100.0, 10.0)])
-    flights = [{"rank": 0, "pid": 1, "alive_ns": int(100.5e9), "calls": [_call("all_reduce", below=1, seen_s=100.2)]},
-               {"rank": 1, "pid": 2, "alive_ns": int(100.5e9), "calls": []}]
+    flights = [
+        {"rank": 0, "pid": 1, "alive_ns": int(100.5e9), "calls": [_call("all_reduce", below=1, seen_s=100.2)]},
+        {"rank": 1, "pid": 2, "alive_ns": int(100.5e9), "calls": []},
+    ]
     table = hangs.hangs(df, flights)
     assert list(table["verdict"]) == ["in flight"] and table.iloc[0]["missing"] == "1"
     # the same wait, 30 s long, is a hang; a group whose calls take 10 s needs 100 s
@@ -213,9 +265,10 @@ def test_a_short_wait_is_in_flight_not_a_hang():
 
 def test_every_member_waiting_is_said_and_different_ops_are_named():
     df = _rows([(0, 0, "all_reduce", "0", -1, 100.0, 10.0), (1, 0, "all_reduce", "0", -1, 100.0, 10.0)])
-    flights = [{"rank": 0, "pid": 1, "alive_ns": int(140e9), "calls": [_call("barrier", seq=1, below=2, start_s=101)]},
-               {"rank": 1, "pid": 2, "alive_ns": int(140e9), "calls": [_call("broadcast", seq=1, below=2,
-                                                                             start_s=101)]}]
+    flights = [
+        {"rank": 0, "pid": 1, "alive_ns": int(140e9), "calls": [_call("barrier", seq=1, below=2, start_s=101)]},
+        {"rank": 1, "pid": 2, "alive_ns": int(140e9), "calls": [_call("broadcast", seq=1, below=2, start_s=101)]},
+    ]
     row = hangs.hangs(df, flights).iloc[0]
     assert (row["op"], row["waiting"], row["missing"], row["issued_exact"]) == ("barrier / broadcast", "0 1", "", True)
     assert "rank(s) 0 in barrier; rank(s) 1 in broadcast" in row["detail"]
@@ -226,12 +279,19 @@ def test_every_member_waiting_is_said_and_different_ops_are_named():
 
 
 def test_a_watchdog_dump_speaks_for_a_log_without_records_in_flight():
-    df = _rows([(0, 0, "all_reduce", "0", -1, 100.0, 10.0), (1, 0, "all_reduce", "0", -1, 100.0, 10.0),
-                (1, 1, "all_reduce", "0", -1, 100.1, 10.0)])
-    dump = ("===== commpatch watchdog: rank 0 pid 7 host h at 2026-01-01 00:00:00 (unix_ns 160000000000) =====\n"
-            "1 collective call(s) in flight for more than 5 s (1 in flight in all). commpatch does not stop the job.\n\n"
-            "[STUCK] all_reduce  seq=1  collective #1 of group 0  group=0 (ranks 0-1; size 2; gloo)  numel=4  "
-            "pending for 59.0 s  thread 'MainThread' (1)\n")
+    df = _rows(
+        [
+            (0, 0, "all_reduce", "0", -1, 100.0, 10.0),
+            (1, 0, "all_reduce", "0", -1, 100.0, 10.0),
+            (1, 1, "all_reduce", "0", -1, 100.1, 10.0),
+        ]
+    )
+    dump = (
+        "===== commpatch watchdog: rank 0 pid 7 host h at 2026-01-01 00:00:00 (unix_ns 160000000000) =====\n"
+        "1 collective call(s) in flight for more than 5 s (1 in flight in all). commpatch does not stop the job.\n\n"
+        "[STUCK] all_reduce  seq=1  collective #1 of group 0  group=0 (ranks 0-1; size 2; gloo)  numel=4  "
+        "pending for 59.0 s  thread 'MainThread' (1)\n"
+    )
     parsed = {**parse_dump(dump), "dump": "/logs/hang_rank0.txt"}
     assert parsed["calls"][0]["start_ns"] == int(101e9) and parsed["alive_ns"] == int(160e9)
     old_logs = [{"rank": 0, "pid": 7, "alive_ns": 0, "calls": []}, {"rank": 1, "pid": 8, "alive_ns": 0, "calls": []}]
@@ -246,14 +306,44 @@ def test_a_watchdog_dump_speaks_for_a_log_without_records_in_flight():
 
 # ---- the records in the log ---------------------------------------------------------------------
 def test_in_flight_records_round_trip_and_an_older_reader_skips_unknown_kinds():
-    data = logfile.MAGIC + logfile.meta("header", version=1, schema=1, rank=0, world_size=2, pid=5) + \
-        logfile.meta("group", gid=0, name="0", size=2, ranks="0-1", backend="gloo") + \
-        logfile.meta("inflight", id=0, seq=-1, below=9, op=0, gid=0, peer=-1, numel=4, bytes=16, start=-1,
-                     seen=123, thread="MainThread", stack=["a.py:1 in f"]) + \
-        logfile.meta("inflight", id=1, seq=3, below=4, op=0, gid=0, peer=-1, numel=4, bytes=16, start=100,
-                     seen=120, thread="t", stack=[]) + \
-        logfile.meta("landed", id=1, ns=130) + logfile.meta("alive", ns=140) + \
-        logfile.meta("some_future_kind", x=1)
+    data = (
+        logfile.MAGIC
+        + logfile.meta("header", version=1, schema=1, rank=0, world_size=2, pid=5)
+        + logfile.meta("group", gid=0, name="0", size=2, ranks="0-1", backend="gloo")
+        + logfile.meta(
+            "inflight",
+            id=0,
+            seq=-1,
+            below=9,
+            op=0,
+            gid=0,
+            peer=-1,
+            numel=4,
+            bytes=16,
+            start=-1,
+            seen=123,
+            thread="MainThread",
+            stack=["a.py:1 in f"],
+        )
+        + logfile.meta(
+            "inflight",
+            id=1,
+            seq=3,
+            below=4,
+            op=0,
+            gid=0,
+            peer=-1,
+            numel=4,
+            bytes=16,
+            start=100,
+            seen=120,
+            thread="t",
+            stack=[],
+        )
+        + logfile.meta("landed", id=1, ns=130)
+        + logfile.meta("alive", ns=140)
+        + logfile.meta("some_future_kind", x=1)
+    )
     parsed = parse_log(data)
     assert parsed.bad_records == 0
     got = logfile.in_flight(parsed)

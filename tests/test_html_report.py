@@ -60,13 +60,14 @@ def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
     steps = [s for s in rep["sections"]["steps"] if s["stage"] == "steady"]
     times = sorted(s["step_us"] for s in steps)
     assert h["steady_steps"] == len(steps) == 6 and h["steps"] == 8
-    assert h["step_us"] == pytest.approx((times[2] + times[3]) / 2)          # the median steady step
+    assert h["step_us"] == pytest.approx((times[2] + times[3]) / 2)  # the median steady step
     assert h["exposed_share"] == pytest.approx(statistics.median(s["exposed_share"] for s in steps))
     assert h["comm_share"] == pytest.approx(statistics.median(s["comm_share"] for s in steps))
-    top = max(rep["sections"]["summary"], key=lambda r: r["total_us"])       # the summary's row, as it is there
-    assert {k: h["top_collective"][k] for k in ("collective", "size_bucket", "count")} == \
-           {k: top[k] for k in ("collective", "size_bucket", "count")}
-    for k in ("time_share", "busbw_gbps", "total_us"):       # the sections' JSON keeps 10 significant digits
+    top = max(rep["sections"]["summary"], key=lambda r: r["total_us"])  # the summary's row, as it is there
+    assert {k: h["top_collective"][k] for k in ("collective", "size_bucket", "count")} == {
+        k: top[k] for k in ("collective", "size_bucket", "count")
+    }
+    for k in ("time_share", "busbw_gbps", "total_us"):  # the sections' JSON keeps 10 significant digits
         assert h["top_collective"][k] == pytest.approx(top[k], rel=1e-9)
     assert h["mismatches"] == len(rep["sections"]["mismatches"]) == 1
     assert h["first_mismatch"] == dict(kind="bytes", group="0", coll_seq=12, step=2, op="broadcast")
@@ -79,7 +80,7 @@ def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
     code, text = report(logs)
     lines = text.splitlines()
     assert lines[2] == "Headline:"
-    shown = " ".join(" ".join(lines[3:lines.index("Findings:")]).split())
+    shown = " ".join(" ".join(lines[3 : lines.index("Findings:")]).split())
     for label, sentence in people.headline_lines(h):
         assert f"{label}: {sentence}" in shown
     assert f"step time: {people._ms(h['step_us'])} median" in shown and "straggler: rank 1: last in 6 of 6" in shown
@@ -115,7 +116,7 @@ def test_page_is_sized_by_aggregates_at_1024_ranks(big):
     heat = data["plots"]["heatmap"]
     assert len(heat["ranks"]) == 1024 and len(heat["columns"]) <= 200
     timeline = data["plots"]["timeline"]
-    assert len(timeline["ranks"]) <= html.EXCERPT_RANKS and 700 in timeline["ranks"]      # the latest rank shown
+    assert len(timeline["ranks"]) <= html.EXCERPT_RANKS and 700 in timeline["ranks"]  # the latest rank shown
     assert timeline["of_ranks"] == 1024
     assert all(len(t["rows"]) <= html.MAX_TABLE_ROWS for t in data["tables"].values())
 
@@ -124,7 +125,7 @@ def test_page_offline_by_construction(logs, tmp_path):
     path = str(tmp_path / "r.html")
     assert report(logs, "--html", path)[0] == 0
     text = open(path, encoding="utf-8").read()
-    assert not re.search(r"""(src|href)\s*=\s*["'](?!#|data:)""", text)       # nothing loaded from anywhere
+    assert not re.search(r"""(src|href)\s*=\s*["'](?!#|data:)""", text)  # nothing loaded from anywhere
     assert "default-src 'none'" in text
     assert "</script>" not in re.search(r'id="data">(.*?)</script>', text, re.S).group(1)
 
@@ -136,8 +137,9 @@ def test_html_option_refuses_a_directory_before_reading(logs, tmp_path, capsys):
 
 # ---- in a real browser --------------------------------------------------------------------------
 def _browser():
-    pw = pytest.importorskip("playwright.sync_api", reason="Playwright not installed (pip install playwright: "
-                                                           "the test extra)")
+    pw = pytest.importorskip(
+        "playwright.sync_api", reason="Playwright not installed (pip install playwright: the test extra)"
+    )
     if CHROMIUM is None:
         pytest.skip("no chromium on PATH (Debian package chromium: ci/apt.sh installs it)")
     return pw
@@ -161,8 +163,10 @@ def load(path, screenshot=None):
 
             ctx.route("**/*", route)
             page = ctx.new_page()
-            page.on("console", lambda m: out["console"].append(f"{m.type}: {m.text}") if m.type in ("error", "warning")
-                    else None)
+            page.on(
+                "console",
+                lambda m: out["console"].append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None,
+            )
             page.on("pageerror", lambda e: out["console"].append(f"pageerror: {e}"))
             page.goto("file://" + os.path.abspath(path))
             page.wait_for_selector("html[data-ready='1']", timeout=60_000)
@@ -191,9 +195,12 @@ def load(path, screenshot=None):
 
 def _sort_check(page):
     """Click the ranks table's 'rank' header twice: the column ascending, then descending."""
+
     def column():
-        return page.eval_on_selector_all("table[data-table='ranks'] tbody tr td:first-child",
-                                         "els => els.map(e => Number(e.textContent))")
+        return page.eval_on_selector_all(
+            "table[data-table='ranks'] tbody tr td:first-child", "els => els.map(e => Number(e.textContent))"
+        )
+
     before = column()
     header = page.locator("table[data-table='ranks'] th", has_text=re.compile(r"^rank$"))
     header.click()
@@ -218,12 +225,12 @@ def test_page_in_headless_chromium(logs, tmp_path):
     out = load(path)
     check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])
     assert out["cards"] == ["step time", "communication", "top collective", "straggler", "hang", "mismatches"]
-    advised = bool(json.loads(report(logs, "--format", "json")[1])["advice"])    # advice, when given, after the findings
-    assert out["sections"][:3 + advised] == ["headline", "findings"] + ["advice"] * advised + ["plots"]
+    advised = bool(json.loads(report(logs, "--format", "json")[1])["advice"])  # advice, when given, after the findings
+    assert out["sections"][: 3 + advised] == ["headline", "findings"] + ["advice"] * advised + ["plots"]
     assert {"table-summary", "table-steps", "table-ranks", "table-mismatches"} <= set(out["sections"])
-    assert out["markers"] == 4                        # each rank's step start in the timeline excerpt
+    assert out["markers"] == 4  # each rank's step start in the timeline excerpt
     s = out["sort"]
-    assert s["before"][0] == 1                        # stragglers first, as the table comes
+    assert s["before"][0] == 1  # stragglers first, as the table comes
     assert s["up"] == [0, 1, 2, 3] and s["down"] == [3, 2, 1, 0] and s["state"] == "descending"
 
 
@@ -253,8 +260,14 @@ def test_advice_items_are_listed_when_the_report_has_them(logs, tmp_path):
     from commpatch.render import text
 
     rep = text.build_report(cpio.read(logs))
-    rep.advice = [dict(title="Larger DDP buckets", evidence="41 all_reduce calls per step below 1 MB",
-                       change="DDP(bucket_cap_mb=100)", gain="about 3 ms per step")]
+    rep.advice = [
+        dict(
+            title="Larger DDP buckets",
+            evidence="41 all_reduce calls per step below 1 MB",
+            change="DDP(bucket_cap_mb=100)",
+            gain="about 3 ms per step",
+        )
+    ]
     path = html.write(html.page(rep), str(tmp_path / "a.html"))
     out = load(path)
     assert out["console"] == [] and len(out["advice"]) == 1
@@ -289,7 +302,9 @@ def test_engine_report_has_the_same_headline_and_a_timeline(tmp_path):
     for engine in ("pandas", "duckdb"):
         heads[engine] = json.loads(report(str(tmp_path / "run"), "--engine", engine, "--format", "json")[1])["headline"]
     a, b = heads["pandas"], heads["duckdb"]
-    assert a["straggler"]["verdict"] == b["straggler"]["verdict"] and a["straggler"]["rank"] == b["straggler"]["rank"] == 9
+    assert (
+        a["straggler"]["verdict"] == b["straggler"]["verdict"] and a["straggler"]["rank"] == b["straggler"]["rank"] == 9
+    )
     assert a["first_mismatch"] == b["first_mismatch"] and a["mismatches"] == b["mismatches"] >= 1
     assert a["top_collective"]["collective"] == b["top_collective"]["collective"]
     assert a["step_us"] == pytest.approx(b["step_us"], rel=1e-6) and a["steady_steps"] == b["steady_steps"]

@@ -21,11 +21,11 @@ def test_mixed_backends_record_the_device_backend_not_the_configured_string(run)
         df, witness, configured = out["cpu:gloo,cuda:fake"]
         assert configured == "cpu:gloo,cuda:fake"
         assert list(df["op"]) == ["all_reduce", "barrier", "all_gather_object"]
-        assert set(df["backend"]) == {"gloo"}          # cpu tensors; barrier/objects: torch picks cpu
+        assert set(df["backend"]) == {"gloo"}  # cpu tensors; barrier/objects: torch picks cpu
         assert w.claimed_counts(df) == witness
         df, witness, _ = out["cpu:fake,cuda:gloo"]
         assert list(df["op"]) == ["all_reduce", "barrier"] and set(df["backend"]) == {"fake"}
-        assert witness == {}                            # nothing ran on gloo
+        assert witness == {}  # nothing ran on gloo
 
 
 def test_registered_backend_recorded_under_its_name(run):
@@ -34,7 +34,7 @@ def test_registered_backend_recorded_under_its_name(run):
         assert configured == "forwarding"
         assert list(df["op"]) == ["all_reduce", "barrier", "all_gather_object"]
         assert set(df["backend"]) == {"forwarding"}
-        assert w.claimed_counts(df) == witness          # it forwards to gloo, which the profiler sees
+        assert w.claimed_counts(df) == witness  # it forwards to gloo, which the profiler sees
         # a Python ProcessGroup has no group_name: the name torch registered for it is used
         groups = {spec: set(d["group"]) for spec, (d, _, _) in out.items()}
         assert all(len(g) == 1 and "" not in g for g in groups.values())

@@ -23,7 +23,7 @@ def test_selective_checkpoint_records_only_the_collectives_that_ran(sac):
         assert not r["errors"], r["errors"]
         gathers, scatters = w.STEPS * 4, w.STEPS * 3
         claimed, witness = r["counts"]
-        assert witness == {"all_gather": gathers, "all_reduce": scatters}   # gloo: reduce-scatter as all-reduce
+        assert witness == {"all_gather": gathers, "all_reduce": scatters}  # gloo: reduce-scatter as all-reduce
         if formulas_unsupported():
             # torch 2.4: the backward formulas' collectives are not recorded, and that is said once;
             # the forward's are, once each (the recomputation's cached results give no row)

@@ -13,9 +13,11 @@ pytestmark = pytest.mark.timeout(560)
 def run():
     from commpatch.integrations.compiled import formulas_unsupported
 
-    if formulas_unsupported():       # the scenario's eager autograd formulas are not recorded there
+    if formulas_unsupported():  # the scenario's eager autograd formulas are not recorded there
         pytest.skip(f"the backward formulas' collectives are not recorded on {formulas_unsupported()}")
-    return run_ranks(w.compiled_tp, 2, timeout=480)     # inductor compiles forward and backward: 35-55 s on 2 cores at load 10-20
+    return run_ranks(
+        w.compiled_tp, 2, timeout=480
+    )  # inductor compiles forward and backward: 35-55 s on 2 cores at load 10-20
 
 
 def test_compiled_tensor_parallel_matches_profiler_and_eager(run):
@@ -27,7 +29,7 @@ def test_compiled_tensor_parallel_matches_profiler_and_eager(run):
     for out in run:
         df, witness, witness_bytes = out["tp"]
         assert out["equal_eager"] and not out["errors"]
-        assert w.claimed_counts(df) == witness == {"all_reduce": 4}      # 2 steps, the first compiles
+        assert w.claimed_counts(df) == witness == {"all_reduce": 4}  # 2 steps, the first compiles
         assert w.claimed_bytes(df) == witness_bytes
         assert df["op"].astype(str).tolist() == ["compiled.all_reduce"] * 4
         assert df["phase"].astype(str).tolist() == ["forward", "backward"] * 2
@@ -46,4 +48,4 @@ def test_autograd_formula_collective_is_recorded(run):
         assert dict(witness) == {"all_gather": 1, "all_reduce": 1}
         assert w.claimed_bytes(df) == witness_bytes
         assert (df["duration_us"] > 0).all()
-        assert set(grad) == {2.0 * len(run) * (rank + 1)}    # the reduce-scatter summed 2s over the ranks
+        assert set(grad) == {2.0 * len(run) * (rank + 1)}  # the reduce-scatter summed 2s over the ranks

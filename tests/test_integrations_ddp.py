@@ -10,7 +10,7 @@ from tests.multiproc import run_ranks
 
 @pytest.fixture(scope="module")
 def default_run():
-    return run_ranks(w.ddp_default, 3, timeout=120)     # 3 ranks: 1/3 is inexact, a real check
+    return run_ranks(w.ddp_default, 3, timeout=120)  # 3 ranks: 1/3 is inexact, a real check
 
 
 @pytest.fixture(scope="module")
@@ -69,23 +69,43 @@ def test_c_and_python_bucket_hooks_write_the_same_rows():
         c = buckets[(buckets["seq"] >= res["lo"]) & (buckets["seq"] < res["mid"])].reset_index(drop=True)
         py = buckets[(buckets["seq"] >= res["mid"]) & (buckets["seq"] < res["hi"])].reset_index(drop=True)
         assert len(c) == len(py) > 4
-        cols = ["collective", "api", "source", "rank", "group", "group_size", "backend", "device", "dtype", "numel",
-                "bytes", "peer", "async_op", "timing", "status", "tag", "module", "phase", "bucket", "bucket_params"]
+        cols = [
+            "collective",
+            "api",
+            "source",
+            "rank",
+            "group",
+            "group_size",
+            "backend",
+            "device",
+            "dtype",
+            "numel",
+            "bytes",
+            "peer",
+            "async_op",
+            "timing",
+            "status",
+            "tag",
+            "module",
+            "phase",
+            "bucket",
+            "bucket_params",
+        ]
         assert c[cols].astype(str).equals(py[cols].astype(str))
         # steps: the second training's optimizer is not the one whose steps are counted; the first's are
         assert (c["step"].diff().dropna() >= 0).all() and c["step"].nunique() == 4
         assert c["sync_end_us"].notna().tolist() == py["sync_end_us"].notna().tolist()
-        assert c["sync_end_us"].notna().sum() == 4                   # one finalize per synchronised backward
-        assert c["pack_us"].notna().all() and py["pack_us"].notna().all()    # C and Python packing books
+        assert c["sync_end_us"].notna().sum() == 4  # one finalize per synchronised backward
+        assert c["pack_us"].notna().all() and py["pack_us"].notna().all()  # C and Python packing books
         after = buckets[(buckets["seq"] >= res["hi"]) & (buckets["seq"] < res["unpacked"])]
         assert len(after) == len(c) and after["pack_us"].notna().all() and "ddp.packing" not in res["errors"]
-        off = buckets[buckets["seq"] >= res["unpacked"]]    # installed with ddp_packing=False
+        off = buckets[buckets["seq"] >= res["unpacked"]]  # installed with ddp_packing=False
         assert len(off) == len(c) and off["pack_us"].isna().all()
         assert (c["duration_us"] > 0).all() and (c["host_us"] > 0).all()
         assert res["identical"]
-        assert res["errors"].get("ddp.hook") == 4                   # the injected fault, once per backward
+        assert res["errors"].get("ddp.hook") == 4  # the injected fault, once per backward
         assert res["calls"].get("python", 0) == len(py)
-        if res["c_rows"]:                                           # the C path took every bucket
+        if res["c_rows"]:  # the C path took every bucket
             assert res["calls"].get("c", 0) == 0
         else:
             assert res["calls"].get("c", 0) == len(c)
@@ -107,11 +127,11 @@ def test_packing_books(kind):
     if kind == "c":
         state = {"recording": True}
         pack = rows._hot.Packing(out, state)
-        stop = lambda: state.update(recording=False)     # noqa: E731
+        stop = lambda: state.update(recording=False)  # noqa: E731
     else:
         state = SimpleNamespace(recording=True)
         pack = rows.Packing(out, state)
-        stop = lambda: setattr(state, "recording", False)    # noqa: E731
+        stop = lambda: setattr(state, "recording", False)  # noqa: E731
     pc = time.perf_counter_ns
 
     def window(between=None):
@@ -123,24 +143,24 @@ def test_packing_books(kind):
         pack.post((), ())
 
     window()
-    pack.reset()                        # a new forward: the no_sync() window is gone
+    pack.reset()  # a new forward: the no_sync() window is gone
     pack.launch(1, pc())
     assert out == [] and pack.inflight == 1
     pack.done()
     window()
-    pack.launch(2, pc())                # nothing in flight: all of it alone
+    pack.launch(2, pc())  # nothing in flight: all of it alone
     seq, total, alone = out[-1]
     assert seq == 2 and total >= 2e6 and alone == total
-    window()                            # bucket 2 in flight throughout
+    window()  # bucket 2 in flight throughout
     pack.launch(3, pc())
     assert out[-1][0] == 3 and out[-1][1] >= 2e6 and out[-1][2] == 0
-    window(between=lambda: (pack.done(), pack.completed(None)))     # both complete halfway
+    window(between=lambda: (pack.done(), pack.completed(None)))  # both complete halfway
     pack.launch(4, pc())
     assert pack.inflight == 1 and 2e6 <= out[-1][2] < out[-1][1]
-    pack.acc(None)                      # the window of the gradient that completes bucket 5
+    pack.acc(None)  # the window of the gradient that completes bucket 5
     time.sleep(0.001)
     pack.launch(5, pc())
-    pack.post((), ())                   # its hook returns after the launch: closed already
+    pack.post((), ())  # its hook returns after the launch: closed already
     pack.launch(6, pc())
     assert [o[0] for o in out] == [2, 3, 4, 5] and out[-1][1] >= 1e6
     stop()
@@ -157,7 +177,7 @@ def test_one_row_per_bucket_per_step(default_run):
         assert n_buckets > 1
         # step 1 uses the constructor's single bucket, steps 2-4 the rebuilt ones; no_sync adds none
         assert len(buckets) == 1 + 3 * n_buckets
-        assert buckets["bytes"].sum() == 4 * sum(res["params"])      # every parameter once per step
+        assert buckets["bytes"].sum() == 4 * sum(res["params"])  # every parameter once per step
         assert (buckets["bucket_params"] > 0).all()
         assert (buckets["phase"] == "backward").all()
         assert (buckets["module"] == "DistributedDataParallel").all()
@@ -169,9 +189,11 @@ def test_one_row_per_bucket_per_step(default_run):
         assert df.loc[df["op"] != "ddp_bucket_allreduce", ["pack_us", "pack_alone_us"]].isna().all().all()
         ctor = df[df["op"] == "ddp_broadcast_coalesced"]
         assert len(ctor) == 1 and ctor.iloc[0]["bytes"] == sum(res["params"])
-        assert (df["op"] == "ddp_verify_params_allgather").sum() == (df["op"] == "ddp_verify_params_broadcast").sum() == 1
+        assert (
+            (df["op"] == "ddp_verify_params_allgather").sum() == (df["op"] == "ddp_verify_params_broadcast").sum() == 1
+        )
         assert (df["op"] == "ddp_rebuild_buckets_broadcast").sum() == 2
-        assert (df["op"] == "ddp_unused_allreduce").sum() == 0        # find_unused_parameters=False
+        assert (df["op"] == "ddp_unused_allreduce").sum() == 0  # find_unused_parameters=False
 
 
 def test_disable_leaves_a_pass_through_hook(default_run):
@@ -190,7 +212,7 @@ def test_user_hook_measured_as_what_ran(hooks_run):
         df = out["user_fp16"]
         rows = df[df["op"] == "all_reduce"]
         assert len(rows) == 2 and (rows["dtype"] == "float16").all() and (rows["bucket"] == 0).all()
-        assert (df["op"] == "ddp_bucket_allreduce").sum() == 0      # no double count
+        assert (df["op"] == "ddp_bucket_allreduce").sum() == 0  # no double count
 
 
 def test_builtin_hook_still_measured(hooks_run):
@@ -204,5 +226,8 @@ def test_no_sync_shows_no_gradient_rows(hooks_run):
     for out in hooks_run:
         df = out["no_sync_only"]
         assert (df["bucket"] >= 0).sum() == 0
-        assert set(df["op"].astype(str)) <= {"ddp_verify_params_allgather", "ddp_verify_params_broadcast",
-                                             "ddp_broadcast_coalesced"}
+        assert set(df["op"].astype(str)) <= {
+            "ddp_verify_params_allgather",
+            "ddp_verify_params_broadcast",
+            "ddp_broadcast_coalesced",
+        }

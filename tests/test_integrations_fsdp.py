@@ -49,7 +49,7 @@ def test_fsdp_bytes_are_the_sharded_unit_sizes(run, kind):
         df, _, sharded = out[kind]
         assert set(df["module"].astype(str)) == set(sharded)
         for unit, rows in df.groupby("module", observed=True):
-            assert (rows["bytes"] == sharded[unit]).all(), unit     # every rank's shard of that unit
+            assert (rows["bytes"] == sharded[unit]).all(), unit  # every rank's shard of that unit
 
 
 @pytest.mark.parametrize("kind", sorted(GATHER))
@@ -61,6 +61,7 @@ def test_fsdp_rows_attributed_to_their_unit_and_phase(run, kind):
         got = Counter(zip(df["module"].astype(str), df["phase"].astype(str), df["op"].astype(str)))
         expected = Counter()
         for unit in sharded:
-            expected.update({(unit, "forward", GATHER[kind]): 2, (unit, "backward", GATHER[kind]): 2,
-                             (unit, "backward", REDUCE): 2})
+            expected.update(
+                {(unit, "forward", GATHER[kind]): 2, (unit, "backward", GATHER[kind]): 2, (unit, "backward", REDUCE): 2}
+            )
         assert got == expected

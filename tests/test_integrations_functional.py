@@ -27,11 +27,15 @@ def _on_gloo(counts):
 def test_functional_collectives_match_profiler(run):
     for out in run:
         df, witness, values = out["funcol"]
-        assert list(df["op"]) == ["funcol.all_reduce", "funcol.all_gather", "funcol.reduce_scatter",
-                                  "funcol.all_to_all_single"]
+        assert list(df["op"]) == [
+            "funcol.all_reduce",
+            "funcol.all_gather",
+            "funcol.reduce_scatter",
+            "funcol.all_to_all_single",
+        ]
         assert _on_gloo(w.claimed_counts(df)) == dict(witness)
-        assert list(df["bytes"]) == [96, 192, 96, 96]          # 4x6 float32; all_gather: full output
-        assert (df["timing"] == "wait").all() and (df["duration_us"] > 0).all()   # lazy wait covered
+        assert list(df["bytes"]) == [96, 192, 96, 96]  # 4x6 float32; all_gather: full output
+        assert (df["timing"] == "wait").all() and (df["duration_us"] > 0).all()  # lazy wait covered
         assert values == [72.0, 72.0, 36.0, 36.0]
 
 
@@ -63,6 +67,7 @@ def test_compiled_dist_collective_is_recorded_at_the_dispatcher(run):
 
 # ---- traced and simulated tensors (one process, fake backend) ---------------------------------
 
+
 def test_traced_and_meta_tensors_are_not_recorded_and_raise_nothing():
     """Regressions found by running torch's own test_functional_api.py under COMMPATCH=1: the
     wait_tensor wrapper read the storage of fake tensors (RuntimeError into the user's code), and
@@ -89,7 +94,7 @@ def test_traced_and_meta_tensors_are_not_recorded_and_raise_nothing():
             funcol.wait_tensor(funcol.all_reduce(torch.ones(4, device="meta"), "sum", [0, 1]))
         assert "all_reduce" in str(graph.code)
         assert len(commpatch.log()) == 0 and not _runtime.ERRORS
-        out = fn(torch.ones(4))                      # and run for real: one row, timed to its wait
+        out = fn(torch.ones(4))  # and run for real: one row, timed to its wait
         df = commpatch.log()
     assert torch.equal(out, torch.full((4,), 2.0)) or out.shape == (4,)
     assert df["op"].tolist() == ["funcol.all_reduce"] and df["timing"].tolist() == ["wait"]
@@ -108,7 +113,7 @@ def test_a_collective_that_raises_on_a_meta_tensor_runs_once_and_its_error_is_th
     from tests.fakepg import fake_world
 
     calls = []
-    name = "_resolve_group" if hasattr(funcol, "_resolve_group") else "_resolve_group_name"   # torch < 2.5
+    name = "_resolve_group" if hasattr(funcol, "_resolve_group") else "_resolve_group_name"  # torch < 2.5
     resolve = getattr(funcol, name)
     monkeypatch.setattr(funcol, name, lambda *a, **k: calls.append(a) or resolve(*a, **k))
     with fake_world(2):
@@ -116,7 +121,7 @@ def test_a_collective_that_raises_on_a_meta_tensor_runs_once_and_its_error_is_th
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with pytest.raises(ValueError):
-                funcol.all_reduce(torch.ones(4, device="meta"), "sum", object())   # not a group: torch raises
+                funcol.all_reduce(torch.ones(4, device="meta"), "sum", object())  # not a group: torch raises
         assert len(calls) == 1
         assert not _runtime.ERRORS and not [w for w in caught if "commpatch" in str(w.message)]
 

@@ -23,12 +23,13 @@ def test_rows_name_module_and_phase(run):
         assert w.claimed_counts(df) == witness
         got = Counter(zip(df["op"].astype(str), df["module"].astype(str), df["phase"].astype(str)))
         assert got == {
-            ("ddp_verify_params_allgather", "", "other"): 1, ("ddp_verify_params_broadcast", "", "other"): 1,
+            ("ddp_verify_params_allgather", "", "other"): 1,
+            ("ddp_verify_params_broadcast", "", "other"): 1,
             ("ddp_broadcast_coalesced", "", "other"): 1,
-            ("all_reduce", "module.0", "forward"): 2,         # the submodule's own forward (FQN under DDP)
-            ("ddp_rebuild_buckets_broadcast", DDP, "forward"): 2,   # before the 2nd forward
+            ("all_reduce", "module.0", "forward"): 2,  # the submodule's own forward (FQN under DDP)
+            ("ddp_rebuild_buckets_broadcast", DDP, "forward"): 2,  # before the 2nd forward
             ("ddp_bucket_allreduce", DDP, "backward"): 2,
-            ("all_reduce", "ClipSGD", "optimizer"): 2,        # named by the optimizer's class
+            ("all_reduce", "ClipSGD", "optimizer"): 2,  # named by the optimizer's class
             ("barrier", "", "other"): 1,
         }
 
@@ -36,18 +37,24 @@ def test_rows_name_module_and_phase(run):
 def test_summary_by_module_and_phase(run):
     for df, _, summary, _ in run:
         keyed = {(r.module, r.phase): r for r in summary.itertuples()}
-        assert set(keyed) == {("", "other"), ("module.0", "forward"), (DDP, "forward"), (DDP, "backward"),
-                              ("ClipSGD", "optimizer")}
+        assert set(keyed) == {
+            ("", "other"),
+            ("module.0", "forward"),
+            (DDP, "forward"),
+            (DDP, "backward"),
+            ("ClipSGD", "optimizer"),
+        }
         for (module, phase), r in keyed.items():
             rows = df[(df["module"] == module) & (df["phase"] == phase)]
             assert r.count == len(rows) and r.bytes == rows["bytes"].sum()
-        assert keyed[("module.0", "forward")].bytes == 2 * 8 * 4       # an 8-float statistic per step
+        assert keyed[("module.0", "forward")].bytes == 2 * 8 * 4  # an 8-float statistic per step
         assert keyed[("ClipSGD", "optimizer")].bytes == 2 * 4
-        assert keyed[(DDP, "backward")].bytes == 2 * (8 * 8 + 8 + 8 * 4 + 4) * 4   # every parameter per step
+        assert keyed[(DDP, "backward")].bytes == 2 * (8 * 8 + 8 + 8 * 4 + 4) * 4  # every parameter per step
         assert summary["time_share"].sum() == pytest.approx(1.0)
 
 
 # ---- torch.compile and unusual modules (one process, fake backend) ---------------------------
+
 
 def _mlp():
     import torch
@@ -86,7 +93,7 @@ def test_compiled_model_runs_and_computes_the_same(when, fullgraph):
     if when == "after":
         commpatch.enable(output="none")
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*global hooks")   # torch's warning for global hooks
+        warnings.filterwarnings("error", message=".*global hooks")  # torch's warning for global hooks
         out = compiled(x)
         out.sum().backward()
     assert torch.equal(out, expected)
@@ -154,7 +161,7 @@ def test_compiled_module_collectives_name_the_compiled_module():
 
         def forward(self, x):
             y = self.lin(x)
-            torch._dynamo.disable(dist.all_reduce)(y)      # looked up at call time: the wrapper
+            torch._dynamo.disable(dist.all_reduce)(y)  # looked up at call time: the wrapper
             return y
 
     with fake_world(2):
@@ -217,7 +224,7 @@ def test_forward_hooks_are_attributed_to_their_module_and_a_raise_restores_the_p
             try:
                 self.boom(x)
             except ValueError:
-                dist.all_reduce(torch.ones(1))          # back in Outer after the raise
+                dist.all_reduce(torch.ones(1))  # back in Outer after the raise
             return self.second(self.first(x))
 
     model = Outer()
@@ -225,8 +232,11 @@ def test_forward_hooks_are_attributed_to_their_module_and_a_raise_restores_the_p
     with fake_world(2):
         commpatch.enable(output="none")
         model(torch.ones(1, 2))
-        dist.all_reduce(torch.ones(1))                  # outside any module
+        dist.all_reduce(torch.ones(1))  # outside any module
         df = commpatch.log()
     assert list(zip(df["module"].astype(str), df["phase"].astype(str))) == [
-        ("Outer", "forward"), ("second", "forward"), ("", "other")]
+        ("Outer", "forward"),
+        ("second", "forward"),
+        ("", "other"),
+    ]
     assert not any(h for h in torch.nn.modules.module._global_forward_hooks.values())

@@ -12,9 +12,9 @@ def test_gpipe_schedule_p2p_rows_match_profiler():
         assert len(p2p) > 0
         peers = set(p2p.loc[p2p["op"] != "batch_isend_irecv", "peer"])
         assert peers <= {1 - rank}
-        batched = df["op"] == "batch_isend_irecv"      # the schedule of torch 2.4 sends in batches
+        batched = df["op"] == "batch_isend_irecv"  # the schedule of torch 2.4 sends in batches
         if not batched.any():
-            assert w.claimed_counts(df) == witness        # send_object_list = 2 sends, etc.
+            assert w.claimed_counts(df) == witness  # send_object_list = 2 sends, etc.
             continue
         # a batch row does not say which of its ops were sends: the p2p rows' bytes are what the
         # profiler's sends and receives moved, and every other row is claimed one for one

@@ -17,7 +17,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # layer of a module: the first matching prefix wins
 LAYER_OF = (
     ("commpatch.data", "data"),
-    ("commpatch._version", "data"),                # a constant: imports nothing
+    ("commpatch._version", "data"),  # a constant: imports nothing
     ("commpatch.config", "config"),
     ("commpatch.record", "record"),
     ("commpatch.patch", "patch"),
@@ -32,7 +32,9 @@ LAYER_OF = (
     ("commpatch.cli", "cli"),
     ("commpatch.watch", "cli"),
     ("commpatch.__main__", "cli"),
-    ("commpatch._bootstrap", "entry"), ("commpatch._boot", "entry"), ("commpatch", "entry"),
+    ("commpatch._bootstrap", "entry"),
+    ("commpatch._boot", "entry"),
+    ("commpatch", "entry"),
 )
 
 # what each layer may import (besides itself)
@@ -46,7 +48,7 @@ MAY_IMPORT = {
     "analysis": {"data"},
     "render": {"data", "analysis"},
     "watchdog": {"data", "record", "io"},
-    "metrics": {"data", "io", "analysis"},        # live Prometheus metrics: fed by the session's flusher
+    "metrics": {"data", "io", "analysis"},  # live Prometheus metrics: fed by the session's flusher
     "tools": {"data", "io", "analysis"},
     "session": {"data", "config", "record", "patch", "integrations", "watchdog", "metrics", "io", "analysis", "render"},
     "cli": {"data", "config", "io", "analysis", "render"},
@@ -58,13 +60,13 @@ RUNTIME = {"record", "patch", "integrations", "watchdog", "metrics", "session"}
 # (importing module, imported module): the function-level imports of commpatch modules allowed,
 # each with a '# lazy: <reason>' comment on its line
 LAZY = {
-    ("commpatch", "commpatch.session"),            # import commpatch must cost (almost) nothing
+    ("commpatch", "commpatch.session"),  # import commpatch must cost (almost) nothing
     ("commpatch", "commpatch.config"),
     ("commpatch", "commpatch.io.reader"),
     ("commpatch", "commpatch.data.schema"),
     ("commpatch._bootstrap", "commpatch.config"),  # imported in every process with COMMPATCH set
     ("commpatch._bootstrap", "commpatch.session"),
-    ("commpatch.cli", "commpatch.io"),              # `commpatch run` / `env` never load numpy or pandas
+    ("commpatch.cli", "commpatch.io"),  # `commpatch run` / `env` never load numpy or pandas
     ("commpatch.cli", "commpatch.io.paths"),
     ("commpatch.cli", "commpatch.io.reader"),
     ("commpatch.cli", "commpatch.analysis"),
@@ -75,7 +77,7 @@ LAZY = {
     ("commpatch.cli", "commpatch.render.html"),
     ("commpatch.cli", "commpatch.data.schema"),
     ("commpatch.cli", "commpatch.data.logfile"),
-    ("commpatch.cli", "commpatch.watch"),             # `commpatch watch` alone loads rich
+    ("commpatch.cli", "commpatch.watch"),  # `commpatch watch` alone loads rich
     ("commpatch.cli", "commpatch.render.tensorboard"),
 }
 
@@ -173,7 +175,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

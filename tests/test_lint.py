@@ -18,8 +18,13 @@ def _need(module: str) -> None:
 
 def test_ruff_check_passes():
     _need("ruff")
-    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
 
 
@@ -28,7 +33,12 @@ def test_mypy_passes_on_the_offline_layers(tmp_path):
     if sys.version_info < (3, 10):
         pytest.skip("the type check runs on Python 3.10+ (mypy 2 does not run on 3.9; older mypy checks differently)")
     _need("mypy")
-    res = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
     assert "Success: no issues found" in res.stdout

@@ -16,18 +16,19 @@ from tests.multiproc import run_ranks
 
 
 def test_planted_straggler_and_mismatch_are_found_exactly():
-    k = 7                                          # the 8th collective: a broadcast in PATTERN
+    k = 7  # the 8th collective: a broadcast in PATTERN
     df = make_log(4, 6, p2p=True, straggler=2, mismatch=(1, k), seed=3)
     cr = analysis.cross_rank(df)
     assert len(cr.collectives) == 6 * len(PATTERN)
     assert (cr.collectives["straggler"] == 2).all()
-    assert (cr.collectives["skew_us"] > 1500).all()          # 2 ms delay, give or take the jitter
+    assert (cr.collectives["skew_us"] > 1500).all()  # 2 ms delay, give or take the jitter
     top = cr.ranks.iloc[0]
     assert top["rank"] == 2 and top["last_count"] == 6 * len(PATTERN) and top["last_share"] == 1.0
     assert top["wait_share"] == 0.0 and (cr.ranks["wait_share"].iloc[1:] > 0.5).all()
     m = cr.mismatches
     assert m[["kind", "group", "coll_seq", "step", "op", "affected"]].to_dict("records") == [
-        dict(kind="bytes", group="0", coll_seq=k, step=1, op=PATTERN[k % len(PATTERN)][0], affected=1)]
+        dict(kind="bytes", group="0", coll_seq=k, step=1, op=PATTERN[k % len(PATTERN)][0], affected=1)
+    ]
     nbytes = PATTERN[k % len(PATTERN)][1]
     assert m["detail"].iloc[0] == f"{nbytes} on rank(s) 0,2,3; {2 * nbytes} on rank(s) 1"
     # p2p calls advance group_seq on two ranks only; they must not misalign the collectives
@@ -35,17 +36,18 @@ def test_planted_straggler_and_mismatch_are_found_exactly():
 
 
 def test_missing_collective_is_reported_at_its_first_occurrence():
-    df = make_log(4, 3, missing=(3, 4))            # rank 3 skips the step's last all_reduce (1 KiB)
+    df = make_log(4, 3, missing=(3, 4))  # rank 3 skips the step's last all_reduce (1 KiB)
     m = analysis.mismatches(df)
     first = m.iloc[0]
-    assert (first["kind"], first["coll_seq"]) == ("bytes", 4)       # from there on rank 3 is one behind
+    assert (first["kind"], first["coll_seq"]) == ("bytes", 4)  # from there on rank 3 is one behind
     assert "on rank(s) 3" in first["detail"]
     # the very last collective: nothing shifts; rank 3's log ends there, which the logs alone cannot
     # tell from a rank that skipped it and stopped (issue 24.7): matching stops at its end, said so
     tail = analysis.cross_rank(make_log(4, 3, missing=(3, 14)))
     assert tail.mismatches.empty
-    assert tail.log_ends.to_dict("records") == [dict(group="0", ranks="3 (#13)", last_coll_seq=13, group_last=14,
-                                                     unmatched=1)]
+    assert tail.log_ends.to_dict("records") == [
+        dict(group="0", ranks="3 (#13)", last_coll_seq=13, group_last=14, unmatched=1)
+    ]
     # a member that never issues a group's collectives while its log goes on: missing
     df = make_log(4, 3)
     df = df[~((df["rank"] == 3) & (df["op"] == "broadcast"))].reset_index(drop=True)
@@ -60,7 +62,7 @@ def test_missing_collective_is_reported_at_its_first_occurrence():
 def test_no_false_alarm_without_faults_and_missing_files_are_not_errors():
     df = make_log(4, 3, p2p=True, straggler=None)
     assert analysis.mismatches(df).empty
-    cr = analysis.cross_rank(df[df["rank"] != 1])     # rank 1's file not given
+    cr = analysis.cross_rank(df[df["rank"] != 1])  # rank 1's file not given
     assert cr.mismatches[cr.mismatches["kind"] != "p2p_unmatched"].empty
     assert cr.missing_logs == [1]
 
@@ -111,13 +113,14 @@ def test_read_logs_accepts_files_without_newer_columns(tmp_path):
 def test_a_schema_3_file_gets_own_time_from_its_durations_and_old_timing_names(tmp_path):
     df = make_log(2, 1)
     old = df.drop(columns=["own_us"]).assign(
-        timing=np.where(np.arange(len(df)) == 0, "cuda_event", df["timing"].astype(str)))
+        timing=np.where(np.arange(len(df)) == 0, "cuda_event", df["timing"].astype(str))
+    )
     old.to_csv(tmp_path / "rank0.csv", index=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")        # derived, not filled: nothing to warn about
+        warnings.simplefilter("error")  # derived, not filled: nothing to warn about
         back = cpio.read(str(tmp_path / "rank0.csv"))
     assert back["timing"].iloc[0] == "device_event" and "cuda_event" not in back["timing"].cat.categories
-    host = back["timing"] == "host"          # synchronous calls: never queued, own time = duration
+    host = back["timing"] == "host"  # synchronous calls: never queued, own time = duration
     assert np.allclose(back.loc[host, "own_us"], back.loc[host, "duration_us"], equal_nan=True)
     assert back.attrs["filled_columns"] == []
 
@@ -176,14 +179,14 @@ def test_real_run_names_the_sleeping_rank(gloo_logs, capsys):
     assert rep["errors"] == []
     ranks = rep["sections"]["ranks"]
     assert ranks[0]["rank"] == SLEEPER and ranks[0]["last_count"] >= 12
-    assert ranks[0]["late_us"] > 12 * 0.5 * SLEEP_S * 1e6            # 12 sleeps, minus scheduling noise
+    assert ranks[0]["late_us"] > 12 * 0.5 * SLEEP_S * 1e6  # 12 sleeps, minus scheduling noise
     others = [r for r in ranks if r["rank"] != SLEEPER]
     assert all(r["wait_share"] > ranks[0]["wait_share"] for r in others)
-    assert sum(s["straggler"] == SLEEPER for s in rep["sections"]["skew"]) >= 8   # of the top 10
+    assert sum(s["straggler"] == SLEEPER for s in rep["sections"]["skew"]) >= 8  # of the top 10
     assert cli.main(["report", gloo_logs, "--no-progress"]) == 0
     text = capsys.readouterr().out
     ranks_table = text.split("stragglers first")[1].splitlines()
-    assert ranks_table[3].split()[0] == str(SLEEPER)               # first row under the header
+    assert ranks_table[3].split()[0] == str(SLEEPER)  # first row under the header
 
 
 @pytest.mark.slow
@@ -203,7 +206,7 @@ def test_real_run_trace_has_one_event_per_row(gloo_logs, tmp_path):
     from commpatch.render import trace
 
     df = cpio.read(gloo_logs)
-    path = trace.write_chrome_trace(df, str(tmp_path / "trace.json"))   # strict JSON: no NaN
+    path = trace.write_chrome_trace(df, str(tmp_path / "trace.json"))  # strict JSON: no NaN
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
@@ -221,14 +224,17 @@ def test_logs_that_end_early_make_no_mismatch():
     cut |= (df["rank"] == 2) & (df["seq"] > 30)
     cr = analysis.cross_rank(df[~cut].reset_index(drop=True))
     assert cr.mismatches.empty, cr.mismatches.to_dict("records")
-    assert cr.log_ends.to_dict("records") == [dict(group="0", ranks="1 (#14), 2 (#22)", last_coll_seq=14,
-                                                   group_last=29, unmatched=15)]
+    assert cr.log_ends.to_dict("records") == [
+        dict(group="0", ranks="1 (#14), 2 (#22)", last_coll_seq=14, group_last=29, unmatched=15)
+    ]
     rep = report.build_report(df[~cut].reset_index(drop=True))
     assert rep.errors == []
     ends = [f.text for f in rep.findings if f.kind == "ends"]
-    assert ends == ["the logs end at different points: in group 0 the log of rank(s) 1 (#14), 2 (#22) ends before "
-                    "the others' last collective #29; matching stops at each log's end (a log cut short or a rank "
-                    "that stopped), no mismatch is inferred after it."], ends
+    assert ends == [
+        "the logs end at different points: in group 0 the log of rank(s) 1 (#14), 2 (#22) ends before "
+        "the others' last collective #29; matching stops at each log's end (a log cut short or a rank "
+        "that stopped), no mismatch is inferred after it."
+    ], ends
     assert any(n.startswith("group 0: the log of rank(s) 1 (#14), 2 (#22) ends before") for n in rep.notes)
     # collectives before the end are still checked: a size mismatch there is found
     bad = make_log(4, 6, mismatch=(1, 7))
@@ -242,10 +248,9 @@ def test_real_log_that_ends_early_makes_no_mismatch(tmp_path, capsys):
     disk that filled, or a rank that died, leaves): no 'missing' error, the report says where the
     logs end."""
     from commpatch import cli
-    from tests.analysis_workers import ddp_job
-
-    from commpatch.data.logfile import MAGIC, ROWS, _FRAME
+    from commpatch.data.logfile import _FRAME, MAGIC, ROWS
     from commpatch.data.schema import ROW
+    from tests.analysis_workers import ddp_job
 
     run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12)
     for csv in tmp_path.glob("*.csv"):
@@ -256,7 +261,7 @@ def test_real_log_that_ends_early_makes_no_mismatch(tmp_path, capsys):
     frames, pos = [], len(MAGIC)
     while pos < len(data):
         kind, length = _FRAME.unpack_from(data, pos)
-        frames.append((kind, data[pos + _FRAME.size:pos + _FRAME.size + length]))
+        frames.append((kind, data[pos + _FRAME.size : pos + _FRAME.size + length]))
         pos += _FRAME.size + length
     budget = int(sum(len(p) for k, p in frames if k == ROWS) // ROW.size * 0.6)
     out = bytearray(MAGIC)
@@ -264,7 +269,7 @@ def test_real_log_that_ends_early_makes_no_mismatch(tmp_path, capsys):
         if kind == ROWS:
             keep = min(budget, len(payload) // ROW.size)
             budget -= keep
-            payload = payload[:keep * ROW.size]
+            payload = payload[: keep * ROW.size]
         out += _FRAME.pack(kind, len(payload)) + payload
     path.write_bytes(bytes(out))
     assert cli.main(["report", str(tmp_path), "--format", "json", "--fail-on-mismatch", "--no-progress"]) == 0

@@ -21,9 +21,11 @@ from commpatch import config
 from commpatch.metrics import METRICS, PREFIX
 from tests.test_watch import ROOT, finish, start_job, wait_done
 
-prometheus_client = pytest.importorskip("prometheus_client", reason="the metrics extra (prometheus-client) is not installed")
+prometheus_client = pytest.importorskip(
+    "prometheus_client", reason="the metrics extra (prometheus-client) is not installed"
+)
 
-PORTS = range(33200, 33990, 10)          # this test file's share of the task's ports
+PORTS = range(33200, 33990, 10)  # this test file's share of the task's ports
 
 
 @pytest.mark.parametrize("value", ["abc", "70000", "0x10", ":8000", "host:"])
@@ -35,7 +37,9 @@ def test_a_bad_port_is_one_line_naming_the_setting(value):
 
 
 def test_port_and_file_values():
-    got = config.resolve(environ={"COMMPATCH_METRICS_PORT": "127.0.0.1:9400", "COMMPATCH_METRICS_FILE": "/m/r{rank}.prom"})
+    got = config.resolve(
+        environ={"COMMPATCH_METRICS_PORT": "127.0.0.1:9400", "COMMPATCH_METRICS_FILE": "/m/r{rank}.prom"}
+    )
     assert got["metrics_port"] == ("127.0.0.1", 9400) and got["metrics_file"] == "/m/r{rank}.prom"
     assert config.resolve(environ={"COMMPATCH_METRICS_PORT": "9400"})["metrics_port"] == ("0.0.0.0", 9400)
     assert config.resolve(environ={})["metrics_port"] is None and config.resolve(environ={})["metrics_file"] == ""
@@ -49,16 +53,26 @@ def test_without_the_extra_the_setting_names_it(env):
     """prometheus-client not importable (as without `pip install 'commpatch[metrics]'`): one line
     naming the setting and the extra, through the COMMPATCH=1 activation path (exit status 2)."""
     value = "33100" if env.endswith("PORT") else "/tmp/x{rank}.prom"
-    code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "import torch.distributed as dist\n"
-            "import commpatch._bootstrap\n"
-            "import torch.distributed.distributed_c10d\n"
-            "print('the job ran')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, COMMPATCH="1", **{env: value}))
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import torch.distributed as dist\n"
+        "import commpatch._bootstrap\n"
+        "import torch.distributed.distributed_c10d\n"
+        "print('the job ran')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, COMMPATCH="1", **{env: value}),
+    )
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert out.returncode == 2, out
-    assert lines == [f"commpatch: {env}={value!r} needs the prometheus-client package: pip install 'commpatch[metrics]'"]
+    assert lines == [
+        f"commpatch: {env}={value!r} needs the prometheus-client package: pip install 'commpatch[metrics]'"
+    ]
 
 
 def test_grafana_dashboard_names_only_metrics_that_exist():
@@ -67,15 +81,22 @@ def test_grafana_dashboard_names_only_metrics_that_exist():
     served = set()
     for name, (kind, _) in METRICS.items():
         full = PREFIX + name
-        served |= {full + "_total"} if kind == "counter" else \
-            {full + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else {full}
+        served |= (
+            {full + "_total"}
+            if kind == "counter"
+            else {full + s for s in ("_bucket", "_sum", "_count")}
+            if kind == "histogram"
+            else {full}
+        )
     with open(os.path.join(ROOT, "contrib", "grafana", "commpatch.json")) as f:
         dashboard = json.load(f)
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     queries += [v["query"]["query"] for v in dashboard["templating"]["list"] if isinstance(v.get("query"), dict)]
     used = {m for q in queries for m in re.findall(r"\bcommpatch_[a-z_]+", q)}
     assert used and used <= served, sorted(used - served)
-    panel_names = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"commpatch_[a-z_]+", t["expr"])}
+    panel_names = {
+        m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"commpatch_[a-z_]+", t["expr"])
+    }
     # every metric shows up somewhere on the dashboard
     assert {PREFIX + n for n in METRICS} <= {re.sub(r"_(total|bucket|sum|count)$", "", m) for m in panel_names}
 
@@ -111,30 +132,49 @@ def _by(results, *labels):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("prometheus") is None, reason="the Prometheus server is not installed "
-                    "(Debian package prometheus, ci/apt-packages.txt)")
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="the Prometheus server is not installed (Debian package prometheus, ci/apt-packages.txt)",
+)
 def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the_log(tmp_path):
     import commpatch
 
     tmp = str(tmp_path)
-    base = _free_ports(3)               # rank 0, rank 1 (port + local rank), Prometheus itself
+    base = _free_ports(3)  # rank 0, rank 1 (port + local rank), Prometheus itself
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text("global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\nscrape_configs:\n"
-                   "  - job_name: train\n    static_configs:\n"
-                   f"      - targets: ['127.0.0.1:{base}', '127.0.0.1:{base + 1}']\n")
-    server = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/tsdb",
-                               f"--web.listen-address=127.0.0.1:{base + 2}"],
-                              stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "prometheus.log"), "w"))
+    cfg.write_text(
+        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\nscrape_configs:\n"
+        "  - job_name: train\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{base}', '127.0.0.1:{base + 1}']\n"
+    )
+    server = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp}/tsdb",
+            f"--web.listen-address=127.0.0.1:{base + 2}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(os.path.join(tmp, "prometheus.log"), "w"),
+    )
     api = f"http://127.0.0.1:{base + 2}"
     procs = []
     try:
-        procs, logs, release = start_job(tmp, steps=20, sleep=0.05, hold=120, metrics_port=f"127.0.0.1:{base}",
-                                         metrics_file=os.path.join(tmp, "metrics", "rank{rank}.prom"))
+        procs, logs, release = start_job(
+            tmp,
+            steps=20,
+            sleep=0.05,
+            hold=120,
+            metrics_port=f"127.0.0.1:{base}",
+            metrics_file=os.path.join(tmp, "metrics", "rank{rank}.prom"),
+        )
         wait_done(tmp, procs)
-        time.sleep(1.0)                 # the flusher's last passes: every row and duration on disk
+        time.sleep(1.0)  # the flusher's last passes: every row and duration on disk
         df = commpatch.read_csv(logs)
-        expected = {(str(r), str(c)): (int(len(g)), int(g["bytes"].sum()))
-                    for (r, c), g in df.groupby(["rank", "collective"], observed=True)}
+        expected = {
+            (str(r), str(c)): (int(len(g)), int(g["bytes"].sum()))
+            for (r, c), g in df.groupby(["rank", "collective"], observed=True)
+        }
         assert {c for _, c in expected} >= {"all_reduce", "broadcast", "all_gather", "barrier"}
         assert df["duration_us"].notna().all()
         # the job waits; Prometheus scrapes it until its totals are those of the log (or 60 s)
@@ -144,7 +184,7 @@ def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the
                 calls = _by(_query(api, "sum by (rank, collective) (commpatch_calls_total)"), "rank", "collective")
                 nbytes = _by(_query(api, "sum by (rank, collective) (commpatch_bytes_total)"), "rank", "collective")
             except OSError:
-                pass                    # the server is still starting
+                pass  # the server is still starting
             try:
                 steps = _by(_query(api, "commpatch_step"), "rank")
             except OSError:
@@ -155,8 +195,10 @@ def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the
             time.sleep(0.5)
         assert calls == {k: float(v[0]) for k, v in expected.items()}, (calls, expected)
         assert nbytes == {k: float(v[1]) for k, v in expected.items()}
-        measured = _by(_query(api, "sum by (rank, collective) (commpatch_duration_seconds_count)"), "rank", "collective")
-        assert measured == calls                            # every call of this job has a duration
+        measured = _by(
+            _query(api, "sum by (rank, collective) (commpatch_duration_seconds_count)"), "rank", "collective"
+        )
+        assert measured == calls  # every call of this job has a duration
         seconds = _by(_query(api, "sum by (rank, collective) (commpatch_duration_seconds_sum)"), "rank", "collective")
         for (rank, coll), total in seconds.items():
             mine = df[(df["rank"] == int(rank)) & (df["collective"] == coll)]
@@ -200,8 +242,12 @@ def _scrape(port):
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name.startswith("commpatch_inflight")}
+    return {
+        s.name: s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.startswith("commpatch_inflight")
+    }
 
 
 def _inflight_worker(rank, world_size, base, out_dir):
@@ -215,7 +261,7 @@ def _inflight_worker(rank, world_size, base, out_dir):
     os.environ["LOCAL_RANK"] = str(rank)
     commpatch.enable(output=os.path.join(out_dir, "rank{rank}.csv"), metrics_port=f"127.0.0.1:{base}")
     t = torch.ones(8)
-    dist.all_reduce(t)                   # the rank's first row: its labels are known from here on
+    dist.all_reduce(t)  # the rank's first row: its labels are known from here on
     if rank == 1:
         time.sleep(3.0)
         dist.all_reduce(t, async_op=True).wait()
@@ -258,10 +304,17 @@ def test_label_values_are_bounded():
     exporter.who = ("0", "host", "run")
     n = 480
     rng = np.arange(n)
-    cols = {"seq": rng, "collective": Cat(np.zeros(n, np.int8), ["all_reduce"]),
-            "group": Cat(rng % 40, [f"g{i}" for i in range(40)]), "phase": Cat(np.zeros(n, np.int8), ["other"]),
-            "dtype": Cat(rng % 12, [f"d{i}" for i in range(12)]), "bytes": np.full(n, 4),
-            "duration_us": np.full(n, 10.0), "own_us": np.full(n, 10.0), "busbw_gbps": np.full(n, 1.0)}
+    cols = {
+        "seq": rng,
+        "collective": Cat(np.zeros(n, np.int8), ["all_reduce"]),
+        "group": Cat(rng % 40, [f"g{i}" for i in range(40)]),
+        "phase": Cat(np.zeros(n, np.int8), ["other"]),
+        "dtype": Cat(rng % 12, [f"d{i}" for i in range(12)]),
+        "bytes": np.full(n, 4),
+        "duration_us": np.full(n, 10.0),
+        "own_us": np.full(n, 10.0),
+        "busbw_gbps": np.full(n, 1.0),
+    }
     exporter._count(cols)
     groups = {key[1] for key in exporter.counts}
     dtypes = {key[3] for key in exporter.counts}
@@ -283,8 +336,11 @@ def test_a_taken_port_is_a_warning_and_the_job_runs_on(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     said = []
     try:
-        exporter = Exporter(types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: []),
-                            ("127.0.0.1", base), warn=said.append)
+        exporter = Exporter(
+            types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: []),
+            ("127.0.0.1", base),
+            warn=said.append,
+        )
     finally:
         taken.close()
     assert exporter.server is None and exporter.address is None

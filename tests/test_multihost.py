@@ -35,8 +35,9 @@ def _env(**extra):
     return env
 
 
-def run_two_nodes(tmp_path, shim, shift_ns: int, steps: int = 40, delay_rank: int = -1, delay_ms: float = 0.0,
-                  nproc: int = 1):
+def run_two_nodes(
+    tmp_path, shim, shift_ns: int, steps: int = 40, delay_rank: int = -1, delay_ms: float = 0.0, nproc: int = 1
+):
     """Two torchrun nodes; node B's clock ``shift_ns`` ahead. Returns the two output directories."""
     port = free_port()
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -44,14 +45,41 @@ def run_two_nodes(tmp_path, shim, shift_ns: int, steps: int = 40, delay_rank: in
     procs = []
     for node, out in enumerate(outs):
         env = _env(SHIM_CLOCK_SHIFT_NS=str(shift_ns if node == 1 else 0), LD_PRELOAD=shim)
-        cmd = [sys.executable, "-m", "commpatch", "run", "--output", str(out / "{run}" / "rank{rank}.csv"), "--",
-               sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", f"--nproc-per-node={nproc}",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "h25",
-               "--local-addr", "127.0.0.1", "--max-restarts", "0",
-               os.path.join(ROOT, "tests", "multihost_job.py"), "--steps", str(steps),
-               "--delay-rank", str(delay_rank), "--delay-ms", str(delay_ms)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "commpatch",
+            "run",
+            "--output",
+            str(out / "{run}" / "rank{rank}.csv"),
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "h25",
+            "--local-addr",
+            "127.0.0.1",
+            "--max-restarts",
+            "0",
+            os.path.join(ROOT, "tests", "multihost_job.py"),
+            "--steps",
+            str(steps),
+            "--delay-rank",
+            str(delay_rank),
+            "--delay-ms",
+            str(delay_ms),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     results = []
     for p in procs:
         try:
@@ -68,8 +96,13 @@ def run_two_nodes(tmp_path, shim, shift_ns: int, steps: int = 40, delay_rank: in
 
 
 def report(*paths, extra=()):
-    res = subprocess.run([sys.executable, "-m", "commpatch", "report", *map(str, paths), "--format", "json", *extra],
-                         env=_env(), capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", *map(str, paths), "--format", "json", *extra],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout), res.stderr
 
@@ -85,7 +118,9 @@ def clock_of(rep) -> dict:
 
 def shifted_ranks(outs) -> set:
     """The ranks whose files are in the shifted node's directory (outs[1])."""
-    return {int(f[len("rank"):-len(".cplog")]) for _, _, files in os.walk(outs[1]) for f in files if f.endswith(".cplog")}
+    return {
+        int(f[len("rank") : -len(".cplog")]) for _, _, files in os.walk(outs[1]) for f in files if f.endswith(".cplog")
+    }
 
 
 def check_offsets(rep, outs, shift_ns: int) -> None:
@@ -101,7 +136,7 @@ def check_offsets(rep, outs, shift_ns: int) -> None:
         # rank 0's clock minus this rank's
         true_us = ((shift_ns if rank0_shifted else 0) - (shift_ns if rank in shifted else 0)) / 1e3
         assert row["measurements"] >= 1, row
-        if true_us == 0:        # one machine, one wall clock, every interval holding 0: exactly 0
+        if true_us == 0:  # one machine, one wall clock, every interval holding 0: exactly 0
             assert row["status"] == "same_machine" and row["offset_us"] == 0 == row["uncertainty_us"], row
             continue
         assert row["status"] == "measured", row
@@ -129,13 +164,15 @@ def test_two_hosts_with_shifted_clocks_name_no_false_straggler_and_share_one_tim
         # the skews of the shifted run are of the unshifted run's kind: no collective 3 s / 2 ms apart
         # more than the unshifted run's largest skew plus both uncertainties allow
         u = sum(r["uncertainty_us"] for r in clock_of(rep).values()) + sum(
-            r["uncertainty_us"] for r in clock_of(rep0).values())
-        engine, _ = report(*outs, extra=("--engine", "duckdb"))       # the engine's report says the same
+            r["uncertainty_us"] for r in clock_of(rep0).values()
+        )
+        engine, _ = report(*outs, extra=("--engine", "duckdb"))  # the engine's report says the same
         assert engine["sections"]["clock"] == rep["sections"]["clock"] and straggler(engine) == straggler(rep)
         if shift > 1e9:
             assert max(r["skew_us"] for r in rep["sections"]["skew"]) < 1e6 <= shift / 1e3 - u
-            assert any(f["kind"] == "clock" and "3 s ahead" in f["text"] or "3 s behind" in f["text"]
-                       for f in rep["findings"]), rep["findings"]
+            assert any(
+                f["kind"] == "clock" and "3 s ahead" in f["text"] or "3 s behind" in f["text"] for f in rep["findings"]
+            ), rep["findings"]
         events = json.loads(trace.read_text())["traceEvents"]
         calls = {}
         for e in events:

@@ -31,8 +31,10 @@ COALESCED = {
     "all_gather": ([(f"coalesced.{leaf('all_gather_into_tensor')}", 2 * 32, 2, "host")], {"all_gather": 1}),
     # gloo runs a coalesced reduce_scatter as one all_reduce per tensor, with no future
     "reduce_scatter_async": ([(f"coalesced.{leaf('reduce_scatter_tensor')}", 2 * 32, 2, "none")], {"all_reduce": 2}),
-    "with_a_broadcast": ([("broadcast", 8, 1, "host"), ("coalesced.all_reduce", 16, 1, "host")],
-                         {"broadcast": 1, "all_reduce": 1}),
+    "with_a_broadcast": (
+        [("broadcast", 8, 1, "host"), ("coalesced.all_reduce", 16, 1, "host")],
+        {"broadcast": 1, "all_reduce": 1},
+    ),
 }
 
 

@@ -19,8 +19,9 @@ def test_walkthrough_notebook_executes(tmp_path, monkeypatch):
     write_rank_files(str(logs), 4, 6, straggler=3, p2p=True, mismatch=(1, 9))
     monkeypatch.setenv("COMMPATCH_LOGS", str(logs))
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")

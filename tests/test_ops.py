@@ -10,19 +10,42 @@ from tests import workers
 from tests.multiproc import run_ranks
 
 
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def ops_run(request):
     return request.param, run_ranks(workers.all_ops, request.param, timeout=150)
 
 
 def _scenario_names():
-    return ["all_reduce", "all_reduce_async", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
-            "all_gather_single", "_all_gather_base", "all_gather_coalesced", "all_gather_object",
-            "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base",
-            "broadcast", "broadcast_object_list", "reduce", "all_to_all", "all_to_all_single", "gather",
-            "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier", "send_recv",
-            "isend_irecv", "batch_isend_irecv", "object_p2p"]
+    return [
+        "all_reduce",
+        "all_reduce_async",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "_all_gather_base",
+        "all_gather_coalesced",
+        "all_gather_object",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "_reduce_scatter_base",
+        "broadcast",
+        "broadcast_object_list",
+        "reduce",
+        "all_to_all",
+        "all_to_all_single",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "barrier",
+        "monitored_barrier",
+        "send_recv",
+        "isend_irecv",
+        "batch_isend_irecv",
+        "object_p2p",
+    ]
 
 
 def test_scenarios_cover_every_target():
@@ -58,10 +81,10 @@ def test_one_row_per_call(ops_run, scenario):
         assert row["op"] == exp["op"]
         assert row["dtype"] == exp["dtype"]
         assert row["group_size"] == world and row["world_size"] == world and row["rank"] == rank
-        assert row["group_ranks"] == (f"0-{world - 1}" if world > 2 else "0 1")   # range notation
+        assert row["group_ranks"] == (f"0-{world - 1}" if world > 2 else "0 1")  # range notation
         assert row["backend"] == "gloo" and row["status"] == "ok"
         assert row["peer"] == exp["peer"]
-        if exp["bytes"] is None:       # object collectives: bytes of the tensors they moved
+        if exp["bytes"] is None:  # object collectives: bytes of the tensors they moved
             assert row["bytes"] > 0 and row["numel"] == row["bytes"]
         else:
             assert row["bytes"] == exp["bytes"]
@@ -86,7 +109,7 @@ def test_gloo_p2p_without_future_is_honest(ops_run):
     _, results = ops_run
     df, _, _ = results[0]["isend_irecv"]
     assert df.iloc[0]["timing"] == "none" and math.isnan(df.iloc[0]["duration_us"])
-    df, _, _ = results[0]["send_recv"]            # the synchronous form is timed on the host
+    df, _, _ = results[0]["send_recv"]  # the synchronous form is timed on the host
     assert df.iloc[0]["timing"] == "host" and df.iloc[0]["duration_us"] > 0
 
 

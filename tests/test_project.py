@@ -22,8 +22,7 @@ def test_version_flag_prints_the_package_version(capsys):
 
 
 def test_python_m_commpatch_version():
-    res = subprocess.run([sys.executable, "-m", "commpatch", "--version"], capture_output=True, text=True,
-                         timeout=60)
+    res = subprocess.run([sys.executable, "-m", "commpatch", "--version"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"commpatch {commpatch.__version__}"
     assert res.stderr == ""
@@ -38,7 +37,7 @@ def _project() -> dict:
     """pyproject.toml's [project] table (PEP 621 metadata)."""
     try:
         import tomllib
-    except ImportError:                      # Python < 3.11
+    except ImportError:  # Python < 3.11
         pytest.skip("tomllib is Python 3.11+")
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         return tomllib.load(f)["project"]

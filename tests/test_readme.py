@@ -30,11 +30,11 @@ def test_no_placeholder_left():
 
 def _support_table() -> list[dict]:
     """The rows of README's support table, as {column: cell}."""
-    lines = README[README.index("### Supported torch and Python"):].splitlines()
+    lines = README[README.index("### Supported torch and Python") :].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| torch |"))
     header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
@@ -64,18 +64,18 @@ def test_support_table_row_of_this_torch_is_what_the_integrations_say():
 def test_support_table_rows_are_the_ci_cells_and_the_declared_range():
     rows = _support_table()
     matrix = open(os.path.join(ROOT, "ci", "matrix.sh")).read()
-    cells = dict(re.findall(r'\[(\w+)\]="([\d.]+ [\d.]+)"', matrix))      # name -> "python torch"
+    cells = dict(re.findall(r'\[(\w+)\]="([\d.]+ [\d.]+)"', matrix))  # name -> "python torch"
     for row in rows:
         ci = row["CI"].strip("`")
         if ci == "make test":
             makefile = open(os.path.join(ROOT, "Makefile")).read()
-            assert f'torch=={row["torch"]}' in makefile
+            assert f"torch=={row['torch']}" in makefile
         else:
             name = ci.split()[-1]
-            assert cells.get(name) == f'{row["Python"]} {row["torch"]}', (row, cells)
+            assert cells.get(name) == f"{row['Python']} {row['torch']}", (row, cells)
     assert len(rows) == len(cells) + 1
     oldest = min(rows, key=lambda r: tuple(int(x) for x in r["torch"].split(".")))
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
     major_minor = ".".join(oldest["torch"].split(".")[:2])
     assert f'"torch>={major_minor}"' in pyproject and f'requires-python = ">={oldest["Python"]}"' in pyproject
-    assert f"torch {major_minor} to" in README and f'Python {oldest["Python"]} to' in README
+    assert f"torch {major_minor} to" in README and f"Python {oldest['Python']} to" in README

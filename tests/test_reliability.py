@@ -75,10 +75,10 @@ def injected(*_args, **_kwargs):
 @dataclass(frozen=True)
 class Fault:
     name: str
-    inject: object        # () -> context manager, entered before enable()
-    tensor: type          # torch.Tensor or FakeDevice
-    kind: str             # internal_errors() key expected
-    affects: tuple        # the kinds of CALLS it hits
+    inject: object  # () -> context manager, entered before enable()
+    tensor: type  # torch.Tensor or FakeDevice
+    kind: str  # internal_errors() key expected
+    affects: tuple  # the kinds of CALLS it hits
     keeps_rows: bool
 
 
@@ -96,28 +96,48 @@ def _event_raises():
         stream_owner, event_owner, event = torch.accelerator, torch, "Event"
     else:
         stream_owner, event_owner, event = torch.cuda, torch.cuda, "Event"
-    return _stack(devices_on(), mock.patch.object(stream_owner, "current_stream", return_value=_Stream()),
-                  mock.patch.object(event_owner, event, side_effect=injected))
+    return _stack(
+        devices_on(),
+        mock.patch.object(stream_owner, "current_stream", return_value=_Stream()),
+        mock.patch.object(event_owner, event, side_effect=injected),
+    )
 
 
 def _device_start_raises():
     return _stack(devices_on(), mock.patch.object(_session.default().timing, "device_start", side_effect=injected))
 
 
-CALLS = (("all_reduce", "sync"), ("all_reduce", "async"), ("broadcast", "sync"), ("all_gather", "sync"),
-         ("all_gather_object", "object"))     # what run_collectives() issues
+CALLS = (
+    ("all_reduce", "sync"),
+    ("all_reduce", "async"),
+    ("broadcast", "sync"),
+    ("all_gather", "sync"),
+    ("all_gather_object", "object"),
+)  # what run_collectives() issues
 TENSOR_CALLS = ("sync", "async")
 EVERY_CALL = ("sync", "async", "object")
 FAULTS = [
-    Fault("timing source raises", lambda: mock.patch.object(_session.default().timing, "future", side_effect=injected),
-          torch.Tensor, "timing", ("async",), True),
+    Fault(
+        "timing source raises",
+        lambda: mock.patch.object(_session.default().timing, "future", side_effect=injected),
+        torch.Tensor,
+        "timing",
+        ("async",),
+        True,
+    ),
     Fault("device start raises", _device_start_raises, FakeDevice, "timing", TENSOR_CALLS, True),
     Fault("torch.Event raises", _event_raises, FakeDevice, "timing", TENSOR_CALLS, True),
     # this machine has no CUDA: torch.accelerator.current_stream(cuda) itself raises
     Fault("device API unavailable", devices_on, FakeDevice, "timing", TENSOR_CALLS, True),
     # a step beyond int64: struct.pack of the row fails
-    Fault("log append raises", lambda: mock.patch.object(_runtime.STATE, "step", 2**63),
-          torch.Tensor, "record", EVERY_CALL, False),
+    Fault(
+        "log append raises",
+        lambda: mock.patch.object(_runtime.STATE, "step", 2**63),
+        torch.Tensor,
+        "record",
+        EVERY_CALL,
+        False,
+    ),
 ]
 
 
@@ -173,8 +193,13 @@ def _faults_worker(rank, world_size):
                 wrong = run_collectives(rank, world_size, fault.tensor if fault else torch.Tensor)
             commpatch.disable()
         df = commpatch.log()
-        out[fault.name if fault else "none"] = (wrong, commpatch.internal_errors(), _warnings_of_commpatch(record),
-                                                len(df), int(df["timing"].eq("none").sum()))
+        out[fault.name if fault else "none"] = (
+            wrong,
+            commpatch.internal_errors(),
+            _warnings_of_commpatch(record),
+            len(df),
+            int(df["timing"].eq("none").sum()),
+        )
         commpatch.reset()
         _runtime.reset_errors()
     return out
@@ -191,7 +216,7 @@ def test_every_fault_leaves_the_results_right_on_real_peers():
             assert errors == {fault.kind: expected_count(fault)}, (rank, fault.name)
             assert len(warned) == 1, (rank, fault.name, warned)
             assert rows == (len(CALLS) if fault.keeps_rows else 0), (rank, fault.name)
-            if fault.keeps_rows:      # the rows stay, without a duration where the timing failed
+            if fault.keeps_rows:  # the rows stay, without a duration where the timing failed
                 assert untimed == expected_count(fault), (rank, fault.name)
 
 
@@ -274,24 +299,26 @@ def test_exit_faults_keep_exit_status_0_with_one_warning_counting_the_rows(tmp_p
     out = tmp_path / "logs"
     script = EXIT_SCRIPT.replace("FAULT", EXIT_FAULTS[fault])
     env = dict(os.environ, COMMPATCH="0", PYTHONWARNINGS="default")
-    proc = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "job done\n"
     warned = [ln for ln in proc.stderr.splitlines() if "commpatch:" in ln]
-    if fault == "pandas missing at export":        # a small log's CSV needs neither pandas nor pyarrow
+    if fault == "pandas missing at export":  # a small log's CSV needs neither pandas nor pyarrow
         assert not warned, proc.stderr
         assert len(commpatch.read_csv(str(out / "rank0.csv"))) == 5
         return
     assert len(warned) == 1, proc.stderr
-    if fault == "the CSV writer raises":           # the rows are safe in the binary log
+    if fault == "the CSV writer raises":  # the rows are safe in the binary log
         assert "ZeroDivisionError" in warned[0] and "binary log (.cplog)" in warned[0]
         assert len(commpatch.read_csv(str(out))) == 5
         return
-    assert "5 row(s) of this rank's log were NOT written" in warned[0]   # the binary log was deleted
+    assert "5 row(s) of this rank's log were NOT written" in warned[0]  # the binary log was deleted
 
 
 # ---- threads --------------------------------------------------------------------------------
+
 
 def test_eight_threads_on_eight_groups_lose_and_duplicate_nothing():
     """10k calls per thread, each thread on its own group (fake backend), async calls mixed in
@@ -334,6 +361,7 @@ def test_eight_threads_on_eight_groups_lose_and_duplicate_nothing():
 
 
 # ---- compiled code ----------------------------------------------------------------------------
+
 
 def _compiled_step(x):
     y = x * 2
@@ -382,7 +410,8 @@ def test_torch_compile_is_announced_once_and_the_hook_goes_away_on_disable(monke
     assert len(said) == 1 and "cannot record" in said[0] and "'all_reduce'" in said[0] and "CUDA graph" in said[0]
     commpatch.disable()
     assert funcol.traceable_collective_remaps is before and not any(
-        hasattr(k, "__commpatch_original__") for k in before)
+        hasattr(k, "__commpatch_original__") for k in before
+    )
     monkeypatch.setattr(_compile_notice, "_said", False)
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as record:
@@ -438,5 +467,3 @@ def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd
         assert torch.equal(compiled(torch.ones(4)), _compiled_step(torch.ones(4)))
     assert "torch.compile" in capfd.readouterr().err
     torch._dynamo.reset()
-
-

@@ -30,14 +30,14 @@ def run_cli(capsys, *argv):
 def report_title(out: str) -> str:
     """The text report's title, its wrapped lines joined (the lines above its '===' underline)."""
     lines = out.splitlines()
-    return " ".join(lines[:next(i for i, line in enumerate(lines) if line.startswith("==="))])
+    return " ".join(lines[: next(i for i, line in enumerate(lines) if line.startswith("==="))])
 
 
 def block(out: str, heading: str) -> list:
     """The items ('- ...', wrapped lines joined) of a block of the text report ('Findings:', 'Notes:')."""
     lines = out.splitlines()
     items: list = []
-    for line in lines[lines.index(heading) + 1:]:
+    for line in lines[lines.index(heading) + 1 :]:
         if not line.strip():
             break
         if line.startswith("- "):
@@ -51,21 +51,31 @@ def test_text_report_has_every_section_and_the_error(logs, capsys):
     code, out, _ = run_cli(capsys, logs)
     assert code == 0
     lines = out.splitlines()
-    assert lines[2] == "Headline:"     # the key figures first, then the error and the findings, each naming its table
+    assert lines[2] == "Headline:"  # the key figures first, then the error and the findings, each naming its table
     assert lines.index("Findings:") < 12
     found = block(out, "Findings:")
     assert found[0].startswith("ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
-    assert any(f.startswith("rank 1 arrived last in 25 of 25 collectives") and "straggler" in f
-               and f.endswith("[table: ranks]") for f in found)
+    assert any(
+        f.startswith("rank 1 arrived last in 25 of 25 collectives")
+        and "straggler" in f
+        and f.endswith("[table: ranks]")
+        for f in found
+    )
     assert any("steady-state step: median" in f and "exposed" in f for f in found)
-    for title in ("Per collective and message size", "Per step", "stragglers first", "largest arrival skew",
-                  "Point-to-point channels", "Notes:"):
+    for title in (
+        "Per collective and message size",
+        "Per step",
+        "stragglers first",
+        "largest arrival skew",
+        "Point-to-point channels",
+        "Notes:",
+    ):
         assert title in out
-    assert "<= 4.19 MB" in out and "MiB" not in out        # size buckets in the bytes column's units
-    assert max(map(len, lines)) <= 120                      # for people: fits 120 columns
-    wide = run_cli(capsys, logs, "--wide")[1]               # every column of every table
-    assert " busbw_with_wait_gbps " in wide and " busbw_with_wait_gbps " not in out     # a column of --wide only
-    assert "0.00104" in wide and " 0.000 " not in wide      # small bandwidths keep their digits
+    assert "<= 4.19 MB" in out and "MiB" not in out  # size buckets in the bytes column's units
+    assert max(map(len, lines)) <= 120  # for people: fits 120 columns
+    wide = run_cli(capsys, logs, "--wide")[1]  # every column of every table
+    assert " busbw_with_wait_gbps " in wide and " busbw_with_wait_gbps " not in out  # a column of --wide only
+    assert "0.00104" in wide and " 0.000 " not in wide  # small bandwidths keep their digits
     assert run_cli(capsys, logs, "--fail-on-mismatch")[0] == 1
 
 
@@ -142,14 +152,23 @@ def test_module_tree_in_commdebugmode_form(tmp_path):
     df["module"] = pd.Categorical(["net.layer1" if i % 2 else "net.layer2.attn" for i in range(n)])
     df["phase"] = pd.Categorical(["backward" if i % 4 == 0 else "forward" for i in range(n)])
     tree = trace.module_tree(df)
-    keys = {"fqn", "module_type", "parameters", "children", "collectives_forward", "collectives_backward",
-            "operations_forward", "operations_backward", "operations_checkpointing"}
+    keys = {
+        "fqn",
+        "module_type",
+        "parameters",
+        "children",
+        "collectives_forward",
+        "collectives_backward",
+        "operations_forward",
+        "operations_backward",
+        "operations_checkpointing",
+    }
     assert keys <= set(tree) and tree["fqn"] == "Global"
     net = tree["children"][0]
     assert net["fqn"] == "net" and [c["fqn"] for c in net["children"]] == ["net.layer1", "net.layer2"]
     assert net["children"][1]["children"][0]["fqn"] == "net.layer2.attn"
     counts = lambda node, k: sum(c for _, c in node[f"collectives_{k}"])  # noqa: E731
-    assert counts(tree, "forward") + counts(tree, "backward") == n          # inclusive at the root
+    assert counts(tree, "forward") + counts(tree, "backward") == n  # inclusive at the root
     assert counts(tree, "backward") == len(range(0, n, 4))
     assert tree["commpatch"]["bytes"] == df["bytes"].sum()
     assert tree["commpatch"]["total_us"] == pytest.approx(df["duration_us"].sum())
@@ -175,14 +194,14 @@ def test_compare_runs(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "--compare", *runs, "--format", "json", "--global-batch", "32")
     data = json.loads(out)
     assert code == 0 and [r["world_size"] for r in data["scaling"]] == [2, 4, 8]
-    assert [r["steps"] for r in data["scaling"]] == [3, 3, 3]           # set-up and the untimed last step left out
+    assert [r["steps"] for r in data["scaling"]] == [3, 3, 3]  # set-up and the untimed last step left out
     assert {"efficiency", "speedup", "steps_per_s", "samples_per_s", "exposed_share"} <= set(data["scaling"][0])
     assert data["scaling"][0]["efficiency"] == 1.0
     assert {r["collective"] for r in data["by_op"]} >= {"all_reduce", "broadcast"}
     code, out, _ = run_cli(capsys, "--compare", *runs, "--scaling", "strong")
     assert "commpatch scaling" in out and "strong scaling" in out
     assert run_cli(capsys, "--compare", *runs, "--global-batch", "0")[0] == 2
-    flat = tmp_path / "flat"        # a run whose log has no step boundary, too short for a pattern of 3 iterations
+    flat = tmp_path / "flat"  # a run whose log has no step boundary, too short for a pattern of 3 iterations
     flat.mkdir()
     for rank, part in make_log(2, 2).assign(step=0).groupby("rank"):
         commpatch.export_csv(str(flat / f"rank{rank}.csv"), df=part.reset_index(drop=True))
@@ -198,7 +217,7 @@ def test_compare_runs(capsys, tmp_path):
 
         logs = {r: commpatch.read_csv(r) for r in runs}
         fig = plots.scaling(analysis.scaling(logs), analysis.scaling_by_op(logs))
-        assert all(list(ax.get_xticks()) == [2, 4, 8] for ax in fig.axes)    # integer world sizes only
+        assert all(list(ax.get_xticks()) == [2, 4, 8] for ax in fig.axes)  # integer world sizes only
 
 
 def test_render_text_truncates_long_tables():
@@ -214,23 +233,26 @@ def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
 
     from commpatch.testing import write_binary_run
 
-    old, new = tmp_path / "zz-old", tmp_path / "aa-new"          # names in the other order
+    old, new = tmp_path / "zz-old", tmp_path / "aa-new"  # names in the other order
     for run, created in ((old, b"1763800000000000000"), (new, b"1763800009000000000")):
         write_binary_run(str(run), 2, 200, straggler=None, mismatch=None)
         for log in run.glob("*.cplog"):
             data = log.read_bytes()
             assert data.count(b'"created_ns":1763800000000000000') == 1
             log.write_bytes(data.replace(b'"created_ns":1763800000000000000', b'"created_ns":' + created))
-    assert cli.main(["convert", str(old), "--no-progress"]) == 0        # writes CSVs into the old run
+    assert cli.main(["convert", str(old), "--no-progress"]) == 0  # writes CSVs into the old run
     os.utime(old)
     capsys.readouterr()
     code, out, err = run_cli(capsys, str(tmp_path))
-    assert code == 0 and report_title(out).startswith(f"commpatch report: run aa-new (the latest of 2 in {tmp_path}; "
-                                                      "1 other(s)): 400 calls"), report_title(out)
+    assert code == 0 and report_title(out).startswith(
+        f"commpatch report: run aa-new (the latest of 2 in {tmp_path}; 1 other(s)): 400 calls"
+    ), report_title(out)
     assert "reading the latest, aa-new; the other run(s): zz-old" in err
     one = tmp_path / "one"
     write_binary_run(str(one / "r1"), 2, 100, straggler=None, mismatch=None)
-    assert run_cli(capsys, str(one))[1].splitlines()[0].startswith(f"commpatch report: run r1 (the only one in {one}): ")
+    assert (
+        run_cli(capsys, str(one))[1].splitlines()[0].startswith(f"commpatch report: run r1 (the only one in {one}): ")
+    )
     # the run directory itself, or its files: no run named
     assert run_cli(capsys, str(one / "r1"))[1].splitlines()[0].startswith("commpatch report: 200 calls")
 

@@ -37,7 +37,7 @@ def _steady(ddp_logs):
 def test_report_columns_are_what_the_analyses_read(ddp_logs):
     """A report of the columns ``commpatch report`` loads (no --trace) equals one of every column."""
     full = commpatch.read_csv(ddp_logs)
-    assert full["pack_us"].notna().any() and full["sync_end_us"].notna().any()    # DDP's packing, finalize measured
+    assert full["pack_us"].notna().any() and full["sync_end_us"].notna().any()  # DDP's packing, finalize measured
     a = report.build_report(full)
     b = report.build_report(full[list(analysis.REPORT_COLUMNS)])
     assert [f.text for f in a.findings] == [f.text for f in b.findings]
@@ -50,11 +50,13 @@ def test_shares_identical_across_outputs(ddp_logs, capsys, tmp_path):
     table = _steady(ddp_logs)
     st = analysis.steady_state(table)
     assert st["steps"] >= 8 and st["ddp_pack_us"] > 0 and st["ddp_finalize_us"] > 0
-    sentence = (f"communication is in flight {_pct(st['comm_share'])} of it and the training thread waits for it "
-                f"{_pct(st['exposed_share'])} of it")
+    sentence = (
+        f"communication is in flight {_pct(st['comm_share'])} of it and the training thread waits for it "
+        f"{_pct(st['exposed_share'])} of it"
+    )
     texts = [run_cli(capsys, ddp_logs), run_cli(capsys, ddp_logs, "--trace", str(tmp_path / "t.json"))]
     for text in texts:
-        text = " ".join(text.split())                 # sentences wrapped to 120 columns
+        text = " ".join(text.split())  # sentences wrapped to 120 columns
         assert sentence in text and "DDP's packing of gradients into its buckets" in text
     assert texts[0] == texts[1]
     from commpatch.analysis import engine as duckdb_engine
@@ -68,8 +70,10 @@ def test_shares_identical_across_outputs(ddp_logs, capsys, tmp_path):
             for col in ("busy_us", "exposed_us", "ddp_pack_us", "ddp_finalize_us", "comm_share", "exposed_share"):
                 got = [s[col] for s in steps]
                 want = table[col].tolist()
-                assert all((g is None and math.isnan(w)) or math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-9)
-                           for g, w in zip(got, want)), (engine, extra, col)
+                assert all(
+                    (g is None and math.isnan(w)) or math.isclose(g, w, rel_tol=1e-9, abs_tol=1e-9)
+                    for g, w in zip(got, want)
+                ), (engine, extra, col)
             assert any(sentence in f["text"] for f in data["findings"]), (engine, extra)
     scaling = json.loads(run_cli(capsys, "--compare", ddp_logs, "--format", "json"))["scaling"][0]
     assert math.isclose(scaling["comm_share"], st["comm_share"], rel_tol=1e-9)

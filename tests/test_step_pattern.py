@@ -33,12 +33,34 @@ def rank_log(rank, calls, starts=(), world=2, seed=0):
     idle = np.where(np.isin(np.arange(n), list(starts)), 1000.0, 10.0) + rng.uniform(0, 5, n)
     start_us = np.cumsum(idle) + np.r_[0, np.cumsum(dur)[:-1]]
     ops = [op for op, _ in calls]
-    cols = {"seq": np.arange(n), "op": ops, "rank": rank, "world_size": world, "group": "0", "group_size": world,
-            "group_ranks": " ".join(map(str, range(world))), "group_seq": np.arange(n), "backend": "gloo", "device": "cpu", "dtype": "float32",
-            "bytes": [b for _, b in calls], "numel": [b // 4 for _, b in calls], "peer": -1, "async_op": False,
-            "start_ns": (1e15 + start_us * 1e3).astype(np.int64), "host_us": dur, "duration_us": dur, "own_us": dur,
-            "timing": "host", "status": "ok", "step": 0, "step_source": "none", "pid": 100 + rank, "bucket": -1,
-            "tensors": 1}
+    cols = {
+        "seq": np.arange(n),
+        "op": ops,
+        "rank": rank,
+        "world_size": world,
+        "group": "0",
+        "group_size": world,
+        "group_ranks": " ".join(map(str, range(world))),
+        "group_seq": np.arange(n),
+        "backend": "gloo",
+        "device": "cpu",
+        "dtype": "float32",
+        "bytes": [b for _, b in calls],
+        "numel": [b // 4 for _, b in calls],
+        "peer": -1,
+        "async_op": False,
+        "start_ns": (1e15 + start_us * 1e3).astype(np.int64),
+        "host_us": dur,
+        "duration_us": dur,
+        "own_us": dur,
+        "timing": "host",
+        "status": "ok",
+        "step": 0,
+        "step_source": "none",
+        "pid": 100 + rank,
+        "bucket": -1,
+        "tensors": 1,
+    }
     for i, name in enumerate(DERIVED_FROM_OP):
         cols[name] = [describe_op(op)[i] for op in ops]
     defaults = {"category": "", "int64": 0, "float64": np.nan, "bool": False}
@@ -75,18 +97,19 @@ def test_a_period_after_a_set_up_prefix_is_numbered_alike_on_every_rank(tmp_path
     df, truth = pattern_log()
     out = with_pattern_steps(df)
     assert out.attrs["step_pattern"] == {0: Found(7, 40, 1.0, 3), 1: Found(7, 40, 1.0, 4)}
-    assert (out["step"].to_numpy() == truth).all()           # set-up is step 0; iteration k is step k on both ranks
+    assert (out["step"].to_numpy() == truth).all()  # set-up is step 0; iteration k is step k on both ranks
     assert set(out["step_source"].astype(str)) == {"pattern"}
-    assert (df["step"] == 0).all() and set(df["step_source"].astype(str)) == {"none"}     # the input is not modified
-    assert with_pattern_steps(out) is out                    # found once: per_step, report, scaling reuse it
+    assert (df["step"] == 0).all() and set(df["step_source"].astype(str)) == {"none"}  # the input is not modified
+    assert with_pattern_steps(out) is out  # found once: per_step, report, scaling reuse it
 
-    table = analysis.per_step(df, by_rank=False)             # per_step finds them itself on a raw frame
+    table = analysis.per_step(df, by_rank=False)  # per_step finds them itself on a raw frame
     assert table["stage"].tolist() == ["setup"] + ["steady"] * 39 + ["end"]
     assert (table.loc[table["stage"] == "steady", "calls"] == 7).all()
     assert set(table["step_source"]) == {"pattern"}
     text = [f.text for f in findings.findings(out, analysis.per_step(out, by_rank=False))]
-    assert text[0].startswith("39 steady-state step(s) of 41, steps found from the repeating pattern of collectives "
-                              "(period 7 calls;"), text[0]
+    assert text[0].startswith(
+        "39 steady-state step(s) of 41, steps found from the repeating pattern of collectives (period 7 calls;"
+    ), text[0]
 
     # a log with recorded steps, or a user's constant step, is not touched
     stepped = make_log(2, 5)
@@ -109,11 +132,27 @@ def test_a_period_after_a_set_up_prefix_is_numbered_alike_on_every_rank(tmp_path
         assert [s["step"] for s in steps] == list(range(41)) and {s["step_source"] for s in steps} == {"pattern"}
         # --steps A:B: the reader keeps a rank with no step boundary whole, the window is cut on the steps found
         for window, kept in ((":10", range(10)), ("5:10", range(5, 10))):
-            assert cli.main(["report", str(run), "--steps", window, "--format", "csv", "--section", "steps",
-                             "--engine", name, "--no-progress"]) == 0
+            assert (
+                cli.main(
+                    [
+                        "report",
+                        str(run),
+                        "--steps",
+                        window,
+                        "--format",
+                        "csv",
+                        "--section",
+                        "steps",
+                        "--engine",
+                        name,
+                        "--no-progress",
+                    ]
+                )
+                == 0
+            )
             assert pd.read_csv(io.StringIO(capsys.readouterr().out))["step"].tolist() == list(kept)
     sliced = commpatch.io.read(str(run), steps=(5, 10))
-    assert len(sliced) == len(df) and sliced.attrs["stepless_ranks"] == [0, 1]    # read whole, cut after
+    assert len(sliced) == len(df) and sliced.attrs["stepless_ranks"] == [0, 1]  # read whole, cut after
     # a log with steps cut to its set-up (step 0: 5 iterations before the first optimizer step, a
     # pattern of its own) is not a stepless log
     logged = tmp_path / "logged"
@@ -123,7 +162,10 @@ def test_a_period_after_a_set_up_prefix_is_numbered_alike_on_every_rank(tmp_path
         commpatch.export_csv(str(logged / f"rank{rank}.csv"), df=part.reset_index(drop=True))
     sliced = commpatch.io.read(str(logged), steps=(0, 1))
     assert len(sliced) == (counted["step"] == 0).sum() and sliced.attrs["stepless_ranks"] == []
-    assert cli.main(["report", str(logged), "--steps", ":1", "--format", "csv", "--section", "steps", "--no-progress"]) == 0
+    assert (
+        cli.main(["report", str(logged), "--steps", ":1", "--format", "csv", "--section", "steps", "--no-progress"])
+        == 0
+    )
     assert pd.read_csv(io.StringIO(capsys.readouterr().out))[["step", "step_source"]].values.tolist() == [[0, "none"]]
     assert cli.main(["report", "--compare", str(run), str(again), "--format", "json", "--no-progress"]) == 0
     assert [r["steps"] for r in json.loads(capsys.readouterr().out)["scaling"]] == [39, 39]
@@ -135,7 +177,7 @@ def test_an_extra_call_joins_its_iteration_and_repeated_layers_are_not_iteration
     calls, truth, starts = looped(PREFIX, BLOCK, 40, extra_every=10)
     out = with_pattern_steps(rank_log(0, calls, starts))
     found = out.attrs["step_pattern"][0]
-    assert (found.period, found.steps) == (7, 40) and 0.9 < found.match < 0.92     # 8 positions per extra call
+    assert (found.period, found.steps) == (7, 40) and 0.9 < found.match < 0.92  # 8 positions per extra call
     assert (out["step"].to_numpy() == truth).all()
     sizes = out.groupby("step").size()
     assert sizes[10] == sizes[40] == 8 and sizes[11] == 7
@@ -172,7 +214,7 @@ def test_no_clear_pattern_is_refused_with_one_warning(tmp_path, capsys):
     assert all(isinstance(why, str) for why in out.attrs["step_pattern"].values())
     text = findings.findings(out, analysis.per_step(out, by_rank=False))[0].text
     assert text.startswith("no step boundary in the log") and "no clear repeating pattern" in text, text
-    for rank, part in df.groupby("rank"):               # the report, either engine: one warning for all ranks
+    for rank, part in df.groupby("rank"):  # the report, either engine: one warning for all ranks
         commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=part.reset_index(drop=True))
     for name in ["pandas"] + (["duckdb"] if engine.available() else []):
         assert cli.main(["report", str(tmp_path), "--engine", name, "--no-progress"]) == 0

@@ -28,7 +28,7 @@ def test_steps_counted_by_root_forwards_then_the_optimizer_then_the_user():
             assert res["fsdp2"] == [(0, "none"), (1, "forward"), (2, "forward")]
             assert res["fsdp1"] == [(3, "forward"), (4, "forward"), (5, "forward")]
             first = 6
-        else:                                # FSDP2 cannot run on CPU with this torch: FSDP1 first
+        else:  # FSDP2 cannot run on CPU with this torch: FSDP1 first
             assert "fsdp2" not in res
             assert res["fsdp1"] == [(0, "none"), (1, "forward"), (2, "forward")]
             first = 3
@@ -36,7 +36,7 @@ def test_steps_counted_by_root_forwards_then_the_optimizer_then_the_user():
         # the first optimizer.step() ends its step (opened by its forward); from then on each step of
         # the first optimizer ends a step, the second optimizer of the same iteration does not count
         assert res["optimizer"] == [(first + 3, "forward"), (first + 4, "optimizer"), (first + 5, "optimizer")]
-        assert res["user"] == [(100, "user")]               # commpatch.step() overrides from then on
+        assert res["user"] == [(100, "user")]  # commpatch.step() overrides from then on
 
 
 def test_zero_code_ddp_demo(tmp_path, capsys):
@@ -46,40 +46,59 @@ def test_zero_code_ddp_demo(tmp_path, capsys):
     from commpatch.testing import write_rank_files
 
     out = tmp_path / "logs"
-    mine = out / "20200101-000000-host-1"            # a user's earlier run (CSV files: its name's time)
+    mine = out / "20200101-000000-host-1"  # a user's earlier run (CSV files: its name's time)
     write_rank_files(str(mine), 2, 3)
     kept = sorted(os.listdir(mine))
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", str(out), "--steps", "12",
-                          "--slow-ms", "50"], capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
-                         env=dict(os.environ, COMMPATCH_SUMMARY="1"))
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "examples", "demo.py"),
+            "--out",
+            str(out),
+            "--steps",
+            "12",
+            "--slow-ms",
+            "50",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=str(tmp_path),
+        env=dict(os.environ, COMMPATCH_SUMMARY="1"),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "commpatch summary, rank 0 of 2" in res.stderr and "commpatch summary, rank 1 of 2" in res.stderr, res.stderr[:1500]
+    assert "commpatch summary, rank 0 of 2" in res.stderr and "commpatch summary, rank 1 of 2" in res.stderr, (
+        res.stderr[:1500]
+    )
     text = res.stdout
-    shown = text[text.index("commpatch report: "):text.index("\ntimeline for ui.perfetto.dev")]
-    assert shown.splitlines()[2] == "Headline:" and max(map(len, shown.splitlines())) <= 120    # for people
-    findings = text[text.index("Findings:"):text.index("\n\n", text.index("Findings:"))]
-    findings = " ".join(findings.split())                # the sentences, their wrapped lines joined
+    shown = text[text.index("commpatch report: ") : text.index("\ntimeline for ui.perfetto.dev")]
+    assert shown.splitlines()[2] == "Headline:" and max(map(len, shown.splitlines())) <= 120  # for people
+    findings = text[text.index("Findings:") : text.index("\n\n", text.index("Findings:"))]
+    findings = " ".join(findings.split())  # the sentences, their wrapped lines joined
     assert "10 steady-state step(s) of 12, counted by each optimizer.step()" in findings, findings
     assert "steady-state step: median" in findings and "exposed" in findings, findings
-    assert "set-up (step 0" in findings and "(largest: ddp_" in findings, findings     # DDP's own set-up calls
+    assert "set-up (step 0" in findings and "(largest: ddp_" in findings, findings  # DDP's own set-up calls
     assert "rank 1 arrived last in" in findings and "the straggler" in findings, findings
     runs = [d for d in os.listdir(out) if d != mine.name]
-    assert len(runs) == 1 and runs[0].startswith("demo-"), runs       # a run directory of its own
-    assert sorted(os.listdir(mine)) == kept                           # nothing of the user's deleted
-    os.utime(mine)                                                    # touched (converted, copied): still older
+    assert len(runs) == 1 and runs[0].startswith("demo-"), runs  # a run directory of its own
+    assert sorted(os.listdir(mine)) == kept  # nothing of the user's deleted
+    os.utime(mine)  # touched (converted, copied): still older
     assert cli.main(["report", str(out), "--no-progress"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    first = " ".join(lines[:next(i for i, line in enumerate(lines) if line.startswith("==="))])     # the title
+    first = " ".join(lines[: next(i for i, line in enumerate(lines) if line.startswith("==="))])  # the title
     assert first.startswith(f"commpatch report: run {runs[0]} (the latest of 2 in {out}; 1 other(s)): "), first
     df = commpatch.read_csv(str(out))
     assert set(df["step_source"].astype(str)) == {"none", "optimizer"}
     buckets = df[(df["op"] == "ddp_bucket_allreduce") & (df["step"] > 0)].groupby(["rank", "step"]).size()
-    assert len(buckets) == 22 and (buckets == 3).all()      # after the rebuild: 3 gradient buckets per step
+    assert len(buckets) == 22 and (buckets == 3).all()  # after the rebuild: 3 gradient buckets per step
     names = set(os.listdir(out / runs[0]))
     assert {"rank0.csv", "rank1.csv", "trace.json", "report.html"} <= names
     if importlib.util.find_spec("matplotlib") is not None:
-        assert set(os.listdir(out / runs[0] / "plots")) == {"bandwidth_vs_size.png", "comm_per_step.png",
-                                                            "skew_heatmap.png"}
+        assert set(os.listdir(out / runs[0] / "plots")) == {
+            "bandwidth_vs_size.png",
+            "comm_per_step.png",
+            "skew_heatmap.png",
+        }
 
 
 def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, capsys):
@@ -89,16 +108,17 @@ def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, c
     from commpatch import cli, io
 
     models = run_ranks(steps_workers.hand_written_dp, 2, timeout=120, out=str(tmp_path), iterations=8)
-    assert models[0] == models[1]                             # the same update on both ranks
+    assert models[0] == models[1]  # the same update on both ranks
     assert cli.main(["report", str(tmp_path), "--format", "json", "--no-progress"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["findings"][0]["text"].startswith("7 steady-state step(s) of 9, steps found from the repeating "
-                                                 "pattern of collectives (period 4 calls;"), rep["findings"][0]
+    assert rep["findings"][0]["text"].startswith(
+        "7 steady-state step(s) of 9, steps found from the repeating pattern of collectives (period 4 calls;"
+    ), rep["findings"][0]
     assert [s["stage"] for s in rep["sections"]["steps"]] == ["setup"] + ["steady"] * 7 + ["end"]
     assert "set-up (step 0: the calls before the repeating pattern starts)" in rep["findings"][2]["text"]
     df = analysis.with_pattern_steps(io.read(str(tmp_path)))
     per_rank = [part.sort_values("seq")[["op", "bytes", "step"]].to_numpy().tolist() for _, part in df.groupby("rank")]
-    assert per_rank[0] == per_rank[1]                         # the same call is the same step on both ranks
+    assert per_rank[0] == per_rank[1]  # the same call is the same step on both ranks
     assert [s for op, _, s in per_rank[0] if op == "broadcast"] == [0] * 4
     assert [s for op, _, s in per_rank[0] if op == "all_reduce"] == [i for i in range(1, 9) for _ in range(4)]
 
@@ -109,15 +129,23 @@ def test_ground_truth_benchmark_runs(tmp_path):
         import steps_ground_truth as bench
     finally:
         sys.path.pop(0)
-    args = bench.argparse.Namespace(sizes=[1, 2], rounds=3, k=3, hidden=128, batch=16, timeout=150,
-                                    dir=str(tmp_path), plain=False)
+    args = bench.argparse.Namespace(
+        sizes=[1, 2], rounds=3, k=3, hidden=128, batch=16, timeout=150, dir=str(tmp_path), plain=False
+    )
     rows = bench.measure(args)
     assert [r["world_size"] for r in rows] == [1, 2]
     for r in rows:
         assert r["source"] == "optimizer" and r["steps"] >= 4
-        for key in ("truth_share", "exposed_share", "comm_share", "log_step_ms", "truth_step_ms", "finalize_us",
-                    "pack_us"):
-            assert r[key] == r[key], key                        # a number, not NaN
+        for key in (
+            "truth_share",
+            "exposed_share",
+            "comm_share",
+            "log_step_ms",
+            "truth_step_ms",
+            "finalize_us",
+            "pack_us",
+        ):
+            assert r[key] == r[key], key  # a number, not NaN
         assert 0 <= r["exposed_share"] <= r["comm_share"] <= 1 and r["finalize_us"] >= 0 and r["pack_us"] > 0
     assert rows[0]["log_efficiency"] == pytest.approx(1.0) and rows[0]["truth_efficiency"] == pytest.approx(1.0)
     # DDP's finalize: its end noted once per synchronised backward, on the row of its last bucket, and
@@ -125,7 +153,9 @@ def test_ground_truth_benchmark_runs(tmp_path):
     for n in (1, 2):
         df = commpatch.read_csv(str(tmp_path / f"w{n}"))
         # the findings say what the figures leave out of DDP's synchronisation
-        overhead = [f.text for f in analysis.findings.findings(df, analysis.per_step(df, by_rank=False)) if f.kind == "overhead"]
+        overhead = [
+            f.text for f in analysis.findings.findings(df, analysis.per_step(df, by_rank=False)) if f.kind == "overhead"
+        ]
         assert len(overhead) == 1 and "DDP's packing of gradients into its buckets" in overhead[0]
         assert "DDP's forward bookkeeping" in overhead[0]
         buckets = df[df["op"] == "ddp_bucket_allreduce"]
@@ -157,12 +187,11 @@ def test_durations_that_complete_after_the_file_is_retired_are_kept(tmp_path):
         log = session.default().log
         log.flush()
         seq = int(commpatch.log()["seq"].iloc[-1])
-    log.done[seq] = 7_000                       # ns, completed after the file was retired
+    log.done[seq] = 7_000  # ns, completed after the file was retired
     log.flush()
     assert len(log.sinks()) == 2
     df = log.to_dataframe()
     assert len(df) == 1 and df["duration_us"].iloc[0] == 7.0
-
 
 
 def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
@@ -185,11 +214,15 @@ def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
         assert cli.main(["report", str(tmp_path), "--format", "json", "--engine", engine, "--no-progress"]) == 0
         rep = json.loads(capsys.readouterr().out)
         overhead = [f["text"] for f in rep["findings"] if f["kind"] == "overhead"]
-        assert len(overhead) == 1 and "its communication is unknown: none of its 4 calls per step has a " \
-                                      "duration" in overhead[0] and "0%" not in overhead[0], (engine, overhead)
+        assert (
+            len(overhead) == 1
+            and "its communication is unknown: none of its 4 calls per step has a duration" in overhead[0]
+            and "0%" not in overhead[0]
+        ), (engine, overhead)
         steady = [s for s in rep["sections"]["steps"] if s["stage"] == "steady"]
-        assert len(steady) == 6 and all(s["comm_share"] is None and s["exposed_share"] is None
-                                        and s["unmeasured"] == 4 for s in steady), steady
+        assert len(steady) == 6 and all(
+            s["comm_share"] is None and s["exposed_share"] is None and s["unmeasured"] == 4 for s in steady
+        ), steady
         assert engine != "pandas" or f"({ops}; gloo's isend / irecv give no completion time)" in overhead[0]
 
 
@@ -207,11 +240,13 @@ def test_gradient_accumulation_counts_one_set_up_iteration(tmp_path, capsys):
     assert table.loc[table["stage"] == "setup", "step"].tolist() == [0, 1]
     assert table.loc[table["step"] == 1, "step_source"].tolist() == ["forward"]
     steady = table[table["stage"] == "steady"]
-    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}    # 12 optimizer steps: 1 set-up, 1 end
+    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}  # 12 optimizer steps: 1 set-up, 1 end
     engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
     for engine in engines:
         assert cli.main(["report", str(tmp_path), "--engine", engine, "--no-progress"]) == 0
         out = capsys.readouterr().out
-        assert ("- 10 steady-state step(s) of 13, counted by each optimizer.step() (counted automatically); steps 0-1 "
-                "are set-up and the last one is not timed.") in out, out[:600]
+        assert (
+            "- 10 steady-state step(s) of 13, counted by each optimizer.step() (counted automatically); steps 0-1 "
+            "are set-up and the last one is not timed."
+        ) in out, out[:600]
         assert "forward of the DDP" not in out

@@ -32,7 +32,7 @@ def _calls(n):
     t = torch.ones(2)
     for i in range(n):
         if i % 7 == 0:
-            dist.all_reduce(t, async_op=True).wait()    # some rows resolve late
+            dist.all_reduce(t, async_op=True).wait()  # some rows resolve late
         else:
             dist.all_reduce(t)
 
@@ -46,14 +46,14 @@ def test_rows_reach_the_file_and_memory_stays_bounded(tmp_path):
     for i in range(n):
         dist.all_reduce(t, async_op=(i % 7 == 0))
         peak = max(peak, len(_session.default().log.buf))
-    assert peak <= (CHUNK + 1) * 59 * 2, peak            # handed to the flusher every CHUNK calls at the latest
+    assert peak <= (CHUNK + 1) * 59 * 2, peak  # handed to the flusher every CHUNK calls at the latest
     # on disk while running: the flusher writes them within its period (the training thread never
     # writes), so they are there without a flush or disable(); 30 s bounds a busy machine
     deadline = time.monotonic() + 30
     while os.path.getsize(tmp_path / "rank0.cplog") < (n - CHUNK) * 59 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os.path.getsize(tmp_path / "rank0.cplog") >= (n - CHUNK) * 59
-    df = commpatch.log()                                 # read back from the file
+    df = commpatch.log()  # read back from the file
     assert len(df) == n and df["seq"].is_unique and (np.diff(df["seq"]) == 1).all()
     assert (np.diff(df["group_seq"]) == 1).all()
     assert df.loc[df["async_op"], "timing"].eq("future").all()
@@ -66,14 +66,14 @@ def test_exports_once_and_never_replace(tmp_path):
     _calls(2 * CHUNK + 50)
     first = _session.write_at_exit()
     assert str(tmp_path / "rank0.csv") in first
-    assert _session.write_at_exit() == []                  # a second call writes nothing again
+    assert _session.write_at_exit() == []  # a second call writes nothing again
     df = commpatch.read_csv(str(tmp_path / "rank0.csv"))
     assert len(df) == 2 * CHUNK + 50 and df["seq"].is_unique
 
 
 def test_an_existing_file_is_never_replaced(tmp_path):
     (tmp_path / "rank0.csv").write_text("not ours\n")
-    (tmp_path / "rank0.1.cplog").symlink_to(tmp_path / "victim")      # a planted link: skipped, not followed
+    (tmp_path / "rank0.1.cplog").symlink_to(tmp_path / "victim")  # a planted link: skipped, not followed
     commpatch.enable(output=str(tmp_path / "rank{rank}.csv"))
     _calls(10)
     commpatch.disable()
@@ -129,8 +129,13 @@ def test_forked_child_neither_rewrites_nor_corrupts_the_parents_file(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(FORK_SCRIPT)
     out = tmp_path / "out.csv"
-    res = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=90,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")})
+    res = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")},
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(f for f in os.listdir(tmp_path) if not f.endswith(".store")) == ["job.py", "out.cplog", "out.csv"]
     df = commpatch.read_csv(str(out))
@@ -155,15 +160,21 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode, code", [("exception", 1), ("sigint", -signal.SIGINT),
-                                        ("destroy_then_kill", -signal.SIGKILL)])
+@pytest.mark.parametrize(
+    "mode, code", [("exception", 1), ("sigint", -signal.SIGINT), ("destroy_then_kill", -signal.SIGKILL)]
+)
 def test_rows_reach_disk_when_the_job_dies(tmp_path, mode, code):
     script = tmp_path / "job.py"
     script.write_text(CRASH_SCRIPT)
     out = tmp_path / "out.csv"
-    res = subprocess.run([sys.executable, str(script), str(out), mode], capture_output=True, text=True, timeout=90,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")})
-    assert res.returncode == code, res.stderr[-2000:]        # as without commpatch
+    res = subprocess.run(
+        [sys.executable, str(script), str(out), mode],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")},
+    )
+    assert res.returncode == code, res.stderr[-2000:]  # as without commpatch
     assert len(commpatch.read_csv(str(tmp_path / "out.cplog"))) == 30
 
 
@@ -185,8 +196,13 @@ def test_large_log_is_written_at_interpreter_exit(tmp_path, max_rows):
     script.write_text(EXIT_SCRIPT)
     out = tmp_path / "out.csv"
     n = 2 * CHUNK + 1000
-    res = subprocess.run([sys.executable, str(script), str(out), str(max_rows), str(n)], capture_output=True,
-                         text=True, timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")})
+    res = subprocess.run(
+        [sys.executable, str(script), str(out), str(max_rows), str(n)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")},
+    )
     assert res.returncode == 0 and "internal error" not in res.stderr, res.stderr[-2000:]
-    assert "has no {rank} in a 8-rank job" in res.stderr          # so this rank's name says its rank
+    assert "has no {rank} in a 8-rank job" in res.stderr  # so this rank's name says its rank
     assert len(commpatch.read_csv(str(tmp_path / "out.rank0.csv"))) == n

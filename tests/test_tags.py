@@ -40,7 +40,7 @@ def test_overlapping_blocks_of_two_threads_leave_no_tag_behind():
         dist.all_reduce(torch.ones(1))
         a_leave.set()
         a_out.wait(10)
-        dist.all_reduce(torch.ones(1))       # "b" is still open
+        dist.all_reduce(torch.ones(1))  # "b" is still open
         b_leave.set()
         b_out.wait(10)
         dist.all_reduce(torch.ones(1))

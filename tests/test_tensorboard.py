@@ -25,8 +25,9 @@ def run_logs(tmp_path_factory):
 
 
 def _report(*args):
-    return subprocess.run([sys.executable, "-m", "commpatch", "report", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def _scalars(directory):
@@ -54,7 +55,7 @@ def test_tensorboard_scalars_are_the_reports_figures_per_rank_and_step(run_logs,
         got = _scalars(str(out / f"rank{rank}"))
         mine = table[table["rank"] == rank].set_index("step")
         timed = mine[mine["step_us"].notna()]
-        assert len(timed) == 11                              # 12 steps: the last has no next one to time it
+        assert len(timed) == 11  # 12 steps: the last has no next one to time it
         assert sorted(got["step/time_ms"]) == timed.index.tolist()
         for step, row in timed.iterrows():
             assert got["step/time_ms"][step] == pytest.approx(row["step_us"] / 1e3, rel=1e-6)
@@ -62,12 +63,17 @@ def test_tensorboard_scalars_are_the_reports_figures_per_rank_and_step(run_logs,
             assert got["step/exposed_share"][step] == pytest.approx(row["exposed_share"], rel=1e-6)
         assert 0 < max(got["step/comm_share"].values()) <= 1
         for coll in ("all_reduce", "broadcast", "all_gather"):
-            expected = bw[(bw["rank"] == rank) & (bw["collective"] == coll)].set_index("step")["busbw_gbps"].dropna().sort_index()
+            expected = (
+                bw[(bw["rank"] == rank) & (bw["collective"] == coll)]
+                .set_index("step")["busbw_gbps"]
+                .dropna()
+                .sort_index()
+            )
             assert len(expected) == 12
             series = got[f"busbw_gbps/{coll}"]
             assert sorted(series) == expected.index.tolist()
             assert np.allclose([series[s] for s in expected.index], expected.to_numpy(), rtol=1e-6)
-        assert "busbw_gbps/barrier" not in got                # no bytes: no bandwidth, not 0
+        assert "busbw_gbps/barrier" not in got  # no bytes: no bandwidth, not 0
 
 
 def test_tensorboard_refuses_a_directory_of_earlier_events(run_logs, tmp_path):
@@ -80,18 +86,22 @@ def test_tensorboard_refuses_a_directory_of_earlier_events(run_logs, tmp_path):
 
 
 def test_tensorboard_without_the_extra_names_it(run_logs, tmp_path):
-    code = ("import sys; sys.modules['tensorboard'] = None\n"
-            "from commpatch.cli import main\n"
-            f"sys.exit(main(['report', {run_logs!r}, '--tensorboard', {str(tmp_path / 'tb')!r}]))\n")
+    code = (
+        "import sys; sys.modules['tensorboard'] = None\n"
+        "from commpatch.cli import main\n"
+        f"sys.exit(main(['report', {run_logs!r}, '--tensorboard', {str(tmp_path / 'tb')!r}]))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("commpatch report: --tensorboard needs the tensorboard package: "
-                                   "pip install 'commpatch[tensorboard]'")
+    assert done.stderr.strip() == (
+        "commpatch report: --tensorboard needs the tensorboard package: pip install 'commpatch[tensorboard]'"
+    )
     assert not (tmp_path / "tb").exists()
 
 
 def test_tensorboard_with_compare_is_refused_in_one_line(run_logs, tmp_path):
     done = _report("--compare", run_logs, run_logs, "--tensorboard", str(tmp_path / "tb"))
     assert done.returncode == 2
-    assert done.stderr.strip() == ("commpatch report: --tensorboard writes one run's steps: give the run without "
-                                   "--compare")
+    assert done.stderr.strip() == (
+        "commpatch report: --tensorboard writes one run's steps: give the run without --compare"
+    )

@@ -59,9 +59,13 @@ EXCLUDED = {("ddp", "fullgraph"), ("fsdp2", "fullgraph")} | {(k, "blocks") for k
 # inductor: these cells only (compiles are slow on 2 cores); aot_eager covers the whole product
 INDUCTOR = {("before", "modules_on"), ("after", "modules_on")}
 # what each kind must have recorded in its eager cells (at least one row per recorded step)
-EAGER_OPS = {"plain": (), "ddp": ("ddp_bucket_allreduce",),
-             "fsdp2": ("all_gather_single", "reduce_scatter_single"), "tp": ("funcol.all_reduce",)}
-RUN_TIMEOUT = 240            # seconds for one kind's run (11-16 s on an idle 2-core machine)
+EAGER_OPS = {
+    "plain": (),
+    "ddp": ("ddp_bucket_allreduce",),
+    "fsdp2": ("all_gather_single", "reduce_scatter_single"),
+    "tp": ("funcol.all_reduce",),
+}
+RUN_TIMEOUT = 240  # seconds for one kind's run (11-16 s on an idle 2-core machine)
 
 # the first test of a kind also runs the kind's run (its fixture): more than pyproject.toml's 180 s
 pytestmark = pytest.mark.timeout(RUN_TIMEOUT + 60)
@@ -109,9 +113,10 @@ def runs(request):
         if kind not in cache:
             cells = [CELLS[name][1:] for name in CELLS if CELLS[name][0] == kind and name in selected]
             try:
-                cache[kind] = run_ranks(w.transparency, 2, timeout=RUN_TIMEOUT, pg_timeout=w.PG_TIMEOUT,
-                                        kind=kind, cells=cells)
-            except AssertionError as exc:      # a rank died or the run timed out: every cell of it fails
+                cache[kind] = run_ranks(
+                    w.transparency, 2, timeout=RUN_TIMEOUT, pg_timeout=w.PG_TIMEOUT, kind=kind, cells=cells
+                )
+            except AssertionError as exc:  # a rank died or the run timed out: every cell of it fails
                 cache[kind] = exc
         if isinstance(cache[kind], BaseException):
             pytest.fail(f"the {kind} run failed:\n{cache[kind]}", pytrace=False)
@@ -120,8 +125,9 @@ def runs(request):
     return get
 
 
-@pytest.mark.parametrize("cell", [pytest.param(name, id=name, marks=[pytest.mark.slow] if _slow(*c) else [])
-                                  for name, c in CELLS.items()])
+@pytest.mark.parametrize(
+    "cell", [pytest.param(name, id=name, marks=[pytest.mark.slow] if _slow(*c) else []) for name, c in CELLS.items()]
+)
 def test_cell(runs, cell):
     kind, mode, when, modules = CELLS[cell]
     if kind == "fsdp2":
@@ -146,12 +152,14 @@ def test_cell(runs, cell):
             for what, (claimed, witness) in r["witness"].items():
                 if claimed != witness:
                     problems.append(f"rank {rank}: {what} per collective: commpatch {claimed}, profiler {witness}")
-        if mode == "eager" or mode in w.PER_BLOCK:      # FSDP2 runs its collectives eagerly around the blocks
+        if mode == "eager" or mode in w.PER_BLOCK:  # FSDP2 runs its collectives eagerly around the blocks
             if kind == "plain" and r["ops"]:
                 problems.append(f"rank {rank}: rows recorded for a model that issues no collective: {r['ops']}")
             for op in EAGER_OPS[kind]:
                 if r["ops"].get(op, 0) < w.instrumented_steps(when):
-                    problems.append(f"rank {rank}: {r['ops'].get(op, 0)} {op} rows for "
-                                    f"{w.instrumented_steps(when)} recorded steps (recorded: {r['ops']})")
+                    problems.append(
+                        f"rank {rank}: {r['ops'].get(op, 0)} {op} rows for "
+                        f"{w.instrumented_steps(when)} recorded steps (recorded: {r['ops']})"
+                    )
     if problems:
         pytest.fail("\n".join([f"{cell}:"] + problems + traces), pytrace=False)

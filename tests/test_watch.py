@@ -3,7 +3,6 @@ following a real running 2-rank gloo job, in a pipe and in tmux as a person sees
 
 from __future__ import annotations
 
-import glob
 import os
 import random
 import shutil
@@ -29,9 +28,26 @@ def start_job(tmp, steps=30, sleep=0.05, hold=60.0, release=True, **extra):
     rel = os.path.join(tmp, "release") if release else ""
     procs = []
     for rank in (0, 1):
-        cmd = [sys.executable, WORKER, "--rank", str(rank), "--store", os.path.join(tmp, "store"),
-               "--output", os.path.join(logs, "rank{rank}.csv"), "--steps", str(steps), "--sleep", str(sleep),
-               "--done", os.path.join(tmp, "done"), "--release", rel, "--hold", str(hold)]
+        cmd = [
+            sys.executable,
+            WORKER,
+            "--rank",
+            str(rank),
+            "--store",
+            os.path.join(tmp, "store"),
+            "--output",
+            os.path.join(logs, "rank{rank}.csv"),
+            "--steps",
+            str(steps),
+            "--sleep",
+            str(sleep),
+            "--done",
+            os.path.join(tmp, "done"),
+            "--release",
+            rel,
+            "--hold",
+            str(hold),
+        ]
         for key, value in extra.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -87,12 +103,24 @@ def test_follower_fed_in_pieces_decodes_what_the_whole_file_holds(finished_log):
     pos = 0
     while pos < len(data):
         n = rng.choice((1, 2, 5, 17, 59, 64, 300, 4096))
-        follower.feed(data[pos:pos + n])
+        follower.feed(data[pos : pos + n])
         pos += n
     live = _window_frame(follower)
     assert len(live) == len(whole) > 100
-    for col in ("seq", "op", "group", "dtype", "bytes", "step", "start_ns", "duration_us", "own_us", "busbw_gbps",
-                "phase", "collective"):
+    for col in (
+        "seq",
+        "op",
+        "group",
+        "dtype",
+        "bytes",
+        "step",
+        "start_ns",
+        "duration_us",
+        "own_us",
+        "busbw_gbps",
+        "phase",
+        "collective",
+    ):
         assert live[col].astype(str).tolist() == whole[col].astype(str).tolist(), col
     assert follower.skipped_bytes == follower.bad_rows == follower.bad_records == 0
 
@@ -102,7 +130,7 @@ def test_follower_waits_for_the_rest_of_a_torn_last_frame(finished_log):
         data = f.read()
     whole = parse_log(data)
     follower = Follower(max_rows=1 << 20, keep_steps=1 << 20)
-    follower.feed(data[:-7])                 # the last frame cut short: its rows not yet taken
+    follower.feed(data[:-7])  # the last frame cut short: its rows not yet taken
     before = len(follower.window)
     assert before < len(whole.rows)
     assert len(follower.pending) > 0 and follower.skipped_bytes == 0
@@ -117,15 +145,15 @@ def test_follower_keeps_a_bounded_window_of_the_last_steps(finished_log):
     follower = Follower(max_rows=1 << 20, keep_steps=3)
     settling = Follower(max_rows=1 << 20, keep_steps=3, settling=True)
     for i in range(0, len(data), 512):
-        follower.feed(data[i:i + 512])
+        follower.feed(data[i : i + 512])
         assert len(set(follower.window["step"].tolist())) <= 3
-        settling.feed(data[i:i + 512])
-        settling.take_settled(0, 0, final=True)        # handed out: then only the steps bound keeps them
+        settling.feed(data[i : i + 512])
+        settling.take_settled(0, 0, final=True)  # handed out: then only the steps bound keeps them
         assert len(set(settling.window["step"].tolist())) <= 3
     assert follower.window["step"].max() == 29
     small = Follower(max_rows=40, keep_steps=1 << 20)
     for i in range(0, len(data), 512):
-        small.feed(data[i:i + 512])
+        small.feed(data[i : i + 512])
         assert len(small.window) <= 40
     assert small.rows_seen == len(parse_log(data).rows)
     assert len(small.late) <= 40 and len(small.own) <= 40
@@ -138,10 +166,10 @@ def test_file_follower_reads_each_byte_once_as_the_file_grows(finished_log, tmp_
     reader = FileFollower(str(path), max_rows=1 << 20, keep_steps=1 << 20)
     with open(path, "wb") as out:
         for i in range(0, len(data), 1000):
-            out.write(data[i:i + 1000])
+            out.write(data[i : i + 1000])
             out.flush()
             reader.poll()
-            reader.poll()                    # nothing new: nothing read
+            reader.poll()  # nothing new: nothing read
     assert reader.offset == reader.follower.bytes_read == len(data)
     assert len(reader.follower.window) == len(parse_log(data).rows)
     reader.close()
@@ -172,16 +200,21 @@ def test_without_a_step_boundary_the_live_step_figures_are_unknown(finished_log)
 
 
 def _watch(run_dir, *args, timeout=120):
-    return subprocess.Popen([sys.executable, "-m", "commpatch", "watch", run_dir, *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, COLUMNS="120"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "commpatch", "watch", run_dir, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, COLUMNS="120"),
+    )
 
 
 @pytest.mark.slow
 def test_watch_follows_a_running_job_until_it_ends(tmp_path):
     tmp = str(tmp_path)
     procs, logs, release = start_job(tmp, steps=25, sleep=0.05)
-    watch = _watch(logs, "--interval", "0.3", "--idle", "30")      # started before the logs exist
+    watch = _watch(logs, "--interval", "0.3", "--idle", "30")  # started before the logs exist
     wait_done(tmp, procs)
     finish(procs, release)
     out, err = watch.communicate(timeout=60)
@@ -193,8 +226,8 @@ def test_watch_follows_a_running_job_until_it_ends(tmp_path):
     assert set(ranks) == {"0", "1"}, out
     for ln in ranks.values():
         cells = [c.strip() for c in ln.split("│")[1:-1]]
-        assert cells[1] == "24"                       # the last step, being the current one
-        assert cells[3].endswith("(step 23)")         # the last step with a known time
+        assert cells[1] == "24"  # the last step, being the current one
+        assert cells[3].endswith("(step 23)")  # the last step with a known time
         assert cells[4].endswith("%") and cells[5].endswith("%")
 
 
@@ -203,7 +236,7 @@ def test_watch_stops_when_the_logs_stop_growing(tmp_path):
     tmp = str(tmp_path)
     procs, logs, release = start_job(tmp, steps=10, sleep=0.05, hold=120)
     wait_done(tmp, procs)
-    for p in procs:                                   # killed: no export at exit, the files just stop
+    for p in procs:  # killed: no export at exit, the files just stop
         p.kill()
         p.wait()
     watch = _watch(logs, "--interval", "0.3", "--idle", "2")
@@ -235,7 +268,7 @@ def test_the_live_view_lists_a_call_in_flight_too_long(tmp_path):
         assert seen["rank"].tolist() == [0] and seen["op"].tolist() == ["all_reduce"]
         assert (seen["age_s"] > 1.0).all()
         wait_done(tmp, procs)
-        time.sleep(0.5)                      # the flusher's next pass writes the completion
+        time.sleep(0.5)  # the flusher's next pass writes the completion
         follower.poll()
         assert snapshot(follower, time.time_ns(), stuck_s=1.0)["stuck"] is None
     finally:
@@ -256,8 +289,13 @@ def test_watch_in_tmux_shows_the_table_and_ends_cleanly_on_ctrl_c(tmp_path):
     _tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "30", "bash --norc --noprofile")
     try:
         # typed at the shell's prompt, as a person would
-        _tmux("send-keys", "-t", session, f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m commpatch watch {logs} "
-              "--interval 0.5 --idle 60", "Enter")
+        _tmux(
+            "send-keys",
+            "-t",
+            session,
+            f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m commpatch watch {logs} --interval 0.5 --idle 60",
+            "Enter",
+        )
         screen, deadline = "", time.monotonic() + 90
         while time.monotonic() < deadline:
             screen = _tmux("capture-pane", "-p", "-t", session).stdout
@@ -272,7 +310,7 @@ def test_watch_in_tmux_shows_the_table_and_ends_cleanly_on_ctrl_c(tmp_path):
         assert all(" ms (step " in ln and "%" in ln for ln in rows), screen
         assert "slowest now: rank" in screen
         assert max(len(ln) for ln in screen.splitlines()) <= 120
-        _tmux("send-keys", "-t", session, "C-c")          # a person's Ctrl-C
+        _tmux("send-keys", "-t", session, "C-c")  # a person's Ctrl-C
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and "stopped at" not in screen:
             time.sleep(0.3)

@@ -9,8 +9,8 @@ import pytest
 import commpatch
 from commpatch import session as _session
 from commpatch import watchdog
-from commpatch.record import state as _runtime
 from commpatch.data.ops import OP_CODE
+from commpatch.record import state as _runtime
 from tests.fakepg import fake_world
 from tests.multiproc import run_ranks
 
@@ -32,8 +32,8 @@ def _hang_worker(rank, world_size, out_dir):
             time.sleep(0.05)
         return None
     try:
-        dist.barrier()                                  # THE HUNG CALL
-    except RuntimeError as exc:                         # peer gone or the group's timeout
+        dist.barrier()  # THE HUNG CALL
+    except RuntimeError as exc:  # peer gone or the group's timeout
         error = str(exc)
     else:
         error = None
@@ -43,8 +43,9 @@ def _hang_worker(rank, world_size, out_dir):
 
 @pytest.mark.slow
 def test_hung_barrier_is_dumped_with_its_group_and_the_calling_line(tmp_path):
-    dump, error, reduced, rank1_dumped = run_ranks(
-        _hang_worker, 2, timeout=120, pg_timeout=20, out_dir=str(tmp_path))[0]
+    dump, error, reduced, rank1_dumped = run_ranks(_hang_worker, 2, timeout=120, pg_timeout=20, out_dir=str(tmp_path))[
+        0
+    ]
     assert error is not None, "the barrier should have failed once rank 1 left"
     assert reduced == [2.0] * 4
     assert "rank 0 pid" in dump
@@ -59,6 +60,7 @@ def test_hung_barrier_is_dumped_with_its_group_and_the_calling_line(tmp_path):
 
 
 # ---- one process: the rules of the dump, with a simulated stuck call ---------------------
+
 
 @pytest.fixture(scope="module", autouse=True)
 def fake_group():
@@ -82,7 +84,7 @@ class StuckThread:
         entry[3] = threading.get_ident()
         _session.default().log.pending[self.seq] = tuple(entry)
         self.ready.set()
-        self.release.wait(30)                  # the line the dump must show
+        self.release.wait(30)  # the line the dump must show
         _session.default().log.pending.pop(self.seq, None)
 
     def __enter__(self):
@@ -138,7 +140,7 @@ def test_async_call_shows_where_it_was_issued_and_output_none_writes_to_cwd(tmp_
     monkeypatch.chdir(tmp_path)
     commpatch.enable(output="none", watchdog=600)
     monkeypatch.setattr(_session.default().timing, "future", lambda *args: T_FUTURE)
-    work = dist.all_reduce(torch.ones(3), async_op=True)      # ISSUED HERE
+    work = dist.all_reduce(torch.ones(3), async_op=True)  # ISSUED HERE
     work.wait()
     dump = _dog("").check(now_ns=time.perf_counter_ns() + 10**10)
     assert "[STUCK] all_reduce" in dump and "issued from (async call" in dump
@@ -188,7 +190,7 @@ def no_output_at_exit():
 @pytest.mark.faults
 @pytest.mark.usefixtures("no_output_at_exit")
 def test_an_unwritable_dump_file_still_reaches_stderr_with_one_warning(tmp_path, capsys):
-    commpatch.enable(output=str(tmp_path / "logs" / "rank{rank}.csv"))     # creates nothing yet
+    commpatch.enable(output=str(tmp_path / "logs" / "rank{rank}.csv"))  # creates nothing yet
     (tmp_path / "logs").write_text("a file where the directory should go")
     dog = _dog(str(tmp_path / "logs" / "rank{rank}.csv"))
     with pytest.warns(RuntimeWarning, match="watchdog") as record:

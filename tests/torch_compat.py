@@ -29,7 +29,7 @@ def dtensor():
 
     try:
         module = importlib.import_module("torch.distributed.tensor")
-        module.distribute_tensor     # noqa: B018 - 2.4 has the package (parallel) without DTensor itself
+        module.distribute_tensor  # noqa: B018 - 2.4 has the package (parallel) without DTensor itself
     except (ImportError, AttributeError):
         module = importlib.import_module("torch.distributed._tensor")
     return module
@@ -94,6 +94,7 @@ def selective_checkpoint_context(saved_ops):
     import torch.utils.checkpoint as ckpt
 
     if hasattr(ckpt, "CheckpointPolicy"):
+
         def policy(ctx, op, *args, **kwargs):
             return ckpt.CheckpointPolicy.MUST_SAVE if op in saved_ops else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 import traceback
 
-STEPS = 3               # commpatch records steps 0-2 ("before") or 1-2 ("after")
+STEPS = 3  # commpatch records steps 0-2 ("before") or 1-2 ("after")
 WIDTH = 16
 BATCH = 4
-PG_TIMEOUT = 60         # seconds a collective may wait for the other rank (a cell failing on one rank only)
+PG_TIMEOUT = 60  # seconds a collective may wait for the other rank (a cell failing on one rank only)
 
 KINDS = ("plain", "ddp", "fsdp2", "tp")
 # compile mode -> torch.compile keyword arguments (None: eager)
@@ -24,15 +24,15 @@ COMPILES = {
     "eager": None,
     "compile": dict(backend="aot_eager"),
     "fullgraph": dict(backend="aot_eager", fullgraph=True),
-    "inductor": dict(),                  # the default backend
+    "inductor": dict(),  # the default backend
     # torchtitan's way: fully_shard each block, then block.compile(fullgraph=True) (fsdp2 only)
     "blocks": dict(backend="aot_eager", fullgraph=True),
 }
-PER_BLOCK = {"blocks"}                   # compile modes applied per block (Block), not to the model
+PER_BLOCK = {"blocks"}  # compile modes applied per block (Block), not to the model
 # cells run under torch.profiler (record_shapes) as the witness of what commpatch recorded:
 # compile modes whose "before" cells (every step recorded) compare counts and bytes per collective
 WITNESSED = {"blocks"}
-WHENS = ("before", "after")              # enable() before building the model / after compiling it
+WHENS = ("before", "after")  # enable() before building the model / after compiling it
 MODULES = ("modules_on", "modules_off")  # enable(modules=True / False), i.e. COMMPATCH_MODULES=1 / 0
 
 
@@ -89,7 +89,7 @@ def _build(kind: str, mesh, per_block: bool = False):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    return model                                      # plain: no parallelism (and no collective)
+    return model  # plain: no parallelism (and no collective)
 
 
 def _local(t):
@@ -157,7 +157,7 @@ def _nothing():
     pass
 
 
-_MESSAGES: dict[str, str] = {}     # internal error kind -> commpatch's warning (said once per kind)
+_MESSAGES: dict[str, str] = {}  # internal error kind -> commpatch's warning (said once per kind)
 _PREFIX = "commpatch: internal error ("
 
 
@@ -165,7 +165,7 @@ def _keep_internal_error_messages(caught) -> None:
     for warning in caught:
         text = str(warning.message)
         if text.startswith(_PREFIX) and ")" in text:
-            kind, _, message = text[len(_PREFIX):].partition("): ")
+            kind, _, message = text[len(_PREFIX) :].partition("): ")
             _MESSAGES.setdefault(kind, message.split("; the collective proceeds")[0][:200])
 
 
@@ -198,7 +198,7 @@ def transparency(rank, world_size, kind, cells):
     # inductor compiles in the rank's own process (same generated code): a pool of compile
     # subprocesses per rank only costs start-up and shutdown time on 2 cores
     torch._inductor.config.compile_threads = 1
-    warnings.filterwarnings("ignore", message="commpatch: torch.compile")     # the once-per-process notice
+    warnings.filterwarnings("ignore", message="commpatch: torch.compile")  # the once-per-process notice
     # a group of its own re-synchronizes the ranks after every cell, whatever happened in it
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2 * PG_TIMEOUT))
     mesh = init_device_mesh("cpu", (world_size,)) if kind in ("fsdp2", "tp") else None
@@ -219,8 +219,9 @@ def transparency(rank, world_size, kind, cells):
     for compile_mode, when, modules in cells:
         name = cell_name(kind, compile_mode, when, modules)
         baseline = baselines[compile_mode]
-        result = out[name] = dict(ok=False, error=None, trace=None, differences=None, ops={},
-                                  internal_errors={}, seconds=0.0)
+        result = out[name] = dict(
+            ok=False, error=None, trace=None, differences=None, ops={}, internal_errors={}, seconds=0.0
+        )
         if isinstance(baseline, BaseException):
             result["error"] = f"the baseline (without commpatch) failed: {_one_line(baseline)}"
             continue
@@ -233,13 +234,21 @@ def transparency(rank, world_size, kind, cells):
         commpatch.reset()
         start = time.perf_counter()
         witnessed = compile_mode in WITNESSED and when == "before"
-        with warnings.catch_warnings(record=True) as caught, \
-                (profile(record_shapes=True) if witnessed else contextlib.nullcontext()) as prof:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            profile(record_shapes=True) if witnessed else contextlib.nullcontext() as prof,
+        ):
             warnings.simplefilter("always")
             warnings.filterwarnings("ignore", message="commpatch: torch.compile")
             try:
-                got = _run(kind, compile_mode, rank, mesh,
-                           enable if when == "before" else _nothing, enable if when == "after" else _nothing)
+                got = _run(
+                    kind,
+                    compile_mode,
+                    rank,
+                    mesh,
+                    enable if when == "before" else _nothing,
+                    enable if when == "after" else _nothing,
+                )
                 result["differences"] = _differences(baseline, got)
                 result["ok"] = True
             except Exception as exc:  # noqa: BLE001 - reported per cell
@@ -255,14 +264,22 @@ def transparency(rank, world_size, kind, cells):
             result["ops"] = {f"<commpatch.log() failed: {_one_line(exc)}>": 0}
         if witnessed and result["ok"]:
             df = commpatch.log()
-            result["witness"] = dict(counts=(dict(claimed_counts(df)), dict(witness_counts(prof))),
-                                     bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))))
+            result["witness"] = dict(
+                counts=(dict(claimed_counts(df)), dict(witness_counts(prof))),
+                bytes=(dict(claimed_bytes(df)), dict(witness_bytes(prof, world_size))),
+            )
         errors_after = commpatch.internal_errors()
-        result["internal_errors"] = {kind_: f"{n - errors_before.get(kind_, 0)}x {_MESSAGES.get(kind_, '')}".rstrip()
-                                     for kind_, n in errors_after.items() if n != errors_before.get(kind_, 0)}
+        result["internal_errors"] = {
+            kind_: f"{n - errors_before.get(kind_, 0)}x {_MESSAGES.get(kind_, '')}".rstrip()
+            for kind_, n in errors_after.items()
+            if n != errors_before.get(kind_, 0)
+        }
         commpatch.reset()
         torch._dynamo.reset()
         dist.barrier(group=control)
     seconds["total"] = time.perf_counter() - t0
-    return dict(cells=out, seconds=seconds,
-                baseline_errors={m: _one_line(b) for m, b in baselines.items() if isinstance(b, BaseException)})
+    return dict(
+        cells=out,
+        seconds=seconds,
+        baseline_errors={m: _one_line(b) for m, b in baselines.items() if isinstance(b, BaseException)},
+    )

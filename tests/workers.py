@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-K = 5        # elements per rank in the scenarios
-FLOAT = 4    # bytes of float32
+K = 5  # elements per rank in the scenarios
+FLOAT = 4  # bytes of float32
 
 
 def scenarios(rank: int, n: int):
@@ -51,49 +51,194 @@ def scenarios(rank: int, n: int):
     nk = n * K * FLOAT
     return [
         ("all_reduce", "all_reduce", lambda: dist.all_reduce(t()), K * FLOAT, "float32", -1, True),
-        ("all_reduce_async", "all_reduce", lambda: dist.all_reduce(t(), async_op=True).wait(), K * FLOAT, "float32", -1, True),
-        ("all_reduce_coalesced", "all_reduce_coalesced", lambda: dist.all_reduce_coalesced([t(), t(2 * K)]), 3 * K * FLOAT, "float32", -1, True),
+        (
+            "all_reduce_async",
+            "all_reduce",
+            lambda: dist.all_reduce(t(), async_op=True).wait(),
+            K * FLOAT,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "all_reduce_coalesced",
+            "all_reduce_coalesced",
+            lambda: dist.all_reduce_coalesced([t(), t(2 * K)]),
+            3 * K * FLOAT,
+            "float32",
+            -1,
+            True,
+        ),
         ("all_gather", "all_gather", lambda: dist.all_gather([t() for _ in range(n)], t()), nk, "float32", -1, True),
-        ("all_gather_into_tensor", "all_gather_into_tensor", lambda: dist.all_gather_into_tensor(t(n * K), t()), nk, "float32", -1, True),
-        ("all_gather_single", "all_gather_single", lambda: dist.all_gather_single(t(n * K), t()), nk, "float32", -1, True),
+        (
+            "all_gather_into_tensor",
+            "all_gather_into_tensor",
+            lambda: dist.all_gather_into_tensor(t(n * K), t()),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "all_gather_single",
+            "all_gather_single",
+            lambda: dist.all_gather_single(t(n * K), t()),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
         ("_all_gather_base", "_all_gather_base", lambda: dist._all_gather_base(t(n * K), t()), nk, "float32", -1, True),
-        ("all_gather_coalesced", "all_gather_coalesced", lambda: dist.all_gather_coalesced([[t()] for _ in range(n)], [t()]), nk, "float32", -1, True),
-        ("all_gather_object", "all_gather_object", lambda: dist.all_gather_object([None] * n, obj), None, "object", -1, True),
-        ("reduce_scatter", "reduce_scatter", lambda: dist.reduce_scatter(t(), [t() for _ in range(n)]), nk, "float32", -1, True),
-        ("reduce_scatter_tensor", "reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(t(), t(n * K)), nk, "float32", -1, True),
-        ("reduce_scatter_single", "reduce_scatter_single", lambda: dist.reduce_scatter_single(t(), t(n * K)), nk, "float32", -1, True),
-        ("_reduce_scatter_base", "_reduce_scatter_base", lambda: dist._reduce_scatter_base(t(), t(n * K)), nk, "float32", -1, True),
+        (
+            "all_gather_coalesced",
+            "all_gather_coalesced",
+            lambda: dist.all_gather_coalesced([[t()] for _ in range(n)], [t()]),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "all_gather_object",
+            "all_gather_object",
+            lambda: dist.all_gather_object([None] * n, obj),
+            None,
+            "object",
+            -1,
+            True,
+        ),
+        (
+            "reduce_scatter",
+            "reduce_scatter",
+            lambda: dist.reduce_scatter(t(), [t() for _ in range(n)]),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor",
+            lambda: dist.reduce_scatter_tensor(t(), t(n * K)),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "reduce_scatter_single",
+            "reduce_scatter_single",
+            lambda: dist.reduce_scatter_single(t(), t(n * K)),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "_reduce_scatter_base",
+            "_reduce_scatter_base",
+            lambda: dist._reduce_scatter_base(t(), t(n * K)),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
         ("broadcast", "broadcast", lambda: dist.broadcast(t(), src=0), K * FLOAT, "float32", 0, True),
-        ("broadcast_object_list", "broadcast_object_list", lambda: dist.broadcast_object_list([obj], src=0), None, "object", 0, True),
+        (
+            "broadcast_object_list",
+            "broadcast_object_list",
+            lambda: dist.broadcast_object_list([obj], src=0),
+            None,
+            "object",
+            0,
+            True,
+        ),
         ("reduce", "reduce", lambda: dist.reduce(t(), dst=0), K * FLOAT, "float32", 0, True),
-        ("all_to_all", "all_to_all", lambda: dist.all_to_all([t() for _ in range(n)], [t() for _ in range(n)]), nk, "float32", -1, True),
-        ("all_to_all_single", "all_to_all_single", lambda: dist.all_to_all_single(t(n * K), t(n * K)), nk, "float32", -1, True),
-        ("gather", "gather", lambda: dist.gather(t(), [t() for _ in range(n)] if rank == 0 else None, dst=0), nk, "float32", 0, True),
-        ("gather_object", "gather_object", lambda: dist.gather_object(obj, [None] * n if rank == 0 else None, dst=0), None, "object", 0, True),
-        ("scatter", "scatter", lambda: dist.scatter(t(), [t() for _ in range(n)] if rank == 0 else None, src=0), nk, "float32", 0, True),
-        ("scatter_object_list", "scatter_object_list", lambda: dist.scatter_object_list([None], [obj] * n if rank == 0 else None, src=0), None, "object", 0, True),
+        (
+            "all_to_all",
+            "all_to_all",
+            lambda: dist.all_to_all([t() for _ in range(n)], [t() for _ in range(n)]),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "all_to_all_single",
+            "all_to_all_single",
+            lambda: dist.all_to_all_single(t(n * K), t(n * K)),
+            nk,
+            "float32",
+            -1,
+            True,
+        ),
+        (
+            "gather",
+            "gather",
+            lambda: dist.gather(t(), [t() for _ in range(n)] if rank == 0 else None, dst=0),
+            nk,
+            "float32",
+            0,
+            True,
+        ),
+        (
+            "gather_object",
+            "gather_object",
+            lambda: dist.gather_object(obj, [None] * n if rank == 0 else None, dst=0),
+            None,
+            "object",
+            0,
+            True,
+        ),
+        (
+            "scatter",
+            "scatter",
+            lambda: dist.scatter(t(), [t() for _ in range(n)] if rank == 0 else None, src=0),
+            nk,
+            "float32",
+            0,
+            True,
+        ),
+        (
+            "scatter_object_list",
+            "scatter_object_list",
+            lambda: dist.scatter_object_list([None], [obj] * n if rank == 0 else None, src=0),
+            None,
+            "object",
+            0,
+            True,
+        ),
         ("barrier", "barrier", lambda: dist.barrier(), 0, "none", -1, True),
         ("monitored_barrier", "monitored_barrier", lambda: dist.monitored_barrier(), 0, "none", -1, True),
         ("send_recv", "send" if rank == 0 else "recv", sendrecv, K * FLOAT, "float32", 1 - rank, only01),
         ("isend_irecv", "isend" if rank == 0 else "irecv", isendirecv, K * FLOAT, "float32", 1 - rank, only01),
         # the peer every op names (2 ranks: next == prev), -1 when several (a ring of 4)
         ("batch_isend_irecv", "batch_isend_irecv", batch, 2 * K * FLOAT, "float32", peer if peer == prev else -1, True),
-        ("object_p2p", "send_object_list" if rank == 0 else "recv_object_list", objs_p2p, None, "object", 1 - rank, only01),
+        (
+            "object_p2p",
+            "send_object_list" if rank == 0 else "recv_object_list",
+            objs_p2p,
+            None,
+            "object",
+            1 - rank,
+            only01,
+        ),
     ]
 
 
 def all_ops(rank: int, world_size: int):
     """Each scenario inside its own capture(); returns {scenario: (rows, expectation, error)}."""
-    import commpatch
-
     import torch.distributed as dist
+
+    import commpatch
 
     out = {}
     commpatch.enable(output="none")
     for name, op, call, nbytes, dtype, peer, participates in scenarios(rank, world_size):
         error = None
-        exp = dict(op=op, bytes=nbytes, dtype=dtype, peer=peer, participates=participates,
-                   present=hasattr(dist, op))      # an older torch lacks some (all_gather_single < 2.5)
+        exp = dict(
+            op=op, bytes=nbytes, dtype=dtype, peer=peer, participates=participates, present=hasattr(dist, op)
+        )  # an older torch lacks some (all_gather_single < 2.5)
         if not exp["present"]:
             out[name] = (None, exp, None)
             continue
@@ -140,12 +285,11 @@ def coalescing(rank: int, world_size: int):
     from torch.distributed.distributed_c10d import _coalescing_manager as bound_before_enable
     from torch.profiler import profile
 
+    import commpatch
     from tests.integration_workers import witness_counts
 
-    import commpatch
-
     commpatch.enable(output="none")
-    manager = dist.distributed_c10d._coalescing_manager      # looked up at call time, as torch does
+    manager = dist.distributed_c10d._coalescing_manager  # looked up at call time, as torch does
     n, k = world_size, 4
     total = sum(range(1, n + 1))
 
@@ -160,7 +304,7 @@ def coalescing(rank: int, world_size: int):
         xs = [torch.ones(k) * (rank + 1) for _ in range(3)]
         with manager(async_ops=True) as cm:
             for x in xs:
-                dist.all_reduce(x, async_op=True)      # returns torch's _IllegalWork placeholder
+                dist.all_reduce(x, async_op=True)  # returns torch's _IllegalWork placeholder
         cm.wait()
         return all(x[0].item() == total for x in xs)
 
@@ -179,14 +323,14 @@ def coalescing(rank: int, world_size: int):
         cm.wait()
         return all(out[0].item() == n for out in outs)
 
-    def with_a_broadcast():              # broadcast does not queue: it runs (and is recorded) at once
+    def with_a_broadcast():  # broadcast does not queue: it runs (and is recorded) at once
         x, b = torch.ones(k), torch.ones(2)
         with manager():
             dist.all_reduce(x)
             dist.broadcast(b, src=0)
         return x[0].item() == n
 
-    def bound_early():                   # bound before enable(): not wrapped, one row per queued call
+    def bound_early():  # bound before enable(): not wrapped, one row per queued call
         xs = [torch.ones(k) for _ in range(3)]
         with bound_before_enable():
             for x in xs:
@@ -194,8 +338,7 @@ def coalescing(rank: int, world_size: int):
         return all(x[0].item() == n for x in xs)
 
     out = {}
-    for fn in (all_reduce_sync, all_reduce_async, all_gather, reduce_scatter_async, with_a_broadcast,
-               bound_early):
+    for fn in (all_reduce_sync, all_reduce_async, all_gather, reduce_scatter_async, with_a_broadcast, bound_early):
         with commpatch.capture() as cap, profile() as prof:
             ok = fn()
         out[fn.__name__] = (cap.df, witness_counts(prof), ok)
@@ -216,7 +359,7 @@ def errors_propagate(rank: int, world_size: int):
         if patched:
             commpatch.enable(output="none")
         try:
-            (dist.all_gather_into_tensor)(torch.zeros(3), torch.ones(2))   # wrong output size
+            (dist.all_gather_into_tensor)(torch.zeros(3), torch.ones(2))  # wrong output size
         except Exception as exc:  # noqa: BLE001
             results[patched] = (type(exc), str(exc))
     df = commpatch.log()

@@ -33,7 +33,7 @@ def main(out: str) -> None:
             dist.all_gather([torch.zeros(16)], t)
             dist.all_reduce(t.double(), async_op=True).wait()
         commpatch.step()
-        time.sleep(0.3)      # past the flusher's period: each step's rows are a frame of their own
+        time.sleep(0.3)  # past the flusher's period: each step's rows are a frame of their own
     dist.destroy_process_group()
 
 
@@ -41,8 +41,14 @@ def write(out: str) -> tuple[str, str]:
     """(the .cplog, its CSV export) of the job, written under ``out``."""
     os.makedirs(out, exist_ok=True)
     env = dict(os.environ, COMMPATCH_OUTPUT="none")
-    done = subprocess.run([sys.executable, "-m", "tests.writer_logs", out], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.writer_logs", out],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert done.returncode == 0, done.stderr
     return os.path.join(out, "rank0.cplog"), os.path.join(out, "rank0.csv")
 

@@ -46,15 +46,19 @@ warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_sing
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:
-    import commpatch      # the installed one (its path goes into the JSON)
-except ImportError:       # not installed: this checkout's
+    import commpatch  # the installed one (its path goes into the JSON)
+except ImportError:  # not installed: this checkout's
     sys.path.insert(0, REPO)
     import commpatch
 
 KIT_VERSION = 1
 KINDS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
-KERNEL_WORD = {"all_reduce": "AllReduce", "all_gather_into_tensor": "AllGather",
-               "reduce_scatter_tensor": "ReduceScatter", "broadcast": "Broadcast"}
+KERNEL_WORD = {
+    "all_reduce": "AllReduce",
+    "all_gather_into_tensor": "AllGather",
+    "reduce_scatter_tensor": "ReduceScatter",
+    "broadcast": "Broadcast",
+}
 CHECKS = {
     "duration_vs_kernel": "duration vs kernel",
     "own_vs_duration": "own time vs queue",
@@ -71,22 +75,28 @@ CHECKS = {
 TOL = {
     "idle": {"med": (0.10, 100.0), "p95": (0.25, 250.0)},
     "queued": {"med": (0.05, 15.0), "p95": (0.15, 40.0)},
-    "nccl": {"med": (0.05, 10.0), "p95": (0.15, 30.0)},     # NCCL's events sit around the kernel
-    "own": {"med": (0.25, 30.0), "p95": (0.50, 60.0)},      # own time: plus the gap between kernels
+    "nccl": {"med": (0.05, 10.0), "p95": (0.15, 30.0)},  # NCCL's events sit around the kernel
+    "own": {"med": (0.25, 30.0), "p95": (0.50, 60.0)},  # own time: plus the gap between kernels
 }
-UNDER = (0.03, 2.0)        # never shorter than the kernel by more than 3% or 2 us (events bracket it)
-QUEUE_FRACTION = 0.9       # a call queued behind a large one: duration >= 90% of the large kernel
-SELF_CHECK_US = 20.0       # 1 rank, a collective NCCL runs nothing for, issued behind a 1 ms sleep
+UNDER = (0.03, 2.0)  # never shorter than the kernel by more than 3% or 2 us (events bracket it)
+QUEUE_FRACTION = 0.9  # a call queued behind a large one: duration >= 90% of the large kernel
+SELF_CHECK_US = 20.0  # 1 rank, a collective NCCL runs nothing for, issued behind a 1 ms sleep
 STEP_RATIO_MAX = 1.02
-SLEEP_US = 1000.0          # stream busy time before each "queued" call (> the host's issue time)
+SLEEP_US = 1000.0  # stream busy time before each "queued" call (> the host's issue time)
 WARMUP = 3
-IN_PLACE = ("all_reduce", "broadcast")     # on 1 rank NCCL runs nothing for these (ncclLaunchOneRank: no-op)
-LOG_WAIT_US = 50_000       # check 5: an async call behind this much queued work, then log() at once
-SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",   # runtime API
-              "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize")            # driver API
+IN_PLACE = ("all_reduce", "broadcast")  # on 1 rank NCCL runs nothing for these (ncclLaunchOneRank: no-op)
+LOG_WAIT_US = 50_000  # check 5: an async call behind this much queued work, then log() at once
+SYNC_CALLS = (
+    "cudaDeviceSynchronize",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",  # runtime API
+    "cuCtxSynchronize",
+    "cuStreamSynchronize",
+    "cuEventSynchronize",
+)  # driver API
 LOOP_LABEL = "commpatch_kit::hot_loop"
-KERNEL_NAME = re.compile(r"^(void )?nccl(Dev)?Kernel")     # ncclDevKernel_AllReduce_Sum_f32_RING_LL(...), ncclKernel_...
-MEMCPY_NAME = re.compile(r"^Memcpy DtoD")                   # a 1-rank NCCL collective out of place is a copy
+KERNEL_NAME = re.compile(r"^(void )?nccl(Dev)?Kernel")  # ncclDevKernel_AllReduce_Sum_f32_RING_LL(...), ncclKernel_...
+MEMCPY_NAME = re.compile(r"^Memcpy DtoD")  # a 1-rank NCCL collective out of place is a copy
 
 
 # ------------------------------------------------------------------ pure helpers (tested on CPU)
@@ -131,15 +141,26 @@ def compare(measured_us, kernel_us, tol: dict) -> dict:
     under = max(UNDER[0] * kmed, UNDER[1])
     e_med, e_p95 = statistics.median(excess), pct(excess, 95)
     nan = any(math.isnan(m) for m in measured_us)
-    return {"n": len(excess), "kernel_med_us": kmed, "commpatch_med_us": statistics.median(measured_us),
-            "ratio_med": statistics.median(ratio), "ratio_p95": pct(ratio, 95),
-            "excess_med_us": e_med, "excess_p95_us": e_p95, "limit_med_us": lim_med, "limit_p95_us": lim_p95,
-            "limit_under_us": under, "ok": not nan and -under <= e_med <= lim_med and e_p95 <= lim_p95}
+    return {
+        "n": len(excess),
+        "kernel_med_us": kmed,
+        "commpatch_med_us": statistics.median(measured_us),
+        "ratio_med": statistics.median(ratio),
+        "ratio_p95": pct(ratio, 95),
+        "excess_med_us": e_med,
+        "excess_p95_us": e_p95,
+        "limit_med_us": lim_med,
+        "limit_p95_us": lim_p95,
+        "limit_under_us": under,
+        "ok": not nan and -under <= e_med <= lim_med and e_p95 <= lim_p95,
+    }
 
 
 def describe(c: dict) -> str:
-    return (f"x{c['ratio_med']:.3f} p95 x{c['ratio_p95']:.3f} ({c['commpatch_med_us']:.1f} vs kernel "
-            f"{c['kernel_med_us']:.1f} us, {c['excess_med_us']:+.1f} us, n={c['n']})")
+    return (
+        f"x{c['ratio_med']:.3f} p95 x{c['ratio_p95']:.3f} ({c['commpatch_med_us']:.1f} vs kernel "
+        f"{c['kernel_med_us']:.1f} us, {c['excess_med_us']:+.1f} us, n={c['n']})"
+    )
 
 
 def bound(tol: dict) -> str:
@@ -159,8 +180,7 @@ def clean(value):
 
 
 def row(check: str, name: str, status: str, measured: str, threshold: str, **data) -> dict:
-    return {"check": check, "name": name, "status": status, "measured": measured, "threshold": threshold,
-            "data": data}
+    return {"check": check, "name": name, "status": status, "measured": measured, "threshold": threshold, "data": data}
 
 
 def failed_row(check: str, name: str, exc: BaseException) -> dict:
@@ -168,8 +188,15 @@ def failed_row(check: str, name: str, exc: BaseException) -> dict:
     import traceback
 
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return row(check, name, "fail", f"raised {type(exc).__name__}: {first}", "runs without error", raised=True,
-               traceback=traceback.format_exc()[-4000:])
+    return row(
+        check,
+        name,
+        "fail",
+        f"raised {type(exc).__name__}: {first}",
+        "runs without error",
+        raised=True,
+        traceback=traceback.format_exc()[-4000:],
+    )
 
 
 def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
@@ -187,8 +214,11 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         rows = by_name[name]
         bad = [r for r in rows if r["status"] == "fail"]
         shown = bad[0] if bad else rows[0]
-        status = "fail" if bad or len(rows) != len(per_rank) else (
-            "skip" if all(r["status"] == "skip" for r in rows) else "pass")
+        status = (
+            "fail"
+            if bad or len(rows) != len(per_rank)
+            else ("skip" if all(r["status"] == "skip" for r in rows) else "pass")
+        )
         measured = shown["measured"] if len(per_rank) == 1 else f"rank {shown['rank']}: {shown['measured']}"
         if len(rows) != len(per_rank):
             measured += f" (only {len(rows)} of {len(per_rank)} ranks reported it)"
@@ -217,10 +247,18 @@ def verdict(rows: list[dict]) -> tuple[int, str]:
 
 # ------------------------------------------------------------------ environment
 def environment(torch, world: int) -> dict:
-    env = {"kit_version": KIT_VERSION, "python": platform.python_version(), "platform": platform.platform(),
-           "torch": torch.__version__, "cuda_build": torch.version.cuda, "world_size": world,
-           "cuda_available": torch.cuda.is_available(), "user_TORCH_NCCL_ENABLE_TIMING": USER_NCCL_TIMING,
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "hostname": platform.node()}
+    env = {
+        "kit_version": KIT_VERSION,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda,
+        "world_size": world,
+        "cuda_available": torch.cuda.is_available(),
+        "user_TORCH_NCCL_ENABLE_TIMING": USER_NCCL_TIMING,
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hostname": platform.node(),
+    }
     env["commpatch"] = getattr(commpatch, "__version__", "?")
     env["commpatch_path"] = os.path.dirname(commpatch.__file__)
     if torch.cuda.is_available():
@@ -276,7 +314,7 @@ class Gpu:
         torch = self.torch
         cycles = 1_000_000
         start, end = self.event(), self.event()
-        torch.cuda._sleep(cycles)                   # first launch
+        torch.cuda._sleep(cycles)  # first launch
         start.record()
         torch.cuda._sleep(cycles)
         end.record()
@@ -317,7 +355,7 @@ class Gpu:
             self.busy()
         work = issue(async_op)
         if async_op:
-            work.wait()                 # the current stream waits for the collective; the host does not
+            work.wait()  # the current stream waits for the collective; the host does not
 
     def profile(self):
         from torch.profiler import ProfilerActivity, profile
@@ -331,7 +369,7 @@ class Gpu:
 
         out = []
         for e in prof.events():
-            if self.dry and e.name.startswith("gloo:"):      # gloo's annotation of each call (host side)
+            if self.dry and e.name.startswith("gloo:"):  # gloo's annotation of each call (host side)
                 out.append((e.time_range.start, e.time_range.end, e.name))
             if e.device_type != DeviceType.CUDA or getattr(e, "activity_type", None) == "gpu_user_annotation":
                 continue
@@ -373,11 +411,22 @@ class Gpu:
         parts, data, ok, notes = [], {}, True, []
         for mode in ("idle", "queued"):
             rows, acts = self.block(kind, issue, async_op, mode == "queued", self.args.iters)
-            labels = set(zip(rows["device"].astype(str), rows["backend"].astype(str), rows["timing"].astype(str),
-                             rows["async_op"].astype(bool)))
+            labels = set(
+                zip(
+                    rows["device"].astype(str),
+                    rows["backend"].astype(str),
+                    rows["timing"].astype(str),
+                    rows["async_op"].astype(bool),
+                )
+            )
             if labels != {("cuda", "nccl", "device_event", async_op)} and not self.dry:
-                return row("duration_vs_kernel", name, "fail", f"{mode}: rows labelled {sorted(labels)}",
-                           f"(cuda, nccl, device_event, async={async_op})")
+                return row(
+                    "duration_vs_kernel",
+                    name,
+                    "fail",
+                    f"{mode}: rows labelled {sorted(labels)}",
+                    f"(cuda, nccl, device_event, async={async_op})",
+                )
             durations = rows["duration_us"].tolist()
             if not acts and self.world == 1 and kind in IN_PLACE:
                 # NCCL runs nothing for an in-place collective on one rank: a stream-order self-check
@@ -388,8 +437,11 @@ class Gpu:
                     ok = ok and med <= SELF_CHECK_US
                 continue
             if len(acts) != len(durations):
-                what = "no NCCL kernel in the profiler trace (is CUPTI available? see docs/gpu-validation.md)" if not acts \
+                what = (
+                    "no NCCL kernel in the profiler trace (is CUPTI available? see docs/gpu-validation.md)"
+                    if not acts
                     else f"{len(durations)} rows against {len(acts)} kernels {sorted({n for _, _, n in acts})[:3]}"
+                )
                 return row("duration_vs_kernel", name, "fail", f"{mode}: {what}", "one kernel per call")
             c = compare(durations, [e - s for s, e, _ in acts], TOL[mode])
             c["kernel_names"] = sorted({n.split("(")[0] for _, _, n in acts})
@@ -397,7 +449,7 @@ class Gpu:
             word = KERNEL_WORD[kind]
             note = f"kernel names lack {word!r}: {c['kernel_names'][:2]}"
             if self.world > 1 and not self.dry and not any(word in n for n in c["kernel_names"]) and note not in notes:
-                notes.append(note)      # e.g. NCCL's generic kernel: the pairing by order still holds
+                notes.append(note)  # e.g. NCCL's generic kernel: the pairing by order still holds
             parts.append(f"{mode} {describe(c)}")
             ok = ok and c["ok"]
         threshold = f"idle {bound(TOL['idle'])}; queued {bound(TOL['queued'])}"
@@ -408,7 +460,7 @@ class Gpu:
 
     # ---- check 2
     def own_time(self) -> list[dict]:
-        kind = "all_reduce" if self.world > 1 else "all_gather_into_tensor"   # 1 rank: NCCL copies (out of place)
+        kind = "all_reduce" if self.world > 1 else "all_gather_into_tensor"  # 1 rank: NCCL copies (out of place)
         big_bytes = (4 << 20) if self.dry else (256 << 20) if self.world > 1 else (1 << 30)
         name = f"{CHECKS['own_vs_duration']}: 4 KiB {kind} behind {human(big_bytes)}"
         try:
@@ -422,25 +474,41 @@ class Gpu:
             iters = max(5, self.args.iters // 2)
             with self.profile() as prof:
                 for _ in range(iters):
-                    wb, ws = big(True), small(True)        # the small one queues behind the big one on NCCL's stream
+                    wb, ws = big(True), small(True)  # the small one queues behind the big one on NCCL's stream
                     wb.wait()
                     ws.wait()
                 self.sync()
             rows, acts = self.rows_of(kind), self.activities(prof)
             if len(rows) != 2 * iters or len(acts) != 2 * iters:
-                return [row("own_vs_duration", name, "fail", f"{len(rows)} rows, {len(acts)} kernels",
-                            f"{2 * iters} of each")]
+                return [
+                    row(
+                        "own_vs_duration",
+                        name,
+                        "fail",
+                        f"{len(rows)} rows, {len(acts)} kernels",
+                        f"{2 * iters} of each",
+                    )
+                ]
             small_rows = rows.iloc[1::2]
             big_k = [e - s for s, e, _ in acts[0::2]]
             small_k = [e - s for s, e, _ in acts[1::2]]
             c = compare(small_rows["own_us"].tolist(), small_k, TOL["own"])
             dur = statistics.median(small_rows["duration_us"].tolist())
             queue_ok = dur >= QUEUE_FRACTION * statistics.median(big_k)
-            measured = (f"own {describe(c)}; duration {dur:.1f} us vs the large kernel "
-                        f"{statistics.median(big_k):.1f} us")
+            measured = f"own {describe(c)}; duration {dur:.1f} us vs the large kernel {statistics.median(big_k):.1f} us"
             threshold = f"own {bound(TOL['own'])}; duration >= {QUEUE_FRACTION:.0%} of the large kernel"
-            return [row("own_vs_duration", name, "pass" if c["ok"] and queue_ok else "fail", measured, threshold,
-                        own=c, small_duration_med_us=dur, big_kernel_med_us=statistics.median(big_k))]
+            return [
+                row(
+                    "own_vs_duration",
+                    name,
+                    "pass" if c["ok"] and queue_ok else "fail",
+                    measured,
+                    threshold,
+                    own=c,
+                    small_duration_med_us=dur,
+                    big_kernel_med_us=statistics.median(big_k),
+                )
+            ]
         except Exception as exc:  # noqa: BLE001
             return [failed_row("own_vs_duration", name, exc)]
 
@@ -475,8 +543,8 @@ class Gpu:
             cp = self.commpatch
             n, rounds = (10, 4) if self.args.quick else (20, 8)
             times = {"plain": [], "commpatch": []}
-            for r in range(rounds + 1):                  # round 0 warms both up
-                for kind in (("plain", "commpatch") if r % 2 else ("commpatch", "plain")):
+            for r in range(rounds + 1):  # round 0 warms both up
+                for kind in ("plain", "commpatch") if r % 2 else ("commpatch", "plain"):
                     if kind == "commpatch":
                         cp.enable(output=self.output)
                     else:
@@ -488,18 +556,30 @@ class Gpu:
                     for _ in range(n):
                         steps[kind]()
                     end.record()
-                    end.synchronize()                        # outside the timed span
+                    end.synchronize()  # outside the timed span
                     if r:
                         times[kind].append(start.elapsed_time(end) / n)
             cp.enable(output=self.output)
             ratios = [c / p for c, p in zip(times["commpatch"], times["plain"])]
             ratio = statistics.median(ratios)
-            measured = (f"x{ratio:.4f} (plain {statistics.median(times['plain']):.3f} ms, commpatch "
-                        f"{statistics.median(times['commpatch']):.3f} ms; round ratios {min(ratios):.3f}-{max(ratios):.3f}, "
-                        f"{rounds} rounds x {n} steps)")
-            return [row("step_time", name, "pass" if ratio <= STEP_RATIO_MAX else "fail", measured,
-                        f"median paired ratio <= {STEP_RATIO_MAX}", ratio=ratio, ratios=ratios, times_ms=times,
-                        model=steps["plain"].config)]
+            measured = (
+                f"x{ratio:.4f} (plain {statistics.median(times['plain']):.3f} ms, commpatch "
+                f"{statistics.median(times['commpatch']):.3f} ms; round ratios {min(ratios):.3f}-{max(ratios):.3f}, "
+                f"{rounds} rounds x {n} steps)"
+            )
+            return [
+                row(
+                    "step_time",
+                    name,
+                    "pass" if ratio <= STEP_RATIO_MAX else "fail",
+                    measured,
+                    f"median paired ratio <= {STEP_RATIO_MAX}",
+                    ratio=ratio,
+                    ratios=ratios,
+                    times_ms=times,
+                    model=steps["plain"].config,
+                )
+            ]
         except Exception as exc:  # noqa: BLE001
             return [failed_row("step_time", name, exc)]
 
@@ -515,30 +595,52 @@ class Gpu:
                 else:
                     cp.disable()
                 for _ in range(2):
-                    self._hot_loop(steps[kind], issuers)      # warm-up (DDP's first steps, the event pool)
+                    self._hot_loop(steps[kind], issuers)  # warm-up (DDP's first steps, the event pool)
                 self.sync()
                 with self.profile() as prof, count_python_syncs(torch) as py:
                     with torch.profiler.record_function(LOOP_LABEL):
                         self._hot_loop(steps[kind], issuers)
-                    frozen = dict(py)                         # what ran inside the loop only
+                    frozen = dict(py)  # what ran inside the loop only
                     self.sync()
                 counts[kind] = {"runtime": runtime_syncs(prof), "python": frozen}
             cp.enable(output=self.output)
             plain, patched = counts["plain"], counts["commpatch"]
             seen = plain["runtime"].pop("_launches") + patched["runtime"].pop("_launches")
             if not seen and not self.dry:
-                return [row("no_host_sync", name, "fail", "the trace has no CUDA runtime calls at all (CUPTI?)",
-                            "runtime calls visible", counts=counts)]
+                return [
+                    row(
+                        "no_host_sync",
+                        name,
+                        "fail",
+                        "the trace has no CUDA runtime calls at all (CUPTI?)",
+                        "runtime calls visible",
+                        counts=counts,
+                    )
+                ]
             equal = plain == patched
-            differ = {k: (plain[part][k], patched[part][k]) for part in ("runtime", "python") for k in plain[part]
-                      if plain[part][k] != patched[part][k]}
-            measured = (f"runtime synchronize calls plain {sum(plain['runtime'].values())} / commpatch "
-                        f"{sum(patched['runtime'].values())}; python plain {sum(plain['python'].values())} / "
-                        f"commpatch {sum(patched['python'].values())}" + (f"; differ: {differ}" if differ else ""))
-            return [row("no_host_sync", name, "pass" if equal else "fail", measured,
-                        "equal with and without commpatch", counts=counts,
-                        note="torch.Event / torch.Stream (what commpatch uses) are immutable C types: their "
-                             "synchronize() is seen only in the runtime trace")]
+            differ = {
+                k: (plain[part][k], patched[part][k])
+                for part in ("runtime", "python")
+                for k in plain[part]
+                if plain[part][k] != patched[part][k]
+            }
+            measured = (
+                f"runtime synchronize calls plain {sum(plain['runtime'].values())} / commpatch "
+                f"{sum(patched['runtime'].values())}; python plain {sum(plain['python'].values())} / "
+                f"commpatch {sum(patched['python'].values())}" + (f"; differ: {differ}" if differ else "")
+            )
+            return [
+                row(
+                    "no_host_sync",
+                    name,
+                    "pass" if equal else "fail",
+                    measured,
+                    "equal with and without commpatch",
+                    counts=counts,
+                    note="torch.Event / torch.Stream (what commpatch uses) are immutable C types: their "
+                    "synchronize() is seen only in the runtime trace",
+                )
+            ]
         except Exception as exc:  # noqa: BLE001
             return [failed_row("no_host_sync", name, exc)]
 
@@ -553,7 +655,7 @@ class Gpu:
     def nccl_timing(self) -> list[dict]:
         """A group created with TORCH_NCCL_ENABLE_TIMING=1 (ProcessGroupNCCL reads it when a group is
         made) and a fresh commpatch session (commpatch reads it when its session is made)."""
-        from commpatch import session   # the public API has no way to make commpatch re-read the variable
+        from commpatch import session  # the public API has no way to make commpatch re-read the variable
 
         title = CHECKS["nccl_timing"]
         kind = "all_reduce" if self.world > 1 else "all_gather_into_tensor"
@@ -575,15 +677,23 @@ class Gpu:
             self.sync()
             self.commpatch.reset()
             issue(False)
-            self.busy(LOG_WAIT_US)        # the async call's kernel runs >= 50 ms from now
+            self.busy(LOG_WAIT_US)  # the async call's kernel runs >= 50 ms from now
             issue(True).wait()
-            rows = self.rows_of(kind)     # log() resolves with block=True: it must wait for that kernel
-            labels = [(bool(a), t, d) for a, t, d in zip(rows["async_op"], rows["timing"].astype(str),
-                                                      rows["duration_us"].round(1))]
+            rows = self.rows_of(kind)  # log() resolves with block=True: it must wait for that kernel
+            labels = [
+                (bool(a), t, d)
+                for a, t, d in zip(rows["async_op"], rows["timing"].astype(str), rows["duration_us"].round(1))
+            ]
             ok = [x[:2] for x in labels] == [(False, "device_event"), (True, "nccl")] and all(d > 0 for *_, d in labels)
-            out.append(row("nccl_timing", name, "pass" if ok else "fail",
-                           f"(async, timing, duration_us) {labels}",
-                           "sync device_event, async nccl; durations > 0 when log() returns"))
+            out.append(
+                row(
+                    "nccl_timing",
+                    name,
+                    "pass" if ok else "fail",
+                    f"(async, timing, duration_us) {labels}",
+                    "sync device_event, async nccl; durations > 0 when log() returns",
+                )
+            )
         except Exception as exc:  # noqa: BLE001
             out.append(failed_row("nccl_timing", name, exc))
         for nbytes in self.args.sizes:
@@ -591,12 +701,14 @@ class Gpu:
             try:
                 rows, acts = self.block(kind, self.issuer(kind, nbytes, group), True, False, self.args.iters)
                 if set(rows["timing"].astype(str)) != {"nccl"}:
-                    out.append(row("nccl_timing", name, "fail", f"timing {sorted(set(rows['timing'].astype(str)))}",
-                                   "nccl"))
+                    out.append(
+                        row("nccl_timing", name, "fail", f"timing {sorted(set(rows['timing'].astype(str)))}", "nccl")
+                    )
                     continue
                 c = compare(rows["duration_us"].tolist(), [e - s for s, e, _ in acts], TOL["nccl"])
-                out.append(row("nccl_timing", name, "pass" if c["ok"] else "fail", describe(c), bound(TOL["nccl"]),
-                               **c))
+                out.append(
+                    row("nccl_timing", name, "pass" if c["ok"] else "fail", describe(c), bound(TOL["nccl"]), **c)
+                )
             except Exception as exc:  # noqa: BLE001
                 out.append(failed_row("nccl_timing", name, exc))
         return out
@@ -607,15 +719,17 @@ def count_python_syncs(torch):
     """Count calls to torch.cuda.synchronize, torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
     and torch.accelerator.synchronize while inside."""
     counts: dict[str, int] = {}
-    targets = [(torch.cuda, "synchronize", "torch.cuda.synchronize"),
-               (torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize"),
-               (torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize")]
+    targets = [
+        (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+        (torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize"),
+        (torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize"),
+    ]
     if hasattr(getattr(torch, "accelerator", None), "synchronize"):
         targets.append((torch.accelerator, "synchronize", "torch.accelerator.synchronize"))
     saved = []
     for owner, attr, label in targets:
         original = getattr(owner, attr)
-        own = attr in vars(owner)          # restored as it was: own attribute, or inherited
+        own = attr in vars(owner)  # restored as it was: own attribute, or inherited
         counts[label] = 0
 
         def wrapper(*a, _original=original, _label=label, **k):
@@ -650,7 +764,7 @@ def runtime_syncs(prof) -> dict:
         if e.name.startswith("cu"):
             counts["_launches"] += 1
         for name in SYNC_CALLS:
-            if e.name.startswith(name):     # CUPTI may add a suffix (cudaStreamSynchronize_v3020)
+            if e.name.startswith(name):  # CUPTI may add a suffix (cudaStreamSynchronize_v3020)
                 counts[name] += 1
     return counts
 
@@ -662,12 +776,12 @@ def init_group(torch, dist, backend: str, store_dir: str, device=None) -> None:
 
     kwargs = {"timeout": datetime.timedelta(minutes=10)}
     if device is not None:
-        kwargs["device_id"] = device      # eager NCCL init, bound to this rank's GPU (torch >= 2.3)
+        kwargs["device_id"] = device  # eager NCCL init, bound to this rank's GPU (torch >= 2.3)
     if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         kwargs.update(init_method=f"file://{os.path.join(store_dir, 'store')}", rank=0, world_size=1)
     try:
         dist.init_process_group(backend, **kwargs)
-    except TypeError:                     # an older torch without device_id
+    except TypeError:  # an older torch without device_id
         kwargs.pop("device_id", None)
         dist.init_process_group(backend, **kwargs)
 
@@ -678,9 +792,12 @@ def gpu_rows(args, torch, dist, outdir: str) -> list[dict]:
     rows = gpu.durations_vs_kernels()
     rows += gpu.own_time()
     try:
-        steps = {"plain": gpu.model(), "commpatch": gpu.model()}   # identical; the plain one never runs patched
+        steps = {"plain": gpu.model(), "commpatch": gpu.model()}  # identical; the plain one never runs patched
     except Exception as exc:  # noqa: BLE001
-        rows += [failed_row("step_time", CHECKS["step_time"], exc), failed_row("no_host_sync", CHECKS["no_host_sync"], exc)]
+        rows += [
+            failed_row("step_time", CHECKS["step_time"], exc),
+            failed_row("no_host_sync", CHECKS["no_host_sync"], exc),
+        ]
     else:
         rows += gpu.step_time(steps)
         rows += gpu.no_host_sync(steps)
@@ -696,18 +813,22 @@ def cpu_smoke(torch, dist, store_dir: str) -> str:
         world = dist.get_world_size()
         commpatch.enable(output="none")
         t, big = torch.zeros(8 * world), torch.zeros(8 * world)
-        calls = [lambda a: dist.all_reduce(t, async_op=a),
-                 lambda a: dist.all_gather_into_tensor(big, t[:8], async_op=a),
-                 lambda a: dist.reduce_scatter_tensor(t[:8], big, async_op=a),
-                 lambda a: dist.broadcast(t, src=0, async_op=a)]
+        calls = [
+            lambda a: dist.all_reduce(t, async_op=a),
+            lambda a: dist.all_gather_into_tensor(big, t[:8], async_op=a),
+            lambda a: dist.reduce_scatter_tensor(t[:8], big, async_op=a),
+            lambda a: dist.broadcast(t, src=0, async_op=a),
+        ]
         for call in calls:
             call(False)
             call(True).wait()
         df = commpatch.log()
         commpatch.disable()
         got = df[df["op"].isin(KINDS)]
-        return (f"gloo smoke run (plumbing only): commpatch recorded {len(got)} of {2 * len(calls)} collectives "
-                f"on {world} rank(s), timings {sorted(set(got['timing'].astype(str)))}")
+        return (
+            f"gloo smoke run (plumbing only): commpatch recorded {len(got)} of {2 * len(calls)} collectives "
+            f"on {world} rank(s), timings {sorted(set(got['timing'].astype(str)))}"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -735,21 +856,32 @@ def dry_run_verdict(merged: list[dict]) -> tuple[int, str]:
         else:
             r["status"], r["measured"] = "skip", f"dry run (CPU, gloo; meaningless): {r['measured']}"
     if raised:
-        return 1, f"DRY RUN: {raised} checks raised (a bug in the kit: see their tracebacks in the JSON); nothing validated."
+        return (
+            1,
+            f"DRY RUN: {raised} checks raised (a bug in the kit: see their tracebacks in the JSON); nothing validated.",
+        )
     return 0, "DRY RUN on CPU with gloo: every check's code ran; NOTHING VALIDATED."
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="docs/gpu-validation.md explains every check.")
-    p.add_argument("--sizes", type=parse_sizes, default=None,
-                   help="message sizes S as nccl-tests counts them (default 8K,256K,8M,128M; --quick 64K,16M)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog="docs/gpu-validation.md explains every check."
+    )
+    p.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help="message sizes S as nccl-tests counts them (default 8K,256K,8M,128M; --quick 64K,16M)",
+    )
     p.add_argument("--iters", type=int, default=None, help="measured calls per size and mode (default 40; --quick 10)")
     p.add_argument("--json", metavar="PATH", help="write the machine-readable results here (rank 0)")
     p.add_argument("--quick", action="store_true", help="fewer sizes, calls, rounds and a smaller model")
-    p.add_argument("--dry-run-cpu", action="store_true",
-                   help="for the kit's developers: run every check's code on CPU tensors and gloo (tiny sizes); "
-                        "numbers are meaningless, every check reports skip, exit 1 only if the kit itself raised")
+    p.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="for the kit's developers: run every check's code on CPU tensors and gloo (tiny sizes); "
+        "numbers are meaningless, every check reports skip, exit 1 only if the kit itself raised",
+    )
     args = p.parse_args(argv)
     if args.dry_run_cpu:
         args.sizes = args.sizes or [4096]
@@ -789,8 +921,11 @@ def main(argv=None) -> int:
         elif not args.dry_run_cpu:
             local = int(os.environ.get("LOCAL_RANK", "0"))
             if local >= torch.cuda.device_count():
-                print(f"validate.py: LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s) are visible: "
-                      "run at most one process per GPU", file=sys.stderr)
+                print(
+                    f"validate.py: LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s) are visible: "
+                    "run at most one process per GPU",
+                    file=sys.stderr,
+                )
                 return 2
             torch.cuda.set_device(local)
             per_rank, env = run_checks(args, torch, dist, store_dir, "nccl", torch.device("cuda", local))
@@ -799,18 +934,33 @@ def main(argv=None) -> int:
     if args.dry_run_cpu:
         status, closing = dry_run_verdict(merged)
     if rank == 0:
-        print(f"# commpatch GPU validation kit v{KIT_VERSION}: torch {env['torch']}, CUDA {env['cuda_build']}, "
-              f"{env.get('gpu', 'no GPU')} x{env['world_size']}, NCCL {env.get('nccl', '-')}, "
-              f"sizes {','.join(human(s) for s in args.sizes)}, {args.iters} iters")
+        print(
+            f"# commpatch GPU validation kit v{KIT_VERSION}: torch {env['torch']}, CUDA {env['cuda_build']}, "
+            f"{env.get('gpu', 'no GPU')} x{env['world_size']}, NCCL {env.get('nccl', '-')}, "
+            f"sizes {','.join(human(s) for s in args.sizes)}, {args.iters} iters"
+        )
         print(render_table(merged))
         for note in notes:
             print(note)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(clean({"environment": env, "args": vars(args), "checks": merged, "notes": notes,
-                                 "exit_status": status, "summary": closing,
-                                 "validated": any(r["status"] != "skip" for r in merged)}),
-                          f, indent=1, default=str, allow_nan=False)
+                json.dump(
+                    clean(
+                        {
+                            "environment": env,
+                            "args": vars(args),
+                            "checks": merged,
+                            "notes": notes,
+                            "exit_status": status,
+                            "summary": closing,
+                            "validated": any(r["status"] != "skip" for r in merged),
+                        }
+                    ),
+                    f,
+                    indent=1,
+                    default=str,
+                    allow_nan=False,
+                )
             print(f"results: {args.json}")
         print(closing)
     return status

@@ -1,4 +1,5 @@
 """Put on PYTHONPATH by `commpatch run`: activates commpatch, then runs any other sitecustomize."""
+
 import importlib.util
 import os
 import sys

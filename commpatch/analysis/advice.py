@@ -85,6 +85,7 @@ class Advice:
 
     def as_dict(self) -> dict:
         """A plain dict for JSON (NaN as None)."""
+
         def clean(value):
             if isinstance(value, dict):
                 return {k: clean(v) for k, v in value.items()}
@@ -129,22 +130,47 @@ def bucket_steps(df, steps_table):
     mask = _bucket_mask(rows)
     b = rows[mask]
     if not len(b):
-        return pd.DataFrame(columns=["rank", "step", "buckets", "bucket_bytes", "last_bytes", "last_params",
-                                     "issue_span_us", "tail_us", "comm_us", "finalize_us"])
+        return pd.DataFrame(
+            columns=[
+                "rank",
+                "step",
+                "buckets",
+                "bucket_bytes",
+                "last_bytes",
+                "last_params",
+                "issue_span_us",
+                "tail_us",
+                "comm_us",
+                "finalize_us",
+            ]
+        )
     start_ns = b["start_ns"].to_numpy(np.int64)
-    start = (start_ns - start_ns.min()).astype(np.float64) / 1e3      # us: exact enough as float
+    start = (start_ns - start_ns.min()).astype(np.float64) / 1e3  # us: exact enough as float
     dur = np.nan_to_num(b["duration_us"].to_numpy(np.float64))
     sync = b["sync_end_us"].to_numpy(np.float64) if "sync_end_us" in b.columns else np.full(len(b), np.nan)
-    work = pd.DataFrame({"rank": b["rank"].to_numpy(), "step": b["step"].to_numpy(), "start": start,
-                         "end": start + dur, "sync_end": start + np.nan_to_num(sync, nan=-np.inf),
-                         "bytes": b["bytes"].to_numpy(np.float64),
-                         "params": b["bucket_params"].to_numpy() if "bucket_params" in b.columns else 0,
-                         "comm": np.nan_to_num(transfer_durations(b))})
+    work = pd.DataFrame(
+        {
+            "rank": b["rank"].to_numpy(),
+            "step": b["step"].to_numpy(),
+            "start": start,
+            "end": start + dur,
+            "sync_end": start + np.nan_to_num(sync, nan=-np.inf),
+            "bytes": b["bytes"].to_numpy(np.float64),
+            "params": b["bucket_params"].to_numpy() if "bucket_params" in b.columns else 0,
+            "comm": np.nan_to_num(transfer_durations(b)),
+        }
+    )
     work = work.sort_values(["rank", "step", "start"], kind="stable")
     g = work.groupby(["rank", "step"], sort=True)
     last = g.tail(1).set_index(["rank", "step"])
-    out = g.agg(buckets=("bytes", "size"), bucket_bytes=("bytes", "sum"), first=("start", "min"),
-                end=("end", "max"), sync_end=("sync_end", "max"), comm_us=("comm", "sum"))
+    out = g.agg(
+        buckets=("bytes", "size"),
+        bucket_bytes=("bytes", "sum"),
+        first=("start", "min"),
+        end=("end", "max"),
+        sync_end=("sync_end", "max"),
+        comm_us=("comm", "sum"),
+    )
     finish = np.fmax(out["end"], out["sync_end"])
     out["last_bytes"] = last["bytes"]
     out["last_params"] = last["params"]
@@ -156,7 +182,11 @@ def bucket_steps(df, steps_table):
 
 def _step_times(steps_table):
     """step_us per steady (rank, step): the per-step table's mean over ranks (by_rank=False) or its own."""
-    cols = ["rank", "step", "step_us", "exposed_us"] if "rank" in steps_table.columns else ["step", "step_us", "exposed_us"]
+    cols = (
+        ["rank", "step", "step_us", "exposed_us"]
+        if "rank" in steps_table.columns
+        else ["step", "step_us", "exposed_us"]
+    )
     return steps_table.loc[steps_table["stage"] == "steady", cols]
 
 
@@ -189,24 +219,49 @@ def ddp_bucket_size(df, steps_table, st) -> list:
     if gain < max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US):
         return []
     hidden = 1.0 - tail_us / max(float(np.nanmedian(bs["comm_us"] + bs["finalize_us"])), tail_us)
-    evidence = dict(steps=int(bs["step"].nunique()), step_us=step_us, buckets=float(np.median(bs["buckets"])),
-                    bucket_bytes=total, last_bucket_bytes=last, last_bucket_params=params, tail_us=tail_us,
-                    tail_share=tail_us / step_us, hidden_share=max(hidden, 0.0), comm_us=comm_us,
-                    us_per_mib=us_per_byte * MIB, issue_span_us=float(np.median(bs["issue_span_us"])),
-                    backward_estimate_us=backward_us, predicted_tail_us=predicted_us)
-    text = (f"the last gradient bucket ({_mb(last)} of the step's {_mb(total)}, {_n(evidence['buckets'])} bucket(s)) "
-            f"is all-reduced only when the backward is over: the training thread waits {_ms(tail_us)} per step for it "
-            f"({_pct(tail_us / step_us)} of the {_ms(step_us)} step; {_pct(evidence['hidden_share'])} of the buckets' "
-            f"time is hidden under the backward). With buckets of {cap_mb:g} MiB the last one is about "
-            f"{_mb(new_last)}; at the measured {_ms(us_per_byte * MIB)} per MiB the tail would be about "
-            f"{_ms(predicted_us)}, if the other buckets' all-reduce ({_ms((total - new_last) * us_per_byte)}) fits "
-            f"under the backward (taken as {_ms(backward_us)}).")
+    evidence = dict(
+        steps=int(bs["step"].nunique()),
+        step_us=step_us,
+        buckets=float(np.median(bs["buckets"])),
+        bucket_bytes=total,
+        last_bucket_bytes=last,
+        last_bucket_params=params,
+        tail_us=tail_us,
+        tail_share=tail_us / step_us,
+        hidden_share=max(hidden, 0.0),
+        comm_us=comm_us,
+        us_per_mib=us_per_byte * MIB,
+        issue_span_us=float(np.median(bs["issue_span_us"])),
+        backward_estimate_us=backward_us,
+        predicted_tail_us=predicted_us,
+    )
+    text = (
+        f"the last gradient bucket ({_mb(last)} of the step's {_mb(total)}, {_n(evidence['buckets'])} bucket(s)) "
+        f"is all-reduced only when the backward is over: the training thread waits {_ms(tail_us)} per step for it "
+        f"({_pct(tail_us / step_us)} of the {_ms(step_us)} step; {_pct(evidence['hidden_share'])} of the buckets' "
+        f"time is hidden under the backward). With buckets of {cap_mb:g} MiB the last one is about "
+        f"{_mb(new_last)}; at the measured {_ms(us_per_byte * MIB)} per MiB the tail would be about "
+        f"{_ms(predicted_us)}, if the other buckets' all-reduce ({_ms((total - new_last) * us_per_byte)}) fits "
+        f"under the backward (taken as {_ms(backward_us)})."
+    )
     if "device" in df.columns and (df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all():
-        text += (" On CPU the all-reduce under the backward competes with it for the cores: on a busy machine the "
-                 "step gains less than the tail loses.")
-    return [Advice("ddp_bucket_size", f"DDP: buckets of {cap_mb:g} MiB to overlap the gradient all-reduce with the backward",
-                   evidence, f"DistributedDataParallel(model, bucket_cap_mb={cap_mb:g})", {"bucket_cap_mb": cap_mb},
-                   gain, gain / step_us, text, "steps")]
+        text += (
+            " On CPU the all-reduce under the backward competes with it for the cores: on a busy machine the "
+            "step gains less than the tail loses."
+        )
+    return [
+        Advice(
+            "ddp_bucket_size",
+            f"DDP: buckets of {cap_mb:g} MiB to overlap the gradient all-reduce with the backward",
+            evidence,
+            f"DistributedDataParallel(model, bucket_cap_mb={cap_mb:g})",
+            {"bucket_cap_mb": cap_mb},
+            gain,
+            gain / step_us,
+            text,
+            "steps",
+        )
+    ]
 
 
 def ddp_grad_copy(df, steps_table, st) -> list:
@@ -219,15 +274,32 @@ def ddp_grad_copy(df, steps_table, st) -> list:
     if finalize_us < max(GRAD_COPY_SHARE * step_us, MIN_GAIN_US):
         return []
     total = float(np.median(bs["bucket_bytes"]))
-    evidence = dict(steps=int(bs["step"].nunique()), step_us=step_us, finalize_us=finalize_us,
-                    finalize_share=finalize_us / step_us, bucket_bytes=total)
-    text = (f"after its last all-reduce DDP spends {_ms(finalize_us)} per step ({_pct(finalize_us / step_us)}) "
-            f"finishing the backward, copying the averaged gradients ({_mb(total)}) from its buckets into .grad; "
-            "with gradient_as_bucket_view=True .grad is a view of the bucket and that copy (and its memory) goes "
-            "(gradients then alias the buckets: no .grad = None / detach_() of them by hand).")
-    return [Advice("ddp_grad_copy", f"DDP: gradient_as_bucket_view=True saves a copy of {_mb(total)} per step",
-                   evidence, "DistributedDataParallel(model, gradient_as_bucket_view=True)",
-                   {"gradient_as_bucket_view": True}, finalize_us, finalize_us / step_us, text, "steps")]
+    evidence = dict(
+        steps=int(bs["step"].nunique()),
+        step_us=step_us,
+        finalize_us=finalize_us,
+        finalize_share=finalize_us / step_us,
+        bucket_bytes=total,
+    )
+    text = (
+        f"after its last all-reduce DDP spends {_ms(finalize_us)} per step ({_pct(finalize_us / step_us)}) "
+        f"finishing the backward, copying the averaged gradients ({_mb(total)}) from its buckets into .grad; "
+        "with gradient_as_bucket_view=True .grad is a view of the bucket and that copy (and its memory) goes "
+        "(gradients then alias the buckets: no .grad = None / detach_() of them by hand)."
+    )
+    return [
+        Advice(
+            "ddp_grad_copy",
+            f"DDP: gradient_as_bucket_view=True saves a copy of {_mb(total)} per step",
+            evidence,
+            "DistributedDataParallel(model, gradient_as_bucket_view=True)",
+            {"gradient_as_bucket_view": True},
+            finalize_us,
+            finalize_us / step_us,
+            text,
+            "steps",
+        )
+    ]
 
 
 # ---- small messages ------------------------------------------------------------------------------
@@ -255,7 +327,7 @@ def small_messages(df, steps_table, st) -> list:
     rows = rows[~_bucket_mask(rows) & (rows["bytes"].to_numpy() > 0)].reset_index(drop=True)
     if not len(rows):
         return []
-    times = transfer_durations(rows)        # by position: rows' index is 0..n-1
+    times = transfer_durations(rows)  # by position: rows' index is 0..n-1
     step_us = st["step_p50_us"]
     steps = rows["step"].nunique()
     out = []
@@ -265,7 +337,7 @@ def small_messages(df, steps_table, st) -> list:
         if fit is None:
             continue
         latency_us, us_per_byte = fit
-        bound = latency_us / us_per_byte          # the latency-bound size: latency = transfer time
+        bound = latency_us / us_per_byte  # the latency-bound size: latency = transfer time
         small = part[part["bytes"].to_numpy() < bound]
         if not len(small):
             continue
@@ -278,20 +350,42 @@ def small_messages(df, steps_table, st) -> list:
         if gain < max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US):
             continue
         ops = sorted(set(small["op"].astype(str)))
-        evidence = dict(steps=int(small["step"].nunique()), step_us=step_us, calls_per_step=calls,
-                        latency_us=latency_us, us_per_mib=us_per_byte * MIB, latency_bound_bytes=bound,
-                        small_bytes_median=float(small["bytes"].median()), small_us_per_step=small_us,
-                        latency_share=min(calls * latency_us / small_us, 1.0) if small_us > 0 else math.nan)
-        text = (f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(ops)}) move messages below "
-                f"{_bytes(bound)}, the size where a call's fixed latency ({_ms(latency_us)}, fitted from this group's "
-                f"calls) equals its transfer time; they take {_ms(small_us)} per step, "
-                f"{_pct(evidence['latency_share'])} of it latency. One call for all of them saves about "
-                f"{_ms(gain)} per step.")
-        change = (f"issue the {_n(calls)} {collective} calls of group {group} inside one "
-                  f"`with torch.distributed._coalescing_manager(group=...):` block, or flatten them into one tensor "
-                  f"(torch._utils._flatten_dense_tensors) and make one call")
-        out.append(Advice("small_messages", f"coalesce {_n(calls)} small {collective} calls per step on group {group}",
-                          evidence, change, {}, gain, gain / step_us, text, "summary"))
+        evidence = dict(
+            steps=int(small["step"].nunique()),
+            step_us=step_us,
+            calls_per_step=calls,
+            latency_us=latency_us,
+            us_per_mib=us_per_byte * MIB,
+            latency_bound_bytes=bound,
+            small_bytes_median=float(small["bytes"].median()),
+            small_us_per_step=small_us,
+            latency_share=min(calls * latency_us / small_us, 1.0) if small_us > 0 else math.nan,
+        )
+        text = (
+            f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(ops)}) move messages below "
+            f"{_bytes(bound)}, the size where a call's fixed latency ({_ms(latency_us)}, fitted from this group's "
+            f"calls) equals its transfer time; they take {_ms(small_us)} per step, "
+            f"{_pct(evidence['latency_share'])} of it latency. One call for all of them saves about "
+            f"{_ms(gain)} per step."
+        )
+        change = (
+            f"issue the {_n(calls)} {collective} calls of group {group} inside one "
+            f"`with torch.distributed._coalescing_manager(group=...):` block, or flatten them into one tensor "
+            f"(torch._utils._flatten_dense_tensors) and make one call"
+        )
+        out.append(
+            Advice(
+                "small_messages",
+                f"coalesce {_n(calls)} small {collective} calls per step on group {group}",
+                evidence,
+                change,
+                {},
+                gain,
+                gain / step_us,
+                text,
+                "summary",
+            )
+        )
     return out
 
 
@@ -317,22 +411,44 @@ def straggler(df, steps_table, st, cross) -> list:
         return float(np.nanmedian(frame[col])) if frame[col].notna().any() else math.nan
 
     step_us = st["step_p50_us"]
-    ev = dict(rank=int(r), steps=int(v["steps"]), last_steps=int(v["last_steps"]), late_us=float(v["late_median_us"]),
-              late_share=float(v["share_of_step"]), p_value=float(v["p_value"]), step_us=step_us)
+    ev = dict(
+        rank=int(r),
+        steps=int(v["steps"]),
+        last_steps=int(v["last_steps"]),
+        late_us=float(v["late_median_us"]),
+        late_share=float(v["share_of_step"]),
+        p_value=float(v["p_value"]),
+        step_us=step_us,
+    )
     for name, frame in (("rank", own), ("others", others)):
         exposed = med(frame, "exposed_us")
         ev[f"{name}_exposed_us"] = exposed
         ev[f"{name}_compute_us"] = med(frame.assign(c=frame["step_us"] - frame["exposed_us"]), "c")
-    text = (f"rank {r} was the last to reach the collectives in {v['last_steps']} of {v['steps']} steady-state steps, "
-            f"a median {_ms(v['late_median_us'])} after the others (p = {v['p_value']:.2g}): the others wait for it. "
-            f"Its step outside communication takes {_ms(ev['rank_compute_us'])} against {_ms(ev['others_compute_us'])} "
-            f"on the others, and it waits for communication {_ms(ev['rank_exposed_us'])} per step against "
-            f"{_ms(ev['others_exposed_us'])}: the delay comes before it issues its collectives (its compute, data "
-            "loading, or the host it runs on), not from the network.")
-    change = (f"find what rank {r} does more than the others before its collectives (uneven data shards or batch "
-              "sizes, slower data loading or preprocessing, another process on its CPU / GPU) and even it out")
-    return [Advice("straggler", f"rank {r} is a straggler: {_ms(v['late_median_us'])} late per step, its own work",
-                   ev, change, {}, float(v["late_median_us"]), float(v["late_median_us"]) / step_us, text, "ranks")]
+    text = (
+        f"rank {r} was the last to reach the collectives in {v['last_steps']} of {v['steps']} steady-state steps, "
+        f"a median {_ms(v['late_median_us'])} after the others (p = {v['p_value']:.2g}): the others wait for it. "
+        f"Its step outside communication takes {_ms(ev['rank_compute_us'])} against {_ms(ev['others_compute_us'])} "
+        f"on the others, and it waits for communication {_ms(ev['rank_exposed_us'])} per step against "
+        f"{_ms(ev['others_exposed_us'])}: the delay comes before it issues its collectives (its compute, data "
+        "loading, or the host it runs on), not from the network."
+    )
+    change = (
+        f"find what rank {r} does more than the others before its collectives (uneven data shards or batch "
+        "sizes, slower data loading or preprocessing, another process on its CPU / GPU) and even it out"
+    )
+    return [
+        Advice(
+            "straggler",
+            f"rank {r} is a straggler: {_ms(v['late_median_us'])} late per step, its own work",
+            ev,
+            change,
+            {},
+            float(v["late_median_us"]),
+            float(v["late_median_us"]) / step_us,
+            text,
+            "ranks",
+        )
+    ]
 
 
 # ---- wording -------------------------------------------------------------------------------------
@@ -369,5 +485,14 @@ def _n(x) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
 
-__all__ = ["Advice", "KEYS", "advice", "bucket_steps", "ddp_bucket_size", "ddp_grad_copy", "latency_fit",
-           "small_messages", "straggler"]
+__all__ = [
+    "Advice",
+    "KEYS",
+    "advice",
+    "bucket_steps",
+    "ddp_bucket_size",
+    "ddp_grad_copy",
+    "latency_fit",
+    "small_messages",
+    "straggler",
+]

@@ -26,17 +26,17 @@ from typing import Any
 
 import numpy as np
 
-from ..data.logfile import IN_FLIGHT_ATTR
-from .hangs import merge_flights
 from ..data.clock import CLOCK_ATTR
+from ..data.logfile import IN_FLIGHT_ATTR
 from ..data.schema import expand_ranks
-from .matching import (MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table,
-                       reach_steps)
-from .pattern import ATTR as PATTERN_ATTR, warn_refused, with_pattern_steps
+from .hangs import merge_flights
+from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table, reach_steps
+from .pattern import ATTR as PATTERN_ATTR
+from .pattern import warn_refused, with_pattern_steps
 from .steps import per_step
 from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
-AUTO_BYTES = 256 << 20       # 'auto' takes the engine from this much input on (and when installed)
+AUTO_BYTES = 256 << 20  # 'auto' takes the engine from this much input on (and when installed)
 
 
 class EngineError(RuntimeError):
@@ -70,9 +70,9 @@ class Staged:
     unmeasured: int
     p2p_calls: int
     batch_calls: int
-    pattern: dict = field(default_factory=dict)     # rank -> pattern.Found or why not (no step boundary)
-    in_flight: int = 0      # calls its logs say were in flight at the end (data.logfile.in_flight): a hang?
-    clock: dict = field(default_factory=dict)       # rank -> data.clock summary (binary logs)
+    pattern: dict = field(default_factory=dict)  # rank -> pattern.Found or why not (no step boundary)
+    in_flight: int = 0  # calls its logs say were in flight at the end (data.logfile.in_flight): a hang?
+    clock: dict = field(default_factory=dict)  # rank -> data.clock summary (binary logs)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -95,7 +95,7 @@ def _codes(series, names: dict, column: str):
     return lut[codes] if len(codes) else np.zeros(0, np.int64), lut, s.cat.codes.to_numpy()
 
 
-def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, window=None) -> "Staged | None":
+def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, window=None) -> Staged | None:
     """Reduce the rows of one rank (the columns ``report`` reads, and those in ``by``) to integer
     columns and write them, its per-step view and its point-to-point calls as Parquet files
     under ``directory`` (``rows/``, ``steps/``, ``p2p/``), which the ``Engine`` queries. A rank
@@ -104,7 +104,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    df = with_pattern_steps(df, warn=False, window=window) if len(df) else df   # the engine warns once
+    df = with_pattern_steps(df, warn=False, window=window) if len(df) else df  # the engine warns once
     if len(df) == 0:
         return None
     by = [by] if isinstance(by, str) else list(by)
@@ -124,7 +124,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["start_ns"] = df["start_ns"].to_numpy(np.int64)
     rows["dur"] = dur
     rows["own"] = own_durations(df)
-    rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()     # for the transfer time (matching.transfer_times)
+    rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()  # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
     for i, key in enumerate(by):
@@ -139,19 +139,29 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     name = f"rank{first}-{os.getpid()}-{code_of(repr(rows['start_ns'][:4].tolist())) & 0xFFFFFF:06x}.parquet"
     # dictionary pages only where values repeat (measured: 38 -> 14 ms for 100k rows)
     low = [c for c in rows if c in ("rank", "group", "op", "dtype", "bytes") or c.startswith("k")]
-    pq.write_table(pa.table({k: pa.array(v, from_pandas=True) for k, v in rows.items()}),
-                   os.path.join(directory, "rows", name), row_group_size=1 << 20, use_dictionary=low)
+    pq.write_table(
+        pa.table({k: pa.array(v, from_pandas=True) for k, v in rows.items()}),
+        os.path.join(directory, "rows", name),
+        row_group_size=1 << 20,
+        use_dictionary=low,
+    )
     table = per_step(df, steps=steps)
     if len(table):
         os.makedirs(os.path.join(directory, "steps"), exist_ok=True)
-        pq.write_table(pa.Table.from_pandas(table, preserve_index=False), os.path.join(directory, "steps", name),
-                       use_dictionary=["rank", "stage", "step_source", "step_time_from"])
+        pq.write_table(
+            pa.Table.from_pandas(table, preserve_index=False),
+            os.path.join(directory, "steps", name),
+            use_dictionary=["rank", "stage", "step_source", "step_time_from"],
+        )
     ops = df["op"].cat.categories if df["op"].dtype.name == "category" else None
     p2p = _p2p_rows(df, local["op"], [str(o) for o in ops] if ops is not None else None, rows)
     if p2p is not None:
         os.makedirs(os.path.join(directory, "p2p"), exist_ok=True)
-        pq.write_table(pa.table(p2p), os.path.join(directory, "p2p", name),
-                       use_dictionary=["group", "channel", "src", "dst", "side", "op", "bytes"])
+        pq.write_table(
+            pa.table(p2p),
+            os.path.join(directory, "p2p", name),
+            use_dictionary=["group", "channel", "src", "dst", "side", "op", "bytes"],
+        )
     if df["group_ranks"].dtype.name == "category":
         groups, granks = df["group"].cat.categories, df["group_ranks"].cat.categories
         pairs = np.unique(local["group"].astype(np.int64) * (len(granks) + 1) + df["group_ranks"].cat.codes.to_numpy())
@@ -160,11 +170,18 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         sub = df[["group", "group_ranks"]].drop_duplicates()
         group_ranks = dict(zip(sub["group"].astype(str), sub["group_ranks"].astype(str)))
     is_p2p = df["op"].isin(P2P_OPS).to_numpy()
-    return Staged(names=names, group_ranks=group_ranks, ranks=sorted(set(rank.tolist())), calls=len(df),
-                  unmeasured=int((~measured).sum()), p2p_calls=int(is_p2p.sum()),
-                  batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
-                  pattern=df.attrs.get(PATTERN_ATTR, {}), clock=df.attrs.get(CLOCK_ATTR, {}),
-                  in_flight=sum(len(f["calls"]) for f in merge_flights(df.attrs.get(IN_FLIGHT_ATTR, ())).values()))
+    return Staged(
+        names=names,
+        group_ranks=group_ranks,
+        ranks=sorted(set(rank.tolist())),
+        calls=len(df),
+        unmeasured=int((~measured).sum()),
+        p2p_calls=int(is_p2p.sum()),
+        batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
+        pattern=df.attrs.get(PATTERN_ATTR, {}),
+        clock=df.attrs.get(CLOCK_ATTR, {}),
+        in_flight=sum(len(f["calls"]) for f in merge_flights(df.attrs.get(IN_FLIGHT_ATTR, ())).values()),
+    )
 
 
 def _p2p_rows(df, op_local, op_names, rows):
@@ -198,8 +215,17 @@ def _p2p_rows(df, op_local, op_names, rows):
     start = np.maximum.accumulate(np.where(change, np.arange(len(sel)), 0))
     k = np.empty(len(sel), np.int64)
     k[by_key] = np.arange(len(sel)) - start
-    return {"group": group, "channel": channel, "src": src, "dst": dst, "side": side, "k": k,
-            "op": rows["op"][sel], "bytes": rows["bytes"][sel], "start_ns": rows["start_ns"][sel]}
+    return {
+        "group": group,
+        "channel": channel,
+        "src": src,
+        "dst": dst,
+        "side": side,
+        "k": k,
+        "op": rows["op"][sel],
+        "bytes": rows["bytes"][sel],
+        "start_ns": rows["start_ns"][sel],
+    }
 
 
 # ---- the engine ----------------------------------------------------------------------------
@@ -212,14 +238,14 @@ class Results:
     mismatches: Any = None
     ranks: Any = None
     skew: Any = None
-    p2p: Any = None           # per channel (the report's p2p section)
-    arrivals: Any = None      # only when asked (plots)
-    by_op_size: Any = None    # summary by op and size_bucket (plots)
+    p2p: Any = None  # per channel (the report's p2p section)
+    arrivals: Any = None  # only when asked (plots)
+    by_op_size: Any = None  # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: Any = None  # stragglers.step_arrivals
-    in_flight: int = 0         # calls the logs say were in flight at the end (Staged.in_flight, summed)
-    log_ends: Any = None       # matching.log_end_table
-    clock: Any = None          # {rank: data.clock summary}, as matching.CrossRank's
+    in_flight: int = 0  # calls the logs say were in flight at the end (Staged.in_flight, summed)
+    log_ends: Any = None  # matching.log_end_table
+    clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -233,20 +259,25 @@ class Engine:
     Parquet files in parallel, within ``memory_limit`` (spilling to the same temporary
     directory beyond it). ``close()`` removes the directory."""
 
-    def __init__(self, by=("collective", "size_bucket"), memory_limit: str = "2GB", threads: int | None = None,
-                 temp_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        by=("collective", "size_bucket"),
+        memory_limit: str = "2GB",
+        threads: int | None = None,
+        temp_dir: str | None = None,
+    ) -> None:
         self.by = [by] if isinstance(by, str) else list(by)
         self.directory = tempfile.mkdtemp(prefix="commpatch-engine-", dir=temp_dir)
         self.memory_limit, self.threads = memory_limit, threads
-        self.con: Any = None           # duckdb connection, made on first use
-        self.names: dict = {}          # column -> {code: name}
+        self.con: Any = None  # duckdb connection, made on first use
+        self.names: dict = {}  # column -> {code: name}
         self.group_ranks: dict = {}
         self.seen_ranks: set = set()
-        self.pattern: dict = {}          # rank -> pattern.Found or why its steps were not found
-        self.clock: dict = {}            # rank -> data.clock summary (its offset to rank 0's clock)
+        self.pattern: dict = {}  # rank -> pattern.Found or why its steps were not found
+        self.clock: dict = {}  # rank -> data.clock summary (its offset to rank 0's clock)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
-        self.matched: bool | None = None   # the collectives matched (the coll table): transfer times known
+        self.matched: bool | None = None  # the collectives matched (the coll table): transfer times known
 
     def close(self) -> None:
         try:
@@ -261,7 +292,7 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def add(self, staged: "Staged | None") -> None:
+    def add(self, staged: Staged | None) -> None:
         """Take in what ``stage`` returned for one rank (its rows are already in the directory)."""
         if staged is None:
             return
@@ -282,9 +313,11 @@ class Engine:
         import duckdb
 
         self.con = duckdb.connect(":memory:")
-        for setting, value in (("memory_limit", self.memory_limit),
-                               ("temp_directory", os.path.join(self.directory, "spill")),
-                               ("preserve_insertion_order", "false")):
+        for setting, value in (
+            ("memory_limit", self.memory_limit),
+            ("temp_directory", os.path.join(self.directory, "spill")),
+            ("preserve_insertion_order", "false"),
+        ):
             self.con.execute(f"SET {setting}='{value}'")
         if self.threads:
             self.con.execute(f"SET threads={int(self.threads)}")
@@ -317,7 +350,7 @@ class Engine:
         if "rows" not in self.tables:
             raise ValueError("no rows were given to the engine")
         ranks = sorted(self.seen_ranks)
-        if len(ranks) > 1:          # before the summary: its bandwidth is from the transfer time
+        if len(ranks) > 1:  # before the summary: its bandwidth is from the transfer time
             self._groups(ranks)
             self._match()
         out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
@@ -330,9 +363,13 @@ class Engine:
             out.p2p = self._p2p(set(ranks))
             # one scan for the rows of every collective shown: the top skews, those whose fields
             # disagree (when few) and the first missing one of each group
-            wanted = pd.concat([skew.rename(columns={"coll_seq": "cseq"})[["g", "cseq"]],
-                                self._df("SELECT g, cseq FROM coll WHERE differs LIMIT " + str(self.SMALL_DIFFERS + 1)),
-                                self._df("SELECT g, min(cseq) AS cseq FROM coll WHERE missing GROUP BY g")])
+            wanted = pd.concat(
+                [
+                    skew.rename(columns={"coll_seq": "cseq"})[["g", "cseq"]],
+                    self._df("SELECT g, cseq FROM coll WHERE differs LIMIT " + str(self.SMALL_DIFFERS + 1)),
+                    self._df("SELECT g, min(cseq) AS cseq FROM coll WHERE missing GROUP BY g"),
+                ]
+            )
             shown = self._shown(wanted)
             names = self.names.get("group", {})
 
@@ -340,27 +377,37 @@ class Engine:
                 out = {c: [] for c in ("g", "cseq", "op_mismatch", "dtype_mismatch", "bytes_mismatch")}
                 for g, cseq in zip(differs["g"], differs["cseq"]):
                     rows = shown[(names[int(g)], int(cseq))]
-                    for column, values in (("g", g), ("cseq", cseq), ("op_mismatch", rows["op"].nunique() > 1),
-                                           ("dtype_mismatch", rows["dtype"].nunique() > 1),
-                                           ("bytes_mismatch", rows["bytes"].nunique() > 1)):
+                    for column, values in (
+                        ("g", g),
+                        ("cseq", cseq),
+                        ("op_mismatch", rows["op"].nunique() > 1),
+                        ("dtype_mismatch", rows["dtype"].nunique() > 1),
+                        ("bytes_mismatch", rows["bytes"].nunique() > 1),
+                    ):
                         out[column].append(values)
                 return pd.DataFrame(out)
 
             found = self._mismatches(flags_of)
             missing_rows = [(f[2], f[3]) for f in found if (f[1], f[3]) not in shown]
-            if missing_rows:                    # first disagreements of a long run of them (computed in SQL)
+            if missing_rows:  # first disagreements of a long run of them (computed in SQL)
                 shown.update(self._shown(pd.DataFrame(missing_rows, columns=["g", "cseq"])))
             first = {key: rows.iloc[0] for key, rows in shown.items()}
-            skew = skew.assign(step=[first[(g, c)]["step"] for g, c in zip(skew["group"], skew["coll_seq"])],
-                               op=[first[(g, c)]["op"] for g, c in zip(skew["group"], skew["coll_seq"])],
-                               bytes=[first[(g, c)]["bytes"] for g, c in zip(skew["group"], skew["coll_seq"])],
-                               max_duration_us=[shown[(g, c)]["dur"].max() for g, c in zip(skew["group"], skew["coll_seq"])])
-            out.skew = skew[["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler",
-                             "max_duration_us"]]
-            collectives = [(kind, name, cseq, int(first[(name, cseq)]["step"]), str(first[(name, cseq)]["op"]), n)
-                           for kind, name, g, cseq, n in found]
-            out.mismatches = mismatch_table(collectives, lambda group, coll_seq: shown[(group, coll_seq)],
-                                            self.p2p_firsts, set(ranks))
+            skew = skew.assign(
+                step=[first[(g, c)]["step"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                op=[first[(g, c)]["op"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                bytes=[first[(g, c)]["bytes"] for g, c in zip(skew["group"], skew["coll_seq"])],
+                max_duration_us=[shown[(g, c)]["dur"].max() for g, c in zip(skew["group"], skew["coll_seq"])],
+            )
+            out.skew = skew[
+                ["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler", "max_duration_us"]
+            ]
+            collectives = [
+                (kind, name, cseq, int(first[(name, cseq)]["step"]), str(first[(name, cseq)]["op"]), n)
+                for kind, name, g, cseq, n in found
+            ]
+            out.mismatches = mismatch_table(
+                collectives, lambda group, coll_seq: shown[(group, coll_seq)], self.p2p_firsts, set(ranks)
+            )
             members = set()
             for s in self.group_ranks.values():
                 members.update(expand_ranks(s))
@@ -393,10 +440,14 @@ class Engine:
         keys = [f"_k{i}" for i in range(len(by))]
         cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
         # the arrival-free transfer time of a row (matching.transfer_times), once the collectives are matched
-        source = "(SELECT *, own AS transfer FROM rows)" if self.matched is None else """(
+        source = (
+            "(SELECT *, own AS transfer FROM rows)"
+            if self.matched is None
+            else """(
             SELECT r.*, CASE WHEN c.complete AND r.host AND (r.start_ns - c.ls) / 1e3 + r.dur > 0
                              THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
             FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
+        )
         out = self._df(f"""
             SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
                    quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
@@ -406,7 +457,7 @@ class Engine:
                    coalesce(sum(busbytes), 0) AS _busbytes
             FROM {source} GROUP BY ALL""")
         for k, (_, codes_of) in zip(keys, exprs):
-            if codes_of is not None and codes_of in self.names:   # categorical: names, in pandas' order
+            if codes_of is not None and codes_of in self.names:  # categorical: names, in pandas' order
                 names = self.names[codes_of]
                 values = [names[int(c)] for c in out[k]]
                 out[k] = pd.Categorical(values, categories=sorted(set(values)))
@@ -417,8 +468,22 @@ class Engine:
         out["p95_us"] = np.array([v[1] for v in q], np.float64)
         out = out.sort_values(keys, kind="stable").rename(columns=dict(zip(keys, by)))
         out["count"] = out["count"].astype(np.int64)
-        out = out.set_index(by)[["count", "total_us", "mean_us", "p50_us", "p95_us", "max_us", "own_us", "transfer_us",
-                                 "bytes", "unmeasured", "_mbytes", "_busbytes"]]
+        out = out.set_index(by)[
+            [
+                "count",
+                "total_us",
+                "mean_us",
+                "p50_us",
+                "p95_us",
+                "max_us",
+                "own_us",
+                "transfer_us",
+                "bytes",
+                "unmeasured",
+                "_mbytes",
+                "_busbytes",
+            ]
+        ]
         return finish_summary(out)
 
     def _per_step(self):
@@ -447,11 +512,15 @@ class Engine:
         names = [self.names["group"][c] for c in codes]
         present = set(ranks)
         order = {n: i for i, n in enumerate(sorted(names))}
-        g = pd.DataFrame({"g": np.array(codes, np.int64), "name": names,
-                          "pos": [order[n] for n in names],
-                          "expected": [sum(r in present for r in expand_ranks(self.group_ranks.get(n, "")))
-                                       for n in names],
-                          "members": [len(expand_ranks(self.group_ranks.get(n, ""))) for n in names]})
+        g = pd.DataFrame(
+            {
+                "g": np.array(codes, np.int64),
+                "name": names,
+                "pos": [order[n] for n in names],
+                "expected": [sum(r in present for r in expand_ranks(self.group_ranks.get(n, ""))) for n in names],
+                "members": [len(expand_ranks(self.group_ranks.get(n, ""))) for n in names],
+            }
+        )
         self.con.register("_g", g)
         self.con.execute("CREATE OR REPLACE TABLE groups AS SELECT * FROM _g")
         self.con.unregister("_g")
@@ -485,21 +554,28 @@ class Engine:
         self.matched = True
         tail = self._df("SELECT g, max(cseq) AS last, count(*) AS n FROM coll WHERE ended > 0 GROUP BY g")
         names = self.names.get("group", {})
-        self.log_ends = log_end_rows(sorted(
-            (names[int(g)], {r: n for (gg, r), n in self.counts_of.items() if gg == int(g)}, int(last), int(n))
-            for g, last, n in zip(tail["g"], tail["last"], tail["n"])))
+        self.log_ends = log_end_rows(
+            sorted(
+                (names[int(g)], {r: n for (gg, r), n in self.counts_of.items() if gg == int(g)}, int(last), int(n))
+                for g, last, n in zip(tail["g"], tail["last"], tail["n"])
+            )
+        )
 
     def _reach(self) -> None:
         """``matching.reach_steps`` of every group, as a table (g, lo, expected) for an ASOF join."""
         import pandas as pd
 
-        ends = self._df('SELECT "group" AS g, rank::BIGINT AS rank, max(cseq) + 1 AS n FROM rows '
-                        'WHERE cseq >= 0 GROUP BY ALL')
+        ends = self._df(
+            'SELECT "group" AS g, rank::BIGINT AS rank, max(cseq) + 1 AS n FROM rows WHERE cseq >= 0 GROUP BY ALL'
+        )
         last = self._df("SELECT rank::BIGINT AS rank, max(start_ns) AS t FROM rows GROUP BY rank")
         self.con.execute("CREATE OR REPLACE TABLE _last AS SELECT * FROM last")
         last_ns = dict(last.itertuples(index=False, name=None))
-        first_ns = dict(self._df('SELECT "group" AS g, min(start_ns) AS t FROM rows WHERE cseq >= 0 GROUP BY ALL')
-                        .itertuples(index=False, name=None))
+        first_ns = dict(
+            self._df('SELECT "group" AS g, min(start_ns) AS t FROM rows WHERE cseq >= 0 GROUP BY ALL').itertuples(
+                index=False, name=None
+            )
+        )
         self.counts_of = {(int(g), int(r)): int(n) for g, r, n in zip(ends["g"], ends["rank"], ends["n"])}
         present = set(self.seen_ranks)
         rows = []
@@ -537,8 +613,9 @@ class Engine:
         out["last_share"] = out["last_count"] / out["collectives"].where(out["collectives"] > 0)
         with np.errstate(divide="ignore", invalid="ignore"):
             out["wait_share"] = out["wait_us"] / out["measured_us"].where(out["measured_us"] > 0)
-        out = out[["rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us",
-                   "wait_share"]]
+        out = out[
+            ["rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us", "wait_share"]
+        ]
         return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
 
     def _step_arrivals(self):
@@ -595,9 +672,12 @@ class Engine:
             GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
         ops = self.names.get("op", {})
         self.p2p_firsts = []
-        for kind, column, count in (("p2p_unmatched", "_unmatched", "_n_unmatched"), ("p2p_bytes", "_bytes", "bytes_mismatch")):
+        for kind, column, count in (
+            ("p2p_unmatched", "_unmatched", "_n_unmatched"),
+            ("p2p_bytes", "_bytes", "bytes_mismatch"),
+        ):
             for group, part in out.groupby("group", sort=True):
-                part = part[part[count] > 0]          # channels in (channel, src, dst) order: the first is the group's first
+                part = part[part[count] > 0]  # channels in (channel, src, dst) order: the first is the group's first
                 if len(part):
                     first = dict(part[column].iloc[0])
                     for side in ("send_op", "recv_op"):
@@ -605,7 +685,7 @@ class Engine:
                     self.p2p_firsts.append((kind, str(group), first, int(part[count].sum())))
         return out.drop(columns=["_unmatched", "_n_unmatched", "_bytes"])
 
-    SMALL_DIFFERS = 10_000      # up to this many disagreeing collectives, their rows are fetched with the shown ones
+    SMALL_DIFFERS = 10_000  # up to this many disagreeing collectives, their rows are fetched with the shown ones
 
     def _mismatches(self, flags_of):
         """(kind, group name, g, first cseq, affected) per kind and group, as the pandas path orders them.
@@ -613,7 +693,7 @@ class Engine:
         import pandas as pd
 
         differs = self._df("SELECT g, cseq FROM coll WHERE differs")
-        if len(differs) > self.SMALL_DIFFERS:      # many (a skipped call shifts all later ones): in SQL
+        if len(differs) > self.SMALL_DIFFERS:  # many (a skipped call shifts all later ones): in SQL
             flags = self._df("""
                 SELECT c.g, c.cseq, min(r.op) <> max(r.op) AS op_mismatch, min(r.dtype) <> max(r.dtype) AS dtype_mismatch,
                        min(r.bytes) <> max(r.bytes) AS bytes_mismatch
@@ -622,22 +702,29 @@ class Engine:
         else:
             flags = flags_of(differs)
         flags["missing"] = False
-        flags = pd.concat([flags, self._df("SELECT g, cseq, true AS missing FROM coll WHERE missing")], ignore_index=True)
+        flags = pd.concat(
+            [flags, self._df("SELECT g, cseq, true AS missing FROM coll WHERE missing")], ignore_index=True
+        )
         names = self.names.get("group", {})
         found = []
         for kind, flag in MISMATCH_FLAGS:
             bad = flags[flags[flag].fillna(False).astype(bool)]
             per_group = bad.groupby("g")["cseq"].agg(["min", "size"])
-            found += sorted((kind, names[int(g)], int(g), int(r["min"]), int(r["size"])) for g, r in per_group.iterrows())
+            found += sorted(
+                (kind, names[int(g)], int(g), int(r["min"]), int(r["size"])) for g, r in per_group.iterrows()
+            )
         return found
 
     def _shown(self, wanted):
         """(group name, cseq) -> the rows (rank, op, dtype, bytes, step, dur, start_ns, group_ranks) of the
         collectives in ``wanted`` (g, cseq): one scan for every collective the report shows."""
-        rows = self._join_wanted(wanted, """
+        rows = self._join_wanted(
+            wanted,
+            """
             SELECT r."group" AS g, r.cseq, r.rank::BIGINT AS rank, r.op, r.dtype, r.bytes, r.step, r.dur, r.start_ns
-            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""")
-        rows = rows.sort_values(["start_ns", "rank"], kind="stable")      # first arrival first, as pandas orders
+            FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""",
+        )
+        rows = rows.sort_values(["start_ns", "rank"], kind="stable")  # first arrival first, as pandas orders
         self._decode(rows, "op", "op")
         self._decode(rows, "dtype", "dtype")
         names = self.names.get("group", {})

@@ -10,7 +10,8 @@ import math
 from typing import NamedTuple
 
 from ..data.clock import MEASURED, SAME_MACHINE, UNMEASURED
-from .pattern import ATTR as PATTERN_ATTR, PATTERN, Found
+from .pattern import ATTR as PATTERN_ATTR
+from .pattern import PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
 from .stragglers import SETUP_LATE_US, verdict
 from .summaries import summary
@@ -22,9 +23,9 @@ CLOCK_NOTED_US = 1000.0
 
 
 class Finding(NamedTuple):
-    kind: str       # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth
+    kind: str  # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth
     text: str
-    section: str    # the report table behind it
+    section: str  # the report table behind it
 
 
 def _ms(us) -> str:
@@ -41,9 +42,12 @@ def _pct(x) -> str:
     return "<1%" if 0 < x < 0.005 else f"{100 * x:.0f}%"
 
 
-_SOURCES = {"optimizer": "each optimizer.step() (counted automatically)",
-            "forward": "each forward of the DDP / FSDP root module (counted automatically: no optimizer step seen)",
-            "user": "commpatch.step()", PATTERN: "the repeating pattern of collectives"}
+_SOURCES = {
+    "optimizer": "each optimizer.step() (counted automatically)",
+    "forward": "each forward of the DDP / FSDP root module (counted automatically: no optimizer step seen)",
+    "user": "commpatch.step()",
+    PATTERN: "the repeating pattern of collectives",
+}
 
 
 def findings(df, steps_table, cross=None) -> list:
@@ -62,31 +66,55 @@ def findings(df, steps_table, cross=None) -> list:
     found = df.attrs.get(PATTERN_ATTR, {}) if df is not None else {}
     if steps_table["step"].nunique() <= 1:
         why = next((f" ({why})" for why in found.values() if not isinstance(why, Found)), "")
-        out.append(Finding("steps", "no step boundary in the log (no optimizer.step(), DDP / FSDP forward or "
-                                    f"commpatch.step()) and no clear repeating pattern of collectives{why}: figures "
-                                    "are over the whole run, not per step.", "steps"))
+        out.append(
+            Finding(
+                "steps",
+                "no step boundary in the log (no optimizer.step(), DDP / FSDP forward or "
+                f"commpatch.step()) and no clear repeating pattern of collectives{why}: figures "
+                "are over the whole run, not per step.",
+                "steps",
+            )
+        )
     else:
         how = [f"counted by {_SOURCES[s]}" for s in sources if s != PATTERN]
         if PATTERN in sources:
-            how.append(f"steps found from the repeating pattern of collectives ({_periods(found, steps_table)}; "
-                       "no optimizer.step(), DDP / FSDP forward or commpatch.step() in the log)")
-        out.append(Finding("steps", f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
-                                    f"{'; '.join(how) or 'from the step column'}; {setup_steps} set-up and the last "
-                                    "one is not timed.", "steps"))
+            how.append(
+                f"steps found from the repeating pattern of collectives ({_periods(found, steps_table)}; "
+                "no optimizer.step(), DDP / FSDP forward or commpatch.step() in the log)"
+            )
+        out.append(
+            Finding(
+                "steps",
+                f"{st['steps']} steady-state step(s) of {steps_table['step'].nunique()}, "
+                f"{'; '.join(how) or 'from the step column'}; {setup_steps} set-up and the last "
+                "one is not timed.",
+                "steps",
+            )
+        )
     if st["steps"] and math.isnan(st["comm_share"]):
-        out.append(Finding("overhead", f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
-                                       f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
-                                       f"{st['calls']:.3g} calls per step has a duration"
-                                       f"{_unmeasured_ops(df, steps_table)}.", "steps"))
+        out.append(
+            Finding(
+                "overhead",
+                f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
+                f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
+                f"{st['calls']:.3g} calls per step has a duration"
+                f"{_unmeasured_ops(df, steps_table)}.",
+                "steps",
+            )
+        )
     elif st["steps"]:
         overlapped = st["busy_us"] - st["exposed_us"] - st["overlap_unknown_us"]
         least = "at least " if st["unmeasured"] > 0 else ""
-        text = (f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
-                f"is in flight {least}{_pct(st['comm_share'])} of it and the training thread waits for it "
-                f"{least}{_pct(st['exposed_share'])} of it (exposed: the overhead)")
+        text = (
+            f"steady-state step: median {_ms(st['step_p50_us'])} (p95 {_ms(st['step_p95_us'])}); communication "
+            f"is in flight {least}{_pct(st['comm_share'])} of it and the training thread waits for it "
+            f"{least}{_pct(st['exposed_share'])} of it (exposed: the overhead)"
+        )
         if least:
-            text += (f"; {st['unmeasured']:.3g} of its {st['calls']:.3g} calls per step have no duration"
-                     f"{_unmeasured_ops(df, steps_table)}, not counted")
+            text += (
+                f"; {st['unmeasured']:.3g} of its {st['calls']:.3g} calls per step have no duration"
+                f"{_unmeasured_ops(df, steps_table)}, not counted"
+            )
         if st["overlap_unknown_us"] > 0.05 * max(st["busy_us"], 1e-9):
             text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
         elif overlapped > 0:
@@ -95,30 +123,47 @@ def findings(df, steps_table, cross=None) -> list:
         if _has_ddp_buckets(df, st):
             packed = st.get("ddp_pack_us", 0) > 0
             if packed:
-                text += (f" DDP's packing of gradients into its buckets ({_ms(st['ddp_pack_us'])} per step, "
-                         "work of the training thread during the backward) is in both.")
-            text += (" Not in these figures: " + ("" if packed else "DDP's copy of each gradient into its bucket "
-                                                  "(per parameter, during the backward), ")
-                     + "DDP's forward bookkeeping, the compute slowed by communication competing for the CPU or "
-                     "memory, and what the comm hook commpatch sees the buckets through costs outside their "
-                     "windows; comparing with a no_sync() step measures them.")
+                text += (
+                    f" DDP's packing of gradients into its buckets ({_ms(st['ddp_pack_us'])} per step, "
+                    "work of the training thread during the backward) is in both."
+                )
+            text += (
+                " Not in these figures: "
+                + (
+                    ""
+                    if packed
+                    else "DDP's copy of each gradient into its bucket (per parameter, during the backward), "
+                )
+                + "DDP's forward bookkeeping, the compute slowed by communication competing for the CPU or "
+                "memory, and what the comm hook commpatch sees the buckets through costs outside their "
+                "windows; comparing with a no_sync() step measures them."
+            )
         out.append(Finding("overhead", text, "steps"))
     setup: dict = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
-        measured = " measured communication" if df["duration_us"].isna().any() else ""     # unknown is not 0
-        what = (f"{setup_steps.rsplit(' ', 1)[0]}, up to the first step of the steady state: process group, model "
-                "wrapping, first iteration")
+        measured = " measured communication" if df["duration_us"].isna().any() else ""  # unknown is not 0
+        what = (
+            f"{setup_steps.rsplit(' ', 1)[0]}, up to the first step of the steady state: process group, model "
+            "wrapping, first iteration"
+        )
         if PATTERN in sources:
             first = int(steps_table["step"].min())
-            what = f"step {first}: " + ("the calls before the repeating pattern starts" if first == 0
-                                        else "the pattern's first iteration")
-        out.append(Finding("setup", f"set-up ({what}) took "
-                                    f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
-                                    f"rank, is {_pct(share)} of the run's{measured} and left out of the steady state"
-                                    + (f" (largest: {parts})." if parts else "."), "steps"))
+            what = f"step {first}: " + (
+                "the calls before the repeating pattern starts" if first == 0 else "the pattern's first iteration"
+            )
+        out.append(
+            Finding(
+                "setup",
+                f"set-up ({what}) took "
+                f"{_ms(setup['setup_us'])}; its communication, {_ms(setup['setup_comm_us'])} per "
+                f"rank, is {_pct(share)} of the run's{measured} and left out of the steady state"
+                + (f" (largest: {parts})." if parts else "."),
+                "steps",
+            )
+        )
     if cross is not None:
         out += _cross_findings(cross, st, steps_table)
     slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
@@ -153,7 +198,7 @@ def _unmeasured_ops(df, steps_table) -> str:
 def _has_ddp_buckets(df, st) -> bool:
     if df is not None:
         return bool((df["op"].astype(str) == "ddp_bucket_allreduce").any())
-    return st.get("ddp_finalize_us", 0) > 0      # the report at scale: DDP's finalize was timed
+    return st.get("ddp_finalize_us", 0) > 0  # the report at scale: DDP's finalize was timed
 
 
 def _periods(found, steps_table) -> str:
@@ -171,17 +216,28 @@ def _periods(found, steps_table) -> str:
 def _cross_findings(cross, st, steps_table) -> list:
     out = []
     for m in cross.mismatches.head(3).itertuples():
-        out.append(Finding("mismatch", f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
-                                       f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
-                           "mismatches"))
+        out.append(
+            Finding(
+                "mismatch",
+                f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
+                f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
+                "mismatches",
+            )
+        )
     ends = getattr(cross, "log_ends", None)
     if ends is not None and len(ends):
         e = ends.iloc[0]
         more = f" (and in {len(ends) - 1} more group(s))" if len(ends) > 1 else ""
-        out.append(Finding("ends", f"the logs end at different points: in group {e['group']} the log of rank(s) "
-                                   f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
-                                   "matching stops at each log's end (a log cut short or a rank that stopped), no "
-                                   "mismatch is inferred after it.", "ranks"))
+        out.append(
+            Finding(
+                "ends",
+                f"the logs end at different points: in group {e['group']} the log of rank(s) "
+                f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
+                "matching stops at each log's end (a log cut short or a rank that stopped), no "
+                "mismatch is inferred after it.",
+                "ranks",
+            )
+        )
     clock = clock_finding(getattr(cross, "clock", None))
     if clock:
         out.append(Finding("clock", clock, "clock"))
@@ -201,16 +257,20 @@ def clock_finding(clock) -> str:
     parts = []
     unknown = sorted(r for r, c in clock.items() if c.get("status") == UNMEASURED)
     if unknown:
-        parts.append(f"the clock offset of rank(s) {_ranks_text(unknown)} to rank 0 is unknown (not measured): their "
-                     "arrivals are not compared with the other ranks'")
+        parts.append(
+            f"the clock offset of rank(s) {_ranks_text(unknown)} to rank 0 is unknown (not measured): their "
+            "arrivals are not compared with the other ranks'"
+        )
     far = {r: c for r, c in measured.items() if abs(c["offset_us"]) > max(CLOCK_NOTED_US, c["uncertainty_us"])}
     if far:
         r, c = max(far.items(), key=lambda kv: abs(kv[1]["offset_us"]))
-        way = "behind" if c["offset_us"] > 0 else "ahead"        # offset: rank 0's clock minus the rank's
+        way = "behind" if c["offset_us"] > 0 else "ahead"  # offset: rank 0's clock minus the rank's
         largest = max(m["uncertainty_us"] for m in measured.values())
-        parts.append(f"the wall clocks of rank(s) {_ranks_text(sorted(far))} differ from rank 0's (the most: rank {r}, "
-                     f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
-                     f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})")
+        parts.append(
+            f"the wall clocks of rank(s) {_ranks_text(sorted(far))} differ from rank 0's (the most: rank {r}, "
+            f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
+            f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})"
+        )
     return ("Clocks: " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -226,31 +286,51 @@ def _straggler_text(ranks, cross, steps_table) -> str:
     v = verdict(arrivals, steps_table, getattr(cross, "clock", None)) if arrivals is not None else None
     rows = ranks[ranks["rank"] == v["rank"]] if v is not None and v["rank"] is not None else ranks
     r = rows.iloc[0] if len(rows) else ranks.iloc[0]
-    text = (f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
-            f"collectives, {_ms(r['late_us'])} late in total")
+    text = (
+        f"rank {int(r['rank'])} arrived last in {int(r['last_count'])} of {int(r['collectives'])} "
+        f"collectives, {_ms(r['late_us'])} late in total"
+    )
     if v is None or v["rank"] is None:
-        text += ("; too few steady-state steps to tell a straggler from chance" if v is not None
-                 else "; no per-step arrivals to tell a straggler from chance")
-    elif not v["late_median_us"] > 0:           # no rank is the latest in most steps (4 ranks, symmetric)
-        text += (f"; no straggler: no rank is the last in most of the {v['steps']} steady-state steps (rank "
-                 f"{v['rank']}, the latest by its median, in {v['last_steps']})")
+        text += (
+            "; too few steady-state steps to tell a straggler from chance"
+            if v is not None
+            else "; no per-step arrivals to tell a straggler from chance"
+        )
+    elif not v["late_median_us"] > 0:  # no rank is the latest in most steps (4 ranks, symmetric)
+        text += (
+            f"; no straggler: no rank is the last in most of the {v['steps']} steady-state steps (rank "
+            f"{v['rank']}, the latest by its median, in {v['last_steps']})"
+        )
     else:
-        evidence = (f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
-                    f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
-                    f"({_pct(v['share_of_step'])} of the step; p = {v['p_value']:.2g} against chance)")
+        evidence = (
+            f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
+            f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
+            f"({_pct(v['share_of_step'])} of the step; p = {v['p_value']:.2g} against chance)"
+        )
         if v["straggler"]:
             text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
         else:
-            why = {"significance": "not more than chance and noise explain",
-                   "consistency": "not in most steps", "effect": "too little to matter",
-                   "clock": (f"within the uncertainty of the clocks' offsets (+/-{_ms(v['clock_us'])})"
-                             if not math.isnan(v["clock_us"]) else
-                             "not comparable: a clock offset to rank 0 is unknown (not measured)")}[v["reason"]]
+            why = {
+                "significance": "not more than chance and noise explain",
+                "consistency": "not in most steps",
+                "effect": "too little to matter",
+                "clock": (
+                    f"within the uncertainty of the clocks' offsets (+/-{_ms(v['clock_us'])})"
+                    if not math.isnan(v["clock_us"])
+                    else "not comparable: a clock offset to rank 0 is unknown (not measured)"
+                ),
+            }[v["reason"]]
             text += f"; no straggler: {evidence}, {why}"
-    if (v is not None and v["setup_rank"] is not None and v["setup_late_us"] >= SETUP_LATE_US
-            and not (v["straggler"] and v["setup_rank"] == v["rank"])):
-        text += (f"; in set-up (not counted) rank {v['setup_rank']} was {_ms(v['setup_late_us'])} later than the "
-                 "latest other rank")
+    if (
+        v is not None
+        and v["setup_rank"] is not None
+        and v["setup_late_us"] >= SETUP_LATE_US
+        and not (v["straggler"] and v["setup_rank"] == v["rank"])
+    ):
+        text += (
+            f"; in set-up (not counted) rank {v['setup_rank']} was {_ms(v['setup_late_us'])} later than the "
+            "latest other rank"
+        )
     return text + "."
 
 
@@ -266,8 +346,10 @@ def hang_findings(table, most: int = 3) -> list:
         when = f"issued {'' if h.issued_exact else 'at least '}{h.waited_s:.3g} s before the end of the logs"
         where = f"{h.op} #{h.number} of group {h.group}"
         if h.kind == "p2p":
-            where = f"{h.op} #{h.number} {'to' if h.op in ('send', 'isend', 'send_object_list') else 'from'} " \
-                    f"rank {h.peer} of group {h.group}"
+            where = (
+                f"{h.op} #{h.number} {'to' if h.op in ('send', 'isend', 'send_object_list') else 'from'} "
+                f"rank {h.peer} of group {h.group}"
+            )
         if h.verdict == "unmatched":
             text = f"unmatched {h.op}: rank {h.waiting}'s {where} ({when}) was never received"
         else:
@@ -294,9 +376,13 @@ def _slowest_bus(rows):
         return None
     r = s.loc[s["ratio"].idxmin()]
     best_row = s[(s["size_bucket"] == r["size_bucket"])].sort_values("busbw_gbps").iloc[-1]
-    return Finding("bandwidth", f"{r['collective']} of {_size(r['size_bucket'])} messages reaches "
-                                f"{r['busbw_gbps']:.3g} GB/s bus bandwidth, {r['ratio']:.0%} of {best_row['collective']} "
-                                f"at the same size ({best_row['busbw_gbps']:.3g} GB/s).", "summary")
+    return Finding(
+        "bandwidth",
+        f"{r['collective']} of {_size(r['size_bucket'])} messages reaches "
+        f"{r['busbw_gbps']:.3g} GB/s bus bandwidth, {r['ratio']:.0%} of {best_row['collective']} "
+        f"at the same size ({best_row['busbw_gbps']:.3g} GB/s).",
+        "summary",
+    )
 
 
 def _size(nbytes) -> str:

@@ -32,11 +32,24 @@ from ..data.schema import STEPLESS_ATTR, compact_ranks, expand_ranks
 from .matching import P2P_OPS, P2P_SIDES, collective_seq
 from .summaries import durations
 
-MIN_WAIT_S = 1.0        # a wait shorter than this is not called a hang
-LONGEST_FACTOR = 10     # ... nor one shorter than this many times the group's longest completed call
+MIN_WAIT_S = 1.0  # a wait shorter than this is not called a hang
+LONGEST_FACTOR = 10  # ... nor one shorter than this many times the group's longest completed call
 
-COLUMNS = ("kind", "verdict", "group", "number", "op", "peer", "waiting", "missing", "waited_s", "issued_ns",
-           "issued_exact", "end_ns", "detail")
+COLUMNS = (
+    "kind",
+    "verdict",
+    "group",
+    "number",
+    "op",
+    "peer",
+    "waiting",
+    "missing",
+    "waited_s",
+    "issued_ns",
+    "issued_exact",
+    "end_ns",
+    "detail",
+)
 
 
 def hangs(df, flights=None):
@@ -55,12 +68,12 @@ def hangs(df, flights=None):
     window of steps (``io.read(steps=...)``): a call's number counts every earlier row."""
     import pandas as pd
 
-    if STEPLESS_ATTR in df.attrs:       # read with a window of steps: the numbers need every row
+    if STEPLESS_ATTR in df.attrs:  # read with a window of steps: the numbers need every row
         return pd.DataFrame(columns=list(COLUMNS))
     flights = merge_flights(df.attrs.get(IN_FLIGHT_ATTR, []) if flights is None else flights)
     unmatched = _unmatched_sends(df)
     if not unmatched and not any(f["calls"] for f in flights.values()):
-        return pd.DataFrame(columns=list(COLUMNS))          # the usual case: nothing in flight, cheaply
+        return pd.DataFrame(columns=list(COLUMNS))  # the usual case: nothing in flight, cheaply
     view = _View(df, flights)
     rows = view.collectives() + view.p2p(unmatched)
     out = pd.DataFrame(rows, columns=list(COLUMNS))
@@ -95,8 +108,12 @@ def _unmatched_sends(df) -> list:
         return []
     sub = df.loc[sel, ["rank", "peer", "op", "group", "seq", "start_ns"]]
     op = sub["op"].astype(str)
-    sub = sub.assign(op=op, group=sub["group"].astype(str), side=op.map(lambda o: P2P_SIDES[o][0]),
-                     channel=op.map(lambda o: P2P_SIDES[o][1]))
+    sub = sub.assign(
+        op=op,
+        group=sub["group"].astype(str),
+        side=op.map(lambda o: P2P_SIDES[o][0]),
+        channel=op.map(lambda o: P2P_SIDES[o][1]),
+    )
     keys = ["rank", "peer", "group", "side", "channel"]
     counts = sub.groupby(keys).size().to_dict()
     ranks = set(df["rank"].unique().tolist())
@@ -105,11 +122,25 @@ def _unmatched_sends(df) -> list:
         received = counts.get((b, a, g, "recv", ch), 0)
         if side != "send" or b not in ranks or n <= received:
             continue
-        mine = sub[(sub["rank"] == a) & (sub["peer"] == b) & (sub["group"] == g) & (sub["side"] == "send")
-                   & (sub["channel"] == ch)].sort_values("seq", kind="stable")
+        mine = sub[
+            (sub["rank"] == a)
+            & (sub["peer"] == b)
+            & (sub["group"] == g)
+            & (sub["side"] == "send")
+            & (sub["channel"] == ch)
+        ].sort_values("seq", kind="stable")
         first = mine.iloc[received]
-        out.append({"rank": int(a), "peer": int(b), "group": g, "channel": ch, "number": int(received),
-                    "op": first["op"], "start_ns": int(first["start_ns"])})
+        out.append(
+            {
+                "rank": int(a),
+                "peer": int(b),
+                "group": g,
+                "channel": ch,
+                "number": int(received),
+                "op": first["op"],
+                "start_ns": int(first["start_ns"]),
+            }
+        )
     return out
 
 
@@ -172,10 +203,13 @@ class _View:
             self.op = self.group = np.zeros(0, object)
             self.is_p2p = np.zeros(0, bool)
             self.members = {}
-        self.is_async = df["async_op"].to_numpy(bool) if self.df is not None and "async_op" in df.columns and len(df) \
+        self.is_async = (
+            df["async_op"].to_numpy(bool)
+            if self.df is not None and "async_op" in df.columns and len(df)
             else np.zeros(len(self.rank), bool)
-        for r, f in flights.items():        # a call whose row shows it completed is not in flight (killed
-            f["calls"] = [c for c in f["calls"] if not self._completed_since(r, c)]   # before the note)
+        )
+        for r, f in flights.items():  # a call whose row shows it completed is not in flight (killed
+            f["calls"] = [c for c in f["calls"] if not self._completed_since(r, c)]  # before the note)
             for c in f["calls"]:
                 self.members.setdefault(c["group"], c["group_ranks"])
         self.ranks = sorted(set(self.rank.tolist()) | set(flights))
@@ -272,16 +306,22 @@ class _View:
             ops = sorted({c["op"] for c in waiting.values()})
             details, missing = [], []
             if len(ops) > 1:
-                details.append("the waiting ranks are in different calls: " + "; ".join(
-                    f"rank(s) {compact_ranks(sorted(r for r, c in waiting.items() if c['op'] == op))} in {op}"
-                    for op in ops))
+                details.append(
+                    "the waiting ranks are in different calls: "
+                    + "; ".join(
+                        f"rank(s) {compact_ranks(sorted(r for r, c in waiting.items() if c['op'] == op))} in {op}"
+                        for op in ops
+                    )
+                )
             for m in members:
                 if m in waiting:
                     continue
                 done = self.completed(m, group)
                 if done > k:
-                    details.append(f"rank {m} completed it (its last call in group {group}: "
-                                   f"{self.last_call(m, self.group == group)})")
+                    details.append(
+                        f"rank {m} completed it (its last call in group {group}: "
+                        f"{self.last_call(m, self.group == group)})"
+                    )
                     continue
                 missing.append(m)
                 in_group, last = self.last_index(m, (self.group == group) & ~self.is_p2p), self.last_index(m)
@@ -296,12 +336,27 @@ class _View:
             if dumps:
                 details.append("the watchdog's dumps (stacks): " + ", ".join(dumps))
             if not missing and len(ops) == 1:
-                details.append(f"every member with a log here ({compact_ranks(members)}) issued it: they all wait in it "
-                               "(a peer or transport failure, or a member without a log here)")
-            out.append(dict(kind="collective", verdict=verdict, group=group, number=k, op=" / ".join(ops), peer=-1,
-                            waiting=compact_ranks(sorted(waiting)), missing=compact_ranks(missing),
-                            waited_s=waited, issued_ns=issued, issued_exact=first["start_ns"] > 0, end_ns=self.end_ns,
-                            detail="; ".join(details)))
+                details.append(
+                    f"every member with a log here ({compact_ranks(members)}) issued it: they all wait in it "
+                    "(a peer or transport failure, or a member without a log here)"
+                )
+            out.append(
+                dict(
+                    kind="collective",
+                    verdict=verdict,
+                    group=group,
+                    number=k,
+                    op=" / ".join(ops),
+                    peer=-1,
+                    waiting=compact_ranks(sorted(waiting)),
+                    missing=compact_ranks(missing),
+                    waited_s=waited,
+                    issued_ns=issued,
+                    issued_exact=first["start_ns"] > 0,
+                    end_ns=self.end_ns,
+                    detail="; ".join(details),
+                )
+            )
         return out
 
     # ---- point to point -----------------------------------------------------------------
@@ -322,9 +377,19 @@ class _View:
         for u in unmatched:
             if (u["rank"], u["peer"], u["group"], "send", u["channel"], u["number"]) in covered:
                 continue
-            row = self._p2p_row(u["rank"], u["peer"], u["group"], u["op"], "send", u["channel"], "recv", u["number"],
-                                u["start_ns"], None)
-            if row["verdict"] == "hang" and row["missing"]:      # else: too recent, or being received
+            row = self._p2p_row(
+                u["rank"],
+                u["peer"],
+                u["group"],
+                u["op"],
+                "send",
+                u["channel"],
+                "recv",
+                u["number"],
+                u["start_ns"],
+                None,
+            )
+            if row["verdict"] == "hang" and row["missing"]:  # else: too recent, or being received
                 row["verdict"] = "unmatched"
                 out.append(row)
         return out
@@ -336,28 +401,50 @@ class _View:
             missing = ""
         else:
             theirs = self.p2p_count(peer, group, other, channel, r)
-            waits = [c for c in self.flights.get(peer, {"calls": []})["calls"]
-                     if c["op"] in P2P_SIDES and P2P_SIDES[c["op"]] == (other, channel) and c["peer"] == r]
+            waits = [
+                c
+                for c in self.flights.get(peer, {"calls": []})["calls"]
+                if c["op"] in P2P_SIDES and P2P_SIDES[c["op"]] == (other, channel) and c["peer"] == r
+            ]
             if theirs > k:
                 detail, missing = f"rank {peer} completed the matching {other} ({theirs} in all)", ""
             elif waits:
                 detail, missing = f"rank {peer} waits in the matching {waits[0]['op']}", ""
             else:
                 verb = "posted the matching recv" if other == "recv" else "sent it"
-                mask = (self.group == group) & np.isin(self.op, [o for o, (s, ch) in P2P_SIDES.items()
-                                                              if s == other and ch == channel]) & (self.peer == r)
-                detail = (f"rank {peer} never {verb}: it has {theirs} {other}(s) {'from' if other == 'recv' else 'to'} "
-                          f"rank {r} on group {group} (the last: {self.last_call(peer, mask)}); its last call was "
-                          f"{self.last_call(peer)}{self.in_flight_text(peer)}")
+                mask = (
+                    (self.group == group)
+                    & np.isin(self.op, [o for o, (s, ch) in P2P_SIDES.items() if s == other and ch == channel])
+                    & (self.peer == r)
+                )
+                detail = (
+                    f"rank {peer} never {verb}: it has {theirs} {other}(s) {'from' if other == 'recv' else 'to'} "
+                    f"rank {r} on group {group} (the last: {self.last_call(peer, mask)}); its last call was "
+                    f"{self.last_call(peer)}{self.in_flight_text(peer)}"
+                )
                 if self.rank_end(peer) < issued:
                     detail += f"; its log ends at {_when(self.rank_end(peer), self.end_ns)}, before the wait began"
                 missing = str(peer)
             if call is None and side == "send":
-                detail += "; the send was waited for outside commpatch's wrappers (isend(...).wait()), so the log " \
-                          "cannot tell that rank " + str(r) + " still waits in it"
+                detail += (
+                    "; the send was waited for outside commpatch's wrappers (isend(...).wait()), so the log "
+                    "cannot tell that rank " + str(r) + " still waits in it"
+                )
         dumps = self.flights.get(r, {"dumps": []})["dumps"]
         if dumps:
             detail += "; the watchdog's dumps (stacks): " + ", ".join(dumps)
-        return dict(kind="p2p", verdict=verdict, group=group, number=k, op=op, peer=peer, waiting=str(r),
-                    missing=missing, waited_s=waited, issued_ns=issued,
-                    issued_exact=call is None or call["start_ns"] > 0, end_ns=self.end_ns, detail=detail)
+        return dict(
+            kind="p2p",
+            verdict=verdict,
+            group=group,
+            number=k,
+            op=op,
+            peer=peer,
+            waiting=str(r),
+            missing=missing,
+            waited_s=waited,
+            issued_ns=issued,
+            issued_exact=call is None or call["start_ns"] > 0,
+            end_ns=self.end_ns,
+            detail=detail,
+        )

@@ -38,10 +38,17 @@ def _num(x):
 
 def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=()) -> dict:
     st = steady_state(steps_table)
-    out = dict(ranks=int(ranks), calls=int(calls), steps=int(steps_table["step"].nunique()),
-               steady_steps=int(st["steps"]), step_us=_num(st["step_p50_us"]), step_p95_us=_num(st["step_p95_us"]),
-               comm_share=_num(st["comm_share"]), exposed_share=_num(st["exposed_share"]),
-               shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False)
+    out = dict(
+        ranks=int(ranks),
+        calls=int(calls),
+        steps=int(steps_table["step"].nunique()),
+        steady_steps=int(st["steps"]),
+        step_us=_num(st["step_p50_us"]),
+        step_p95_us=_num(st["step_p95_us"]),
+        comm_share=_num(st["comm_share"]),
+        exposed_share=_num(st["exposed_share"]),
+        shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False,
+    )
     out["top_collective"] = _top(summary_table)
     out["straggler"] = _straggler(cross, steps_table)
     out["hang"] = _hang(cross, findings)
@@ -50,8 +57,13 @@ def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int 
     out["first_mismatch"] = None
     if mm is not None and len(mm):
         m = mm.iloc[0]
-        out["first_mismatch"] = dict(kind=str(m["kind"]), group=str(m["group"]), coll_seq=int(m["coll_seq"]),
-                                     step=int(m["step"]) if _num(m["step"]) is not None else None, op=str(m["op"]))
+        out["first_mismatch"] = dict(
+            kind=str(m["kind"]),
+            group=str(m["group"]),
+            coll_seq=int(m["coll_seq"]),
+            step=int(m["step"]) if _num(m["step"]) is not None else None,
+            op=str(m["op"]),
+        )
     return out
 
 
@@ -75,27 +87,51 @@ def _straggler(cross, steps_table) -> dict:
         state = "unknown"
     else:
         state = "straggler" if v["straggler"] else "none"
-    return dict(verdict=state, rank=v["rank"], last_steps=int(v["last_steps"]), steps=int(v["steps"]),
-                late_median_us=_num(v["late_median_us"]), share_of_step=_num(v["share_of_step"]),
-                p_value=_num(v["p_value"]), reason=None if v["straggler"] else v["reason"])
+    return dict(
+        verdict=state,
+        rank=v["rank"],
+        last_steps=int(v["last_steps"]),
+        steps=int(v["steps"]),
+        late_median_us=_num(v["late_median_us"]),
+        share_of_step=_num(v["share_of_step"]),
+        p_value=_num(v["p_value"]),
+        reason=None if v["straggler"] else v["reason"],
+    )
 
 
 def _hang(cross, findings) -> dict:
     told = next((f for f in findings if getattr(f, "kind", None) == "hang"), None)
-    if told is not None:                    # a hang finding of its own: it has the last word
+    if told is not None:  # a hang finding of its own: it has the last word
         return dict(verdict="possible", text=told.text, group=None, ranks=None, last_coll_seq=None, group_last=None)
     if cross is None:
-        return dict(verdict="unknown", text="one rank's log: nothing to compare", group=None, ranks=None,
-                    last_coll_seq=None, group_last=None)
+        return dict(
+            verdict="unknown",
+            text="one rank's log: nothing to compare",
+            group=None,
+            ranks=None,
+            last_coll_seq=None,
+            group_last=None,
+        )
     ends = getattr(cross, "log_ends", None)
     if ends is None or not len(ends):
-        return dict(verdict="none_seen", text="every rank's log reaches its groups' last collective", group=None,
-                    ranks=None, last_coll_seq=None, group_last=None)
+        return dict(
+            verdict="none_seen",
+            text="every rank's log reaches its groups' last collective",
+            group=None,
+            ranks=None,
+            last_coll_seq=None,
+            group_last=None,
+        )
     e = ends.iloc[0]
-    return dict(verdict="possible", text=f"in group {e['group']} the log of rank(s) {e['ranks']} stops before "
-                                         f"collective #{int(e['group_last'])}, which other ranks issued",
-                group=str(e["group"]), ranks=str(e["ranks"]), last_coll_seq=int(e["last_coll_seq"]),
-                group_last=int(e["group_last"]))
+    return dict(
+        verdict="possible",
+        text=f"in group {e['group']} the log of rank(s) {e['ranks']} stops before "
+        f"collective #{int(e['group_last'])}, which other ranks issued",
+        group=str(e["group"]),
+        ranks=str(e["ranks"]),
+        last_coll_seq=int(e["last_coll_seq"]),
+        group_last=int(e["group_last"]),
+    )
 
 
 __all__ = ["headline"]

@@ -31,20 +31,31 @@ def rank_live(df) -> dict:
     issue). Empty dict for no rows."""
     if not len(df):
         return {}
-    if not counted_steps(df):            # no step boundary: the figures of steps are unknown
-        return dict(rank=int(df["rank"].iloc[0]), current_step=-1, calls=-1, last_step=-1, step_us=math.nan,
-                    comm_share=math.nan, exposed_share=math.nan, last_start_ns=int(df["start_ns"].max()))
+    if not counted_steps(df):  # no step boundary: the figures of steps are unknown
+        return dict(
+            rank=int(df["rank"].iloc[0]),
+            current_step=-1,
+            calls=-1,
+            last_step=-1,
+            step_us=math.nan,
+            comm_share=math.nan,
+            exposed_share=math.nan,
+            last_start_ns=int(df["start_ns"].max()),
+        )
     table = per_step(df)
     current = int(df["step"].max())
     known = table[table["step_us"].notna()]
     last = known.iloc[-1] if len(known) else None
-    return dict(rank=int(df["rank"].iloc[0]), current_step=current,
-                calls=int((df["step"] == current).sum()),
-                last_step=int(last["step"]) if last is not None else -1,
-                step_us=float(last["step_us"]) if last is not None else math.nan,
-                comm_share=float(last["comm_share"]) if last is not None else math.nan,
-                exposed_share=float(last["exposed_share"]) if last is not None else math.nan,
-                last_start_ns=int(df["start_ns"].max()))
+    return dict(
+        rank=int(df["rank"].iloc[0]),
+        current_step=current,
+        calls=int((df["step"] == current).sum()),
+        last_step=int(last["step"]) if last is not None else -1,
+        step_us=float(last["step_us"]) if last is not None else math.nan,
+        comm_share=float(last["comm_share"]) if last is not None else math.nan,
+        exposed_share=float(last["exposed_share"]) if last is not None else math.nan,
+        last_start_ns=int(df["start_ns"].max()),
+    )
 
 
 def slowest(ranks: list) -> dict:
@@ -55,8 +66,9 @@ def slowest(ranks: list) -> dict:
         return {}
     top = max(known, key=lambda r: r["step_us"])
     others = [r["step_us"] for r in known if r is not top]
-    return dict(rank=top["rank"], step=top["last_step"], step_us=top["step_us"],
-                others_median_us=float(np.median(others)))
+    return dict(
+        rank=top["rank"], step=top["last_step"], step_us=top["step_us"], others_median_us=float(np.median(others))
+    )
 
 
 def in_flight(df, now_ns: int, threshold_s: float):
@@ -68,8 +80,12 @@ def in_flight(df, now_ns: int, threshold_s: float):
 
     if not len(df):
         return pd.DataFrame(columns=["rank", "seq", "op", "group", "age_s"])
-    waiting = np.isnan(durations(df)) & df["async_op"].to_numpy(bool) & (df["status"] == "ok").to_numpy() \
+    waiting = (
+        np.isnan(durations(df))
+        & df["async_op"].to_numpy(bool)
+        & (df["status"] == "ok").to_numpy()
         & df["timing"].isin(("future", "device_event", "nccl")).to_numpy()
+    )
     age = (now_ns - df["start_ns"].to_numpy(np.int64)) / 1e9
     stuck = waiting & (age > threshold_s)
     out = df.loc[stuck, ["rank", "seq", "op", "group"]].assign(age_s=age[stuck])

@@ -20,16 +20,21 @@ from typing import Any
 
 import numpy as np
 
-from ..data.ops import P2P_OPS
 from ..data.clock import CLOCK_ATTR
+from ..data.ops import P2P_OPS
 from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
 # p2p op -> (direction, channel): sends pair with receives of the same channel
-P2P_SIDES = {"send": ("send", "tensor"), "isend": ("send", "tensor"), "recv": ("recv", "tensor"),
-             "irecv": ("recv", "tensor"), "send_object_list": ("send", "object"),
-             "recv_object_list": ("recv", "object")}
+P2P_SIDES = {
+    "send": ("send", "tensor"),
+    "isend": ("send", "tensor"),
+    "recv": ("recv", "tensor"),
+    "irecv": ("recv", "tensor"),
+    "send_object_list": ("send", "object"),
+    "recv_object_list": ("recv", "object"),
+}
 
 
 # ---- reading ----------------------------------------------------------------------------
@@ -54,14 +59,17 @@ def collective_seq(df):
     """Per row: the collective sequence number within (rank, group), p2p calls left out (-1 for them)."""
     p2p = df["op"].isin(P2P_OPS).to_numpy()
     rank = df["rank"].to_numpy()
-    group = df["group"].cat.codes.to_numpy() if hasattr(df["group"], "cat") else \
-        df["group"].astype("category").cat.codes.to_numpy()
+    group = (
+        df["group"].cat.codes.to_numpy()
+        if hasattr(df["group"], "cat")
+        else df["group"].astype("category").cat.codes.to_numpy()
+    )
     gseq = df["group_seq"].to_numpy()
     order = np.lexsort((gseq, group, rank))
     first, last = _runs(rank[order], group[order])
     cum = np.cumsum(p2p[order])
-    base = np.repeat(np.append(0, cum)[first], last - first + 1)     # p2p calls before the run
-    before = cum - p2p[order] - base                                 # p2p calls before this row
+    base = np.repeat(np.append(0, cum)[first], last - first + 1)  # p2p calls before the run
+    before = cum - p2p[order] - base  # p2p calls before this row
     out = np.empty(len(df), np.int64)
     out[order] = np.where(p2p[order], -1, gseq[order] - before)
     return out
@@ -105,13 +113,16 @@ def _match(df):
     order = np.lexsort((rank, start, cseq, group))
     first, last = _runs(group[order], cseq[order])
     size = last - first + 1
-    run_of = np.repeat(np.arange(len(first)), size)                 # sorted row -> collective
+    run_of = np.repeat(np.arange(len(first)), size)  # sorted row -> collective
     f_rows, l_rows = order[first], order[last]
 
     def differs(codes):
         codes = codes[order]
-        return np.maximum.reduceat((codes != codes[first][run_of]).astype(np.int8), first).astype(bool) \
-            if len(first) else np.zeros(0, bool)
+        return (
+            np.maximum.reduceat((codes != codes[first][run_of]).astype(np.int8), first).astype(bool)
+            if len(first)
+            else np.zeros(0, bool)
+        )
 
     op_codes = sub["op"].cat.codes.to_numpy()
     dtype_codes = sub["dtype"].cat.codes.to_numpy()
@@ -138,27 +149,29 @@ def _match(df):
         los = np.array([lo for lo, _ in steps])
         expected[at] = np.array([n for _, n in steps])[np.searchsorted(los, c_first[at], side="right") - 1]
         present_n[at] = len(members[grc])
-    table = pd.DataFrame({
-        "group": sub["group"].iloc[f_rows].to_numpy(),
-        "coll_seq": cseq[f_rows],
-        "op": sub["op"].iloc[f_rows].to_numpy(),
-        "dtype": sub["dtype"].iloc[f_rows].to_numpy(),
-        "bytes": nbytes[f_rows],
-        "step": sub["step"].to_numpy()[f_rows],
-        "ranks": size,
-        "expected_ranks": expected,
-        "first_start_ns": start[f_rows],
-        "last_start_ns": start[l_rows],
-        "skew_us": (start[l_rows] - start[f_rows]) / 1e3,
-        "straggler": rank[l_rows],
-        "mean_duration_us": np.where(measured > 0, total_dur / np.maximum(measured, 1), np.nan),
-        "max_duration_us": max_dur,
-        "op_mismatch": differs(op_codes),
-        "dtype_mismatch": differs(dtype_codes),
-        "bytes_mismatch": differs(nbytes),
-    })
+    table = pd.DataFrame(
+        {
+            "group": sub["group"].iloc[f_rows].to_numpy(),
+            "coll_seq": cseq[f_rows],
+            "op": sub["op"].iloc[f_rows].to_numpy(),
+            "dtype": sub["dtype"].iloc[f_rows].to_numpy(),
+            "bytes": nbytes[f_rows],
+            "step": sub["step"].to_numpy()[f_rows],
+            "ranks": size,
+            "expected_ranks": expected,
+            "first_start_ns": start[f_rows],
+            "last_start_ns": start[l_rows],
+            "skew_us": (start[l_rows] - start[f_rows]) / 1e3,
+            "straggler": rank[l_rows],
+            "mean_duration_us": np.where(measured > 0, total_dur / np.maximum(measured, 1), np.nan),
+            "max_duration_us": max_dur,
+            "op_mismatch": differs(op_codes),
+            "dtype_mismatch": differs(dtype_codes),
+            "bytes_mismatch": differs(nbytes),
+        }
+    )
     table["missing"] = table["ranks"] < table["expected_ranks"]
-    table["ended"] = present_n - table["expected_ranks"].to_numpy()     # members whose log ended before it
+    table["ended"] = present_n - table["expected_ranks"].to_numpy()  # members whose log ended before it
     table.attrs["log_ends"] = counts
     table.attrs["group_names"] = dict(enumerate(str(c) for c in sub["group"].cat.categories))
     # time each rank waited for the last arrival, bounded by the call's own measured duration
@@ -182,10 +195,20 @@ def _match(df):
     known[order] = complete[run_of]
     known &= host_clock & (after_last > 0)
     transfer = np.where(known, np.fmin(own, after_last), own)
-    waits = pd.DataFrame({"rank": rank, "collective": coll, "arrival_us": arrival,
-                          "wait_us": np.minimum(wait, duration), "duration_us": duration,
-                          "last": last, "skew_us": skew, "step": sub["step"].to_numpy(),
-                          "ranks": size[coll] if len(coll) else np.zeros(0, np.int64), "transfer_us": transfer})
+    waits = pd.DataFrame(
+        {
+            "rank": rank,
+            "collective": coll,
+            "arrival_us": arrival,
+            "wait_us": np.minimum(wait, duration),
+            "duration_us": duration,
+            "last": last,
+            "skew_us": skew,
+            "step": sub["step"].to_numpy(),
+            "ranks": size[coll] if len(coll) else np.zeros(0, np.int64),
+            "transfer_us": transfer,
+        }
+    )
     return table, waits, sub, cseq
 
 
@@ -215,8 +238,17 @@ def log_end_table(collectives):
     codes = {name: code for code, name in collectives.attrs.get("group_names", {}).items()}
     tail = collectives[collectives["ended"] > 0]
     parts = tail.groupby("group", observed=True, sort=True)["coll_seq"].agg(["max", "size"])
-    return log_end_rows([(str(group), {r: n for (g, r), n in counts.items() if g == codes.get(str(group))},
-                          int(row["max"]), int(row["size"])) for group, row in parts.iterrows()])
+    return log_end_rows(
+        [
+            (
+                str(group),
+                {r: n for (g, r), n in counts.items() if g == codes.get(str(group))},
+                int(row["max"]),
+                int(row["size"]),
+            )
+            for group, row in parts.iterrows()
+        ]
+    )
 
 
 def log_end_rows(groups):
@@ -227,9 +259,18 @@ def log_end_rows(groups):
     rows = []
     for group, counts, last, unmatched in groups:
         short = sorted((n, r) for r, n in counts.items() if n <= last)
-        shown = ", ".join(f"{r} (#{n - 1})" for n, r in short[:8]) + (f", ... ({len(short)} ranks)" if len(short) > 8 else "")
-        rows.append(dict(group=group, ranks=shown,
-                         last_coll_seq=short[0][0] - 1 if short else -1, group_last=last, unmatched=unmatched))
+        shown = ", ".join(f"{r} (#{n - 1})" for n, r in short[:8]) + (
+            f", ... ({len(short)} ranks)" if len(short) > 8 else ""
+        )
+        rows.append(
+            dict(
+                group=group,
+                ranks=shown,
+                last_coll_seq=short[0][0] - 1 if short else -1,
+                group_last=last,
+                unmatched=unmatched,
+            )
+        )
     return pd.DataFrame(rows, columns=["group", "ranks", "last_coll_seq", "group_last", "unmatched"])
 
 
@@ -255,17 +296,21 @@ def rank_table(df, matched=None):
     (being last by a few microseconds is noise; being last by milliseconds is a straggler).
     """
     waits = (matched or _match(df))[1]
-    w = waits.assign(late_us=np.where(waits["last"], waits["skew_us"], 0.0),
-                     measured=~np.isnan(waits["duration_us"]))
+    w = waits.assign(late_us=np.where(waits["last"], waits["skew_us"], 0.0), measured=~np.isnan(waits["duration_us"]))
     w["wait_us"] = w["wait_us"].where(w["measured"])
-    out = w.groupby("rank").agg(collectives=("wait_us", "size"), last_count=("last", "sum"),
-                                late_us=("late_us", "sum"), wait_us=("wait_us", "sum"),
-                                measured_us=("duration_us", "sum"))
+    out = w.groupby("rank").agg(
+        collectives=("wait_us", "size"),
+        last_count=("last", "sum"),
+        late_us=("late_us", "sum"),
+        wait_us=("wait_us", "sum"),
+        measured_us=("duration_us", "sum"),
+    )
     out["last_share"] = out["last_count"] / out["collectives"].where(out["collectives"] > 0)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["wait_share"] = out["wait_us"] / out["measured_us"].where(out["measured_us"] > 0)
-    out = out.reset_index()[["rank", "collectives", "last_count", "last_share", "late_us",
-                             "wait_us", "measured_us", "wait_share"]]
+    out = out.reset_index()[
+        ["rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us", "wait_share"]
+    ]
     return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
 
 
@@ -279,7 +324,7 @@ def arrival_matrix(df, bins: int = 200, matched=None):
     ncoll = int(waits["collective"].max()) + 1 if len(waits) else 0
     bins = max(1, min(bins, ncoll))
     b = waits["collective"].to_numpy() * bins // max(ncoll, 1)
-    starts = (np.arange(bins) * ncoll + bins - 1) // bins       # first collective of each bin
+    starts = (np.arange(bins) * ncoll + bins - 1) // bins  # first collective of each bin
     out = waits.assign(bin=starts[b]).pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
     out.columns.name = "collective"
     return out
@@ -314,16 +359,37 @@ def match_p2p(df):
     # would round the difference
     both = out["matched"].to_numpy()
     skew = np.full(len(out), np.nan)
-    skew[both] = np.abs(sends["send_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()
-                        - recvs["recv_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()) / 1e3
+    skew[both] = (
+        np.abs(
+            sends["send_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()
+            - recvs["recv_start_ns"].reindex(pd.MultiIndex.from_frame(out.loc[both, keys + ["k"]])).to_numpy()
+        )
+        / 1e3
+    )
     out["skew_us"] = skew
     out["late_rank"] = np.where(out["send_start_ns"] >= out["recv_start_ns"], out["src"], out["dst"])
     out["late_rank"] = out["late_rank"].where(out["matched"], -1).astype(np.int64)
     out["bytes_mismatch"] = out["matched"] & (out["send_bytes"] != out["recv_bytes"])
-    return out.sort_values(keys + ["k"], kind="stable").reset_index(drop=True) if len(out) else \
-        pd.DataFrame(columns=keys + ["k", "send_op", "recv_op", "send_bytes", "recv_bytes",
-                                     "send_start_ns", "recv_start_ns", "matched", "skew_us",
-                                     "late_rank", "bytes_mismatch"])
+    return (
+        out.sort_values(keys + ["k"], kind="stable").reset_index(drop=True)
+        if len(out)
+        else pd.DataFrame(
+            columns=keys
+            + [
+                "k",
+                "send_op",
+                "recv_op",
+                "send_bytes",
+                "recv_bytes",
+                "send_start_ns",
+                "recv_start_ns",
+                "matched",
+                "skew_us",
+                "late_rank",
+                "bytes_mismatch",
+            ]
+        )
+    )
 
 
 def mismatches(df, matched=None, p2p=None):
@@ -359,12 +425,17 @@ def mismatches(df, matched=None, p2p=None):
     for kind, bad in (("p2p_unmatched", unmatched), ("p2p_bytes", p2p[p2p["bytes_mismatch"].astype(bool)])):
         for group, part in bad.groupby("group", sort=True):
             p2p_firsts.append((kind, str(group), part.iloc[0], len(part)))
-    return mismatch_table(firsts, lambda group, coll_seq: sub[(cseq == coll_seq) & (sub["group"] == group)],
-                          p2p_firsts, present)
+    return mismatch_table(
+        firsts, lambda group, coll_seq: sub[(cseq == coll_seq) & (sub["group"] == group)], p2p_firsts, present
+    )
 
 
-MISMATCH_FLAGS = (("op", "op_mismatch"), ("dtype", "dtype_mismatch"), ("bytes", "bytes_mismatch"),
-                  ("missing", "missing"))
+MISMATCH_FLAGS = (
+    ("op", "op_mismatch"),
+    ("dtype", "dtype_mismatch"),
+    ("bytes", "bytes_mismatch"),
+    ("missing", "missing"),
+)
 
 
 def mismatch_table(firsts, rows_of, p2p_firsts, present):
@@ -376,9 +447,18 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
     """
     import pandas as pd
 
-    rows = [dict(kind=kind, group=group, coll_seq=coll_seq, step=step, op=op,
-                 detail=_detail(rows_of(group, coll_seq), kind, present), affected=affected)
-            for kind, group, coll_seq, step, op, affected in firsts]
+    rows = [
+        dict(
+            kind=kind,
+            group=group,
+            coll_seq=coll_seq,
+            step=step,
+            op=op,
+            detail=_detail(rows_of(group, coll_seq), kind, present),
+            affected=affected,
+        )
+        for kind, group, coll_seq, step, op, affected in firsts
+    ]
     for kind, group, first, affected in p2p_firsts:
         if kind == "p2p_unmatched":
             missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
@@ -386,8 +466,10 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
             detail = f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
         else:
             op = first["send_op"]
-            detail = (f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
-                      f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}")
+            detail = (
+                f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
+                f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}"
+            )
         rows.append(dict(kind=kind, group=group, coll_seq=-1, step=-1, op=str(op), detail=detail, affected=affected))
     out = pd.DataFrame(rows, columns=["kind", "group", "coll_seq", "step", "op", "detail", "affected"])
     return out.sort_values(["group", "coll_seq"], kind="stable").reset_index(drop=True)
@@ -414,16 +496,16 @@ def _ranks(ranks) -> str:
 class CrossRank:
     """Everything the cross-rank report shows, as DataFrames."""
 
-    collectives: Any   # match_collectives
-    arrivals: Any      # arrival_matrix
-    ranks: Any         # rank_table
-    mismatches: Any    # mismatches
-    p2p: Any           # match_p2p
-    missing_logs: list      # members of some group with no log file here
-    step_arrivals: Any = None   # stragglers.step_arrivals: the straggler verdict's evidence
-    transfer_us: Any = None     # transfer_times: per row of the log, aligned with it
-    log_ends: Any = None        # log_end_table: logs that end before the others' (not mismatches)
-    clock: Any = None           # {rank: data.clock summary}: offsets to rank 0's clock (binary logs)
+    collectives: Any  # match_collectives
+    arrivals: Any  # arrival_matrix
+    ranks: Any  # rank_table
+    mismatches: Any  # mismatches
+    p2p: Any  # match_p2p
+    missing_logs: list  # members of some group with no log file here
+    step_arrivals: Any = None  # stragglers.step_arrivals: the straggler verdict's evidence
+    transfer_us: Any = None  # transfer_times: per row of the log, aligned with it
+    log_ends: Any = None  # log_end_table: logs that end before the others' (not mismatches)
+    clock: Any = None  # {rank: data.clock summary}: offsets to rank 0's clock (binary logs)
 
 
 def cross_rank(df) -> CrossRank:
@@ -434,12 +516,18 @@ def cross_rank(df) -> CrossRank:
     members = set()
     for s in df["group_ranks"].cat.categories:
         members.update(expand_ranks(s))
-    return CrossRank(collectives=matched[0], arrivals=arrival_matrix(df, matched=matched),
-                     ranks=rank_table(df, matched),
-                     mismatches=mismatches(df, matched, p2p), p2p=p2p,
-                     missing_logs=sorted(members - present),
-                     step_arrivals=step_arrivals(matched[1]), transfer_us=transfer_times(df, matched),
-                     log_ends=log_end_table(matched[0]), clock=df.attrs.get(CLOCK_ATTR))
+    return CrossRank(
+        collectives=matched[0],
+        arrivals=arrival_matrix(df, matched=matched),
+        ranks=rank_table(df, matched),
+        mismatches=mismatches(df, matched, p2p),
+        p2p=p2p,
+        missing_logs=sorted(members - present),
+        step_arrivals=step_arrivals(matched[1]),
+        transfer_us=transfer_times(df, matched),
+        log_ends=log_end_table(matched[0]),
+        clock=df.attrs.get(CLOCK_ATTR),
+    )
 
 
 def transfer_times(df, matched=None) -> np.ndarray:
@@ -451,8 +539,8 @@ def transfer_times(df, matched=None) -> np.ndarray:
     missing, device timings, clocks of different hosts that put the completion before the last
     issue) the call's own time."""
     waits = (matched or _match(df))[1]
-    out = np.array(own_durations(df), np.float64)        # a copy: never a view of the log's column
-    out[~df["op"].isin(P2P_OPS).to_numpy()] = waits["transfer_us"].to_numpy()     # _match's rows, in order
+    out = np.array(own_durations(df), np.float64)  # a copy: never a view of the log's column
+    out[~df["op"].isin(P2P_OPS).to_numpy()] = waits["transfer_us"].to_numpy()  # _match's rows, in order
     return out
 
 
@@ -467,5 +555,6 @@ def with_transfer(df, cross=None):
 
 def top_skew(collectives, n: int = 10):
     """The ``n`` collectives with the largest arrival skew."""
-    return collectives.nlargest(n, "skew_us")[["group", "coll_seq", "step", "op", "bytes", "ranks",
-                                              "skew_us", "straggler", "max_duration_us"]].reset_index(drop=True)
+    return collectives.nlargest(n, "skew_us")[
+        ["group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler", "max_duration_us"]
+    ].reset_index(drop=True)

@@ -44,11 +44,11 @@ import numpy as np
 
 from ..data.schema import BOUNDARY_SOURCES, S_PATTERN, STEP_SOURCES, STEPLESS_ATTR
 
-MIN_MATCH = 0.9          # share of the steady part's positions that must repeat the period
-MIN_ITERATIONS = 3       # full periods the steady part must hold
-GAP_RATIO = 0.5          # a shorter period is taken when its iterations start after gaps this long
-PATTERN = STEP_SOURCES[S_PATTERN]   # the step_source of the rows numbered here
-ATTR = "step_pattern"    # df.attrs key: rank -> Found or the reason it was refused
+MIN_MATCH = 0.9  # share of the steady part's positions that must repeat the period
+MIN_ITERATIONS = 3  # full periods the steady part must hold
+GAP_RATIO = 0.5  # a shorter period is taken when its iterations start after gaps this long
+PATTERN = STEP_SOURCES[S_PATTERN]  # the step_source of the rows numbered here
+ATTR = "step_pattern"  # df.attrs key: rank -> Found or the reason it was refused
 _KEYS_RARE, _KEYS_COMMON, _OFFSETS = 12, 4, 3
 
 
@@ -59,10 +59,10 @@ class StepPatternWarning(UserWarning):
 class Found(NamedTuple):
     """A pattern found on a rank."""
 
-    period: int      # calls per iteration
-    steps: int       # iterations numbered (the last may be partial)
-    match: float     # share of the steady part's positions that repeat the period
-    start: int       # where the first iteration starts (the rank's row, in seq order)
+    period: int  # calls per iteration
+    steps: int  # iterations numbered (the last may be partial)
+    match: float  # share of the steady part's positions that repeat the period
+    start: int  # where the first iteration starts (the rank's row, in seq order)
 
 
 def with_pattern_steps(df, warn: bool = True, window=None):
@@ -98,19 +98,19 @@ def _find(df, warn):
     # ranks whose step is constant (O(n), no sort: a log with steps costs only this)
     span = pd.Series(step).groupby(rank, sort=False).agg(["min", "max"])
     flat = span.index.to_numpy()[(span["min"] == span["max"]).to_numpy()]
-    if STEPLESS_ATTR in df.attrs:       # read with a window of steps: only the ranks read whole
+    if STEPLESS_ATTR in df.attrs:  # read with a window of steps: only the ranks read whole
         flat = flat[np.isin(flat, df.attrs[STEPLESS_ATTR])]
     if not len(flat):
         return df
     rows = np.flatnonzero(np.isin(rank, flat)) if len(flat) < len(span) else np.arange(len(df))
-    if "step_source" in df.columns:                     # a recorded source counted them: not ours
+    if "step_source" in df.columns:  # a recorded source counted them: not ours
         counted = np.unique(rank[rows][_recorded(df["step_source"])[rows]])
         if len(counted):
             rows = rows[~np.isin(rank[rows], counted)]
     if not len(rows):
         return df
     seq = df["seq"].to_numpy(np.int64)[rows] if "seq" in df.columns else rows
-    order = rows[np.lexsort((seq, rank[rows]))]         # the stepless ranks' rows, by rank then seq
+    order = rows[np.lexsort((seq, rank[rows]))]  # the stepless ranks' rows, by rank then seq
     r = rank[order]
     bounds = np.flatnonzero(np.r_[True, r[1:] != r[:-1], True])
     key = _keys(df, order)
@@ -164,8 +164,10 @@ def find_steps(key, idle=None):
     if not accepted:
         if best_rejected[1]:
             match, p = best_rejected
-            return (f"the best period ({p} call{'s' if p > 1 else ''}) repeats in {match:.0%} of the calls "
-                    f"(under {MIN_MATCH:.0%})"), None
+            return (
+                f"the best period ({p} call{'s' if p > 1 else ''}) repeats in {match:.0%} of the calls "
+                f"(under {MIN_MATCH:.0%})"
+            ), None
         return f"no period repeats {MIN_ITERATIONS} times", None
     p, start, match = _choose(key, accepted, idle)
     starts = _iteration_starts(key, p, start)
@@ -177,7 +179,7 @@ def find_steps(key, idle=None):
 
 def _choose(key, accepted, idle):
     """The period taken among the accepted (p, start, match): see the module docstring."""
-    if idle is None:                       # no timing to tell a block of layers from an iteration
+    if idle is None:  # no timing to tell a block of layers from an iteration
         return min(accepted)
     accepted.sort(key=lambda a: (-a[2], a[0]))
     best = accepted[0]
@@ -203,7 +205,7 @@ def _iteration_starts(key, p, start):
     """Where iterations start: at the block's first call, found from the occurrences of the
     block's first call that occurs once in it (an inserted call joins the iteration it falls in,
     the next iteration still starts in place), else every p calls from ``start``."""
-    block = key[start:start + p]
+    block = key[start : start + p]
     values, first, counts = np.unique(block, return_index=True, return_counts=True)
     once = first[counts == 1]
     if len(once):
@@ -211,7 +213,7 @@ def _iteration_starts(key, p, start):
         anchor = start + offset
         starts = anchor + np.flatnonzero(key[anchor:] == key[anchor]) - offset
         return starts[starts >= start]
-    return np.arange(start, len(key), p)       # a partial last iteration is a step of its own
+    return np.arange(start, len(key), p)  # a partial last iteration is a step of its own
 
 
 def _candidates(key):
@@ -228,7 +230,7 @@ def _candidates(key):
     chosen = np.unique(np.r_[by_count[:_KEYS_RARE], by_count[-_KEYS_COMMON:]])
     out = set()
     for k in chosen:
-        pos = order[edges[k]:edges[k + 1]]          # sorted: argsort is stable
+        pos = order[edges[k] : edges[k + 1]]  # sorted: argsort is stable
         for c in range(1, _OFFSETS + 1):
             if len(pos) <= c:
                 break
@@ -278,8 +280,11 @@ def _idle_ns(df, rows, rank):
     if "start_ns" not in df.columns or len(rows) < 2:
         return out
     start = df["start_ns"].to_numpy(np.int64)[rows]
-    inside = (np.nan_to_num(df["host_us"].to_numpy(np.float64)[rows]) * 1e3 if "host_us" in df.columns
-              else np.zeros(len(rows)))
+    inside = (
+        np.nan_to_num(df["host_us"].to_numpy(np.float64)[rows]) * 1e3
+        if "host_us" in df.columns
+        else np.zeros(len(rows))
+    )
     gap = (start[1:] - start[:-1]).astype(np.float64) - inside[:-1]
     gap[rank[1:] != rank[:-1]] = np.nan
     out[1:] = gap
@@ -315,13 +320,22 @@ def _refusal(refused: dict) -> str:
         by_reason.setdefault(why, []).append(rank)
     parts = [f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: {why}" for why, ranks in by_reason.items()]
     shown = "; ".join(parts[:3]) + (f"; {len(parts) - 3} other reason(s)" if len(parts) > 3 else "")
-    return ("no step boundary (optimizer.step(), DDP / FSDP forward, commpatch.step()) and no clear repeating "
-            f"pattern of collectives, steps not numbered ({shown}); figures are over the whole run")
+    return (
+        "no step boundary (optimizer.step(), DDP / FSDP forward, commpatch.step()) and no clear repeating "
+        f"pattern of collectives, steps not numbered ({shown}); figures are over the whole run"
+    )
 
 
 def _ranks(ranks) -> str:
     return ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)})" if len(ranks) > 8 else "")
 
 
-__all__ = ["Found", "MIN_ITERATIONS", "MIN_MATCH", "StepPatternWarning", "find_steps", "warn_refused",
-           "with_pattern_steps"]
+__all__ = [
+    "Found",
+    "MIN_ITERATIONS",
+    "MIN_MATCH",
+    "StepPatternWarning",
+    "find_steps",
+    "warn_refused",
+    "with_pattern_steps",
+]

@@ -113,7 +113,9 @@ def per_step(df, steps=None, by_rank: bool = True):
     bucket = _bucket_mask(df)[order]
     # DDP's synchronisation on the training thread: a bucket's window runs on to the end of the
     # reducer's finalize noted on it (the last bucket of a backward), when that is later
-    sync_end = df["sync_end_us"].to_numpy(np.float64)[order] if "sync_end_us" in df.columns else np.full(len(rank), np.nan)
+    sync_end = (
+        df["sync_end_us"].to_numpy(np.float64)[order] if "sync_end_us" in df.columns else np.full(len(rank), np.nan)
+    )
     synced = bucket & ~np.isnan(sync_end)
     end_sync = np.where(synced, np.fmax(end, start + np.nan_to_num(sync_end)), end)
 
@@ -131,7 +133,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     tail_lo = np.full(n, np.inf)
     tail_hi = np.full(n, -np.inf)
     np.maximum.at(tail_hi, gid[bucket], end_sync[bucket])
-    comm_hi = np.full(n, -np.inf)              # the completion of the step's last bucket
+    comm_hi = np.full(n, -np.inf)  # the completion of the step's last bucket
     np.maximum.at(comm_hi, gid[bucket], end[bucket])
     lo = np.full(n, -np.inf)
     np.maximum.at(lo, gid[bucket], start[bucket])
@@ -152,16 +154,25 @@ def per_step(df, steps=None, by_rank: bool = True):
 
     source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
     unmeasured = total(np.isnan(durations(df)[order]).astype(np.float64))
-    out = pd.DataFrame({
-        "rank": rank[first], "step": step[first], "step_source": _step_source(source, gid, n),
-        "calls": np.diff(np.append(first, len(rank))), "unmeasured": unmeasured,
-        "bytes": total(df["bytes"].to_numpy()[order]),
-        "comm_us": total(dur0), "busy_us": _union(gid, start, end_sync, n) + alone, "exposed_us": exposed,
-        "overlapped_us": np.clip(known_busy - exposed, 0, None),
-        "overlap_unknown_us": total(np.where(known, 0.0, dur0)),
-        "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
-        "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail), "ddp_pack_us": packed,
-        "first_ns": start_ns[first] - t0})   # small: exact as float
+    out = pd.DataFrame(
+        {
+            "rank": rank[first],
+            "step": step[first],
+            "step_source": _step_source(source, gid, n),
+            "calls": np.diff(np.append(first, len(rank))),
+            "unmeasured": unmeasured,
+            "bytes": total(df["bytes"].to_numpy()[order]),
+            "comm_us": total(dur0),
+            "busy_us": _union(gid, start, end_sync, n) + alone,
+            "exposed_us": exposed,
+            "overlapped_us": np.clip(known_busy - exposed, 0, None),
+            "overlap_unknown_us": total(np.where(known, 0.0, dur0)),
+            "setup_comm_us": total(np.where(setup_op, dur0, 0.0)),
+            "ddp_finalize_us": _finalize(tail_hi, comm_hi, has_tail),
+            "ddp_pack_us": packed,
+            "first_ns": start_ns[first] - t0,
+        }
+    )  # small: exact as float
     # a step none of whose calls has a duration (gloo's isend / irecv): its communication is unknown, not 0
     unknown = (out["unmeasured"] >= out["calls"]).to_numpy()
     out.loc[unknown, ["comm_us", "busy_us", "exposed_us", "overlapped_us", "overlap_unknown_us"]] = np.nan
@@ -178,14 +189,27 @@ def per_step(df, steps=None, by_rank: bool = True):
     if by_rank:
         return out
     means = out.groupby("step").agg(
-        stage=("stage", "first"), step_source=("step_source", "first"), ranks=("rank", "size"),
-        calls=("calls", "mean"), unmeasured=("unmeasured", "mean"), bytes=("bytes", "mean"), comm_us=("comm_us", "mean"), max_comm_us=("comm_us", "max"),
-        busy_us=("busy_us", "mean"), exposed_us=("exposed_us", "mean"), overlapped_us=("overlapped_us", "mean"),
-        overlap_unknown_us=("overlap_unknown_us", "mean"), setup_comm_us=("setup_comm_us", "mean"),
-        ddp_finalize_us=("ddp_finalize_us", "mean"), ddp_pack_us=("ddp_pack_us", "mean"),
-        step_us=("step_us", "mean"), step_time_from=("step_time_from", "first"),
-        comm_share=("comm_share", "mean"), exposed_share=("exposed_share", "mean"))
-    most = out["comm_us"].fillna(-np.inf).groupby(out["step"]).idxmax()      # unknown: the first rank
+        stage=("stage", "first"),
+        step_source=("step_source", "first"),
+        ranks=("rank", "size"),
+        calls=("calls", "mean"),
+        unmeasured=("unmeasured", "mean"),
+        bytes=("bytes", "mean"),
+        comm_us=("comm_us", "mean"),
+        max_comm_us=("comm_us", "max"),
+        busy_us=("busy_us", "mean"),
+        exposed_us=("exposed_us", "mean"),
+        overlapped_us=("overlapped_us", "mean"),
+        overlap_unknown_us=("overlap_unknown_us", "mean"),
+        setup_comm_us=("setup_comm_us", "mean"),
+        ddp_finalize_us=("ddp_finalize_us", "mean"),
+        ddp_pack_us=("ddp_pack_us", "mean"),
+        step_us=("step_us", "mean"),
+        step_time_from=("step_time_from", "first"),
+        comm_share=("comm_share", "mean"),
+        exposed_share=("exposed_share", "mean"),
+    )
+    most = out["comm_us"].fillna(-np.inf).groupby(out["step"]).idxmax()  # unknown: the first rank
     means["max_rank"] = out.loc[most, ["step", "rank"]].set_index("step")["rank"]
     return means.reset_index()
 
@@ -203,7 +227,7 @@ def _before_final_source(out) -> np.ndarray:
     bounds = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1], True])
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         final = np.flatnonzero(source[lo:hi] == source[hi - 1])
-        before[lo:lo + final[0]] = True
+        before[lo : lo + final[0]] = True
     return before
 
 
@@ -247,20 +271,29 @@ def steady_state(steps_table) -> dict:
     """Figures of the steady state from ``per_step`` (either form): steps, the median, p95 and
     mean step time, and medians of the per-step communication figures and shares."""
     steady = steps_table[steps_table["stage"] == "steady"]
-    if "ranks" not in steps_table.columns and len(steady):       # per rank: the mean over ranks per step
+    if "ranks" not in steps_table.columns and len(steady):  # per rank: the mean over ranks per step
         steady = steady.groupby("step").mean(numeric_only=True)
     t = steady["step_us"].to_numpy(np.float64)
 
     def median(col):
         return float(np.nanmedian(steady[col])) if len(steady) and steady[col].notna().any() else float("nan")
 
-    return dict(steps=int(len(steady)), step_p50_us=median("step_us"),
-                step_p95_us=float(np.nanpercentile(t, 95)) if len(t) else float("nan"),
-                step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
-                calls=median("calls"), unmeasured=median("unmeasured"), comm_us=median("comm_us"), busy_us=median("busy_us"),
-                exposed_us=median("exposed_us"), overlap_unknown_us=median("overlap_unknown_us"),
-                ddp_finalize_us=median("ddp_finalize_us"), ddp_pack_us=median("ddp_pack_us"),
-                comm_share=median("comm_share"), exposed_share=median("exposed_share"))
+    return dict(
+        steps=int(len(steady)),
+        step_p50_us=median("step_us"),
+        step_p95_us=float(np.nanpercentile(t, 95)) if len(t) else float("nan"),
+        step_mean_us=float(np.nanmean(t)) if len(t) else float("nan"),
+        calls=median("calls"),
+        unmeasured=median("unmeasured"),
+        comm_us=median("comm_us"),
+        busy_us=median("busy_us"),
+        exposed_us=median("exposed_us"),
+        overlap_unknown_us=median("overlap_unknown_us"),
+        ddp_finalize_us=median("ddp_finalize_us"),
+        ddp_pack_us=median("ddp_pack_us"),
+        comm_share=median("comm_share"),
+        exposed_share=median("exposed_share"),
+    )
 
 
 def setup_cost(df, steps_table) -> dict:
@@ -273,11 +306,20 @@ def setup_cost(df, steps_table) -> dict:
     later = steps_table[steps_table["stage"] != "setup"]
     mask = df["op"].isin(SETUP_OPS).to_numpy() | df["step"].isin(setup["step"].tolist()).to_numpy()
     dur = np.nan_to_num(durations(df))
-    by_op = (df.loc[mask, ["op"]].assign(us=dur[mask] / ranks).groupby("op", observed=True)["us"].sum()
-             .sort_values(ascending=False))
-    return dict(setup_us=float(setup["step_us"].sum(min_count=1)) if len(setup) else float("nan"),
-                setup_comm_us=float(dur[mask].sum() / ranks), comm_total_us=float(dur.sum() / ranks),
-                later_setup_comm_us=float(later["setup_comm_us"].sum()), by_op=by_op)
+    by_op = (
+        df.loc[mask, ["op"]]
+        .assign(us=dur[mask] / ranks)
+        .groupby("op", observed=True)["us"]
+        .sum()
+        .sort_values(ascending=False)
+    )
+    return dict(
+        setup_us=float(setup["step_us"].sum(min_count=1)) if len(setup) else float("nan"),
+        setup_comm_us=float(dur[mask].sum() / ranks),
+        comm_total_us=float(dur.sum() / ranks),
+        later_setup_comm_us=float(later["setup_comm_us"].sum()),
+        by_op=by_op,
+    )
 
 
 def steady_rows(df, steps_table):
@@ -312,11 +354,21 @@ def scaling(runs, mode: str = "weak", global_batch: float | None = None):
         ps = per_step(df, by_rank=False)
         st = steady_state(ps)
         bw = summary(steady_rows(df, ps).assign(_all="all"), by="_all")
-        rows.append(dict(run=str(label), world_size=int(df["world_size"].max()), ranks=int(df["rank"].nunique()),
-                         steps=st["steps"], step_us=st["step_p50_us"], step_p95_us=st["step_p95_us"],
-                         calls_per_step=st["calls"], comm_per_step_us=st["busy_us"], comm_share=st["comm_share"],
-                         exposed_share=st["exposed_share"],
-                         busbw_gbps=bw["busbw_gbps"].iloc[0] if len(bw) else np.nan))
+        rows.append(
+            dict(
+                run=str(label),
+                world_size=int(df["world_size"].max()),
+                ranks=int(df["rank"].nunique()),
+                steps=st["steps"],
+                step_us=st["step_p50_us"],
+                step_p95_us=st["step_p95_us"],
+                calls_per_step=st["calls"],
+                comm_per_step_us=st["busy_us"],
+                comm_share=st["comm_share"],
+                exposed_share=st["exposed_share"],
+                busbw_gbps=bw["busbw_gbps"].iloc[0] if len(bw) else np.nan,
+            )
+        )
     out = pd.DataFrame(rows)
     if not len(out):
         return out
@@ -359,12 +411,24 @@ def scaling_by_op(runs):
         s.insert(0, "run", str(label))
         frames.append(s)
     if not frames:
-        return pd.DataFrame(columns=["run", "world_size", "collective", "size_bucket", "calls_per_rank", "p50_us",
-                                     "busbw_gbps"])
+        return pd.DataFrame(
+            columns=["run", "world_size", "collective", "size_bucket", "calls_per_rank", "p50_us", "busbw_gbps"]
+        )
     out = pd.concat(frames, ignore_index=True)
     out["collective"] = out["collective"].astype(str)
     return out.sort_values(["collective", "size_bucket", "world_size", "run"], kind="stable").reset_index(drop=True)
 
 
-__all__ = ["BLOCKING_TIMINGS", "SCALING_MODES", "SETUP_OPS", "STAGES", "per_step", "scaling", "scaling_by_op",
-           "setup_cost", "size_bucket", "steady_rows", "steady_state"]
+__all__ = [
+    "BLOCKING_TIMINGS",
+    "SCALING_MODES",
+    "SETUP_OPS",
+    "STAGES",
+    "per_step",
+    "scaling",
+    "scaling_by_op",
+    "setup_cost",
+    "size_bucket",
+    "steady_rows",
+    "steady_state",
+]

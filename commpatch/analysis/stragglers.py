@@ -62,8 +62,9 @@ def step_arrivals(waits):
     ``waits``: ``matching._match``'s per-row table (rank, step, arrival_us, and ``ranks``: how many
     ranks issued the row's collective)."""
     w = waits[waits["ranks"].to_numpy() > 1]
-    out = w.groupby(["step", "rank"], sort=True).agg(arrival_us=("arrival_us", "mean"),
-                                                     collectives=("arrival_us", "size"))
+    out = w.groupby(["step", "rank"], sort=True).agg(
+        arrival_us=("arrival_us", "mean"), collectives=("arrival_us", "size")
+    )
     return out.reset_index()
 
 
@@ -93,13 +94,24 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
     offsets: NaN when one of them is unknown). ``clock``: the per-rank ``data.clock`` summaries."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
-    out: dict = dict(rank=None, straggler=False, steps=0, last_steps=0, late_median_us=math.nan, p_value=math.nan,
-                     share_of_step=math.nan, reason="steps", setup_rank=None, setup_late_us=math.nan, clock_us=0.0)
+    out: dict = dict(
+        rank=None,
+        straggler=False,
+        steps=0,
+        last_steps=0,
+        late_median_us=math.nan,
+        p_value=math.nan,
+        share_of_step=math.nan,
+        reason="steps",
+        setup_rank=None,
+        setup_late_us=math.nan,
+        clock_us=0.0,
+    )
     unc = clock_uncertainty(clock, arrivals["rank"].unique().tolist())
     setup = _late(table[table["stage"] == "setup"])
     if setup is not None and len(setup.columns):
         best = setup.iloc[0].idxmax()
-        if float(setup.iloc[0][best]) > _relative(unc, best, setup.columns):    # else: within the clocks' uncertainty
+        if float(setup.iloc[0][best]) > _relative(unc, best, setup.columns):  # else: within the clocks' uncertainty
             out.update(setup_rank=int(best), setup_late_us=float(setup.iloc[0][best]))
     late = _late(table[table["stage"] == "steady"])
     if late is None or len(late) < 2:
@@ -111,16 +123,22 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
     d = late[rank].to_numpy(np.float64)
     m = len(d)
     steady = steps_table[steps_table["stage"] == "steady"]
-    if "ranks" not in steps_table.columns:         # per rank: the mean over ranks per step
+    if "ranks" not in steps_table.columns:  # per rank: the mean over ranks per step
         steady = steady.groupby("step").mean(numeric_only=True)
     times = steady["step_us"].dropna()
-    step_us = float(times.median()) if len(times) else math.nan      # as steady_state's step_p50_us
+    step_us = float(times.median()) if len(times) else math.nan  # as steady_state's step_p50_us
     # Bonferroni: two tests, and the candidate was picked from n ranks
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
-    out.update(rank=int(rank), steps=m, last_steps=int((d > 0).sum()), late_median_us=float(medians[rank]),
-               p_value=p, share_of_step=float(medians[rank]) / step_us if step_us > 0 else math.nan)
+    out.update(
+        rank=int(rank),
+        steps=m,
+        last_steps=int((d > 0).sum()),
+        late_median_us=float(medians[rank]),
+        p_value=p,
+        share_of_step=float(medians[rank]) / step_us if step_us > 0 else math.nan,
+    )
     out["clock_us"] = _relative(unc, rank, ranks)
-    if out["late_median_us"] > 0 and not out["late_median_us"] > out["clock_us"]:   # NaN (an unknown offset) too
+    if out["late_median_us"] > 0 and not out["late_median_us"] > out["clock_us"]:  # NaN (an unknown offset) too
         out["reason"] = "clock"
     elif p >= ALPHA:
         out["reason"] = "significance"
@@ -137,8 +155,9 @@ def _relative(unc, rank, ranks) -> float:
     """The uncertainty of ``rank``'s arrival against the other ``ranks``' (us): its offset's plus the
     largest other's; NaN when one is unknown."""
     others = [unc.get(r, math.nan) for r in ranks if r != rank]
-    return unc.get(rank, math.nan) + (max(others) if others and not any(map(math.isnan, others)) else
-                                      (math.nan if others else 0.0))
+    return unc.get(rank, math.nan) + (
+        max(others) if others and not any(map(math.isnan, others)) else (math.nan if others else 0.0)
+    )
 
 
 def _late(table):
@@ -162,8 +181,10 @@ def _binom_sf(k: int, m: int, p: float) -> float:
     if k <= 0:
         return 1.0
     log_p, log_q = math.log(p), math.log1p(-p)
-    terms = [math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1) + i * log_p + (m - i) * log_q
-             for i in range(k, m + 1)]
+    terms = [
+        math.lgamma(m + 1) - math.lgamma(i + 1) - math.lgamma(m - i + 1) + i * log_p + (m - i) * log_q
+        for i in range(k, m + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 
@@ -179,7 +200,7 @@ def _trimmed_t_sf(d, trim: float = TRIM) -> float:
     h = m - 2 * g
     if h < 2:
         return 1.0
-    kept = d[g:m - g]
+    kept = d[g : m - g]
     mean = float(kept.mean())
     winsorized = np.clip(d, kept[0], kept[-1])
     sd = float(winsorized.std(ddof=1))
@@ -187,7 +208,7 @@ def _trimmed_t_sf(d, trim: float = TRIM) -> float:
         return 0.0 if mean > 0 else 1.0
     t = mean / (sd / ((1 - 2 * g / m) * math.sqrt(m)))
     nu = h - 1
-    tail = 0.5 * _betainc(nu / 2, 0.5, nu / (nu + t * t))     # P(T > |t|)
+    tail = 0.5 * _betainc(nu / 2, 0.5, nu / (nu + t * t))  # P(T > |t|)
     return tail if t > 0 else 1.0 - tail
 
 
@@ -205,8 +226,10 @@ def _betainc(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for i in range(1, 300):
-        for num in (i * (b - i) * x / ((a + 2 * i - 1) * (a + 2 * i)),
-                    -(a + i) * (a + b + i) * x / ((a + 2 * i) * (a + 2 * i + 1))):
+        for num in (
+            i * (b - i) * x / ((a + 2 * i - 1) * (a + 2 * i)),
+            -(a + i) * (a + b + i) * x / ((a + 2 * i) * (a + 2 * i + 1)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -217,5 +240,13 @@ def _betainc(a: float, b: float, x: float) -> float:
     return front * h / a
 
 
-__all__ = ["ALPHA", "MIN_LATE_US", "SETUP_LATE_US", "STRAGGLER_LATE", "STRAGGLER_SHARE", "clock_uncertainty",
-           "step_arrivals", "verdict"]
+__all__ = [
+    "ALPHA",
+    "MIN_LATE_US",
+    "SETUP_LATE_US",
+    "STRAGGLER_LATE",
+    "STRAGGLER_SHARE",
+    "clock_uncertainty",
+    "step_arrivals",
+    "verdict",
+]

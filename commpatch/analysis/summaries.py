@@ -40,7 +40,7 @@ def own_durations(df) -> np.ndarray:
     if "own_us" not in df.columns:
         return duration
     own = durations(df, "own_us")
-    return np.where(np.isnan(own), duration, np.minimum(own, duration))   # NaN where the duration is
+    return np.where(np.isnan(own), duration, np.minimum(own, duration))  # NaN where the duration is
 
 
 def transfer_durations(df, own=None) -> np.ndarray:
@@ -107,8 +107,16 @@ def summary(df, by=("collective",)):
     nbytes = df["bytes"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         factor = df["busbw_gbps"].to_numpy(np.float64) / df["algbw_gbps"].to_numpy(np.float64)
-    work = {key: (size_bucket(df["bytes"]) if key == "size_bucket" else df[key].to_numpy()
-                  if df[key].dtype.name != "category" else df[key]) for key in by}
+    work = {
+        key: (
+            size_bucket(df["bytes"])
+            if key == "size_bucket"
+            else df[key].to_numpy()
+            if df[key].dtype.name != "category"
+            else df[key]
+        )
+        for key in by
+    }
     import pandas as pd
 
     work = pd.DataFrame(work, index=df.index)
@@ -120,11 +128,18 @@ def summary(df, by=("collective",)):
     work["_mbytes"] = np.where(measured, nbytes, 0.0)
     work["_busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     grouped = work.groupby(by, observed=True, sort=True)
-    out = grouped.agg(count=("bytes", "size"), total_us=("duration_us", "sum"), mean_us=("duration_us", "mean"),
-                      max_us=("duration_us", "max"), own_us=("own_us", "sum"),
-                      transfer_us=("transfer_us", "sum"), bytes=("bytes", "sum"),
-                      unmeasured=("_unmeasured", "sum"), _mbytes=("_mbytes", "sum"),
-                      _busbytes=("_busbytes", "sum"))
+    out = grouped.agg(
+        count=("bytes", "size"),
+        total_us=("duration_us", "sum"),
+        mean_us=("duration_us", "mean"),
+        max_us=("duration_us", "max"),
+        own_us=("own_us", "sum"),
+        transfer_us=("transfer_us", "sum"),
+        bytes=("bytes", "sum"),
+        unmeasured=("_unmeasured", "sum"),
+        _mbytes=("_mbytes", "sum"),
+        _busbytes=("_busbytes", "sum"),
+    )
     out.insert(3, "p50_us", grouped["duration_us"].quantile(0.5))
     out.insert(4, "p95_us", grouped["duration_us"].quantile(0.95))
     return finish_summary(out)
@@ -137,9 +152,12 @@ def finish_summary(out):
         seconds = out[column].to_numpy() / 1e6
         with np.errstate(divide="ignore", invalid="ignore"):
             if not name:
-                out["algbw_gbps"] = np.where((seconds > 0) & (out["_mbytes"] > 0), out["_mbytes"] / seconds / 1e9, np.nan)
-            out[f"busbw{name}_gbps"] = np.where((seconds > 0) & (out["_busbytes"] > 0),
-                                                out["_busbytes"] / seconds / 1e9, np.nan)
+                out["algbw_gbps"] = np.where(
+                    (seconds > 0) & (out["_mbytes"] > 0), out["_mbytes"] / seconds / 1e9, np.nan
+                )
+            out[f"busbw{name}_gbps"] = np.where(
+                (seconds > 0) & (out["_busbytes"] > 0), out["_busbytes"] / seconds / 1e9, np.nan
+            )
     total = out["total_us"].sum()
     out["time_share"] = out["total_us"] / total if total > 0 else np.nan
     out = out.drop(columns=["_mbytes", "_busbytes"]).reset_index()

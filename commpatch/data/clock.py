@@ -28,10 +28,10 @@ REFERENCE, SAME_MACHINE, MEASURED, UNMEASURED = "reference", "same_machine", "me
 
 @dataclass(frozen=True)
 class RankClock:
-    status: str                    # REFERENCE, SAME_MACHINE, MEASURED or UNMEASURED
-    at: tuple = ()                 # local Unix ns of each measurement
-    mid: tuple = ()                # rank 0's clock minus this rank's, ns (tightened midpoints)
-    half: tuple = ()               # their half-widths, ns
+    status: str  # REFERENCE, SAME_MACHINE, MEASURED or UNMEASURED
+    at: tuple = ()  # local Unix ns of each measurement
+    mid: tuple = ()  # rank 0's clock minus this rank's, ns (tightened midpoints)
+    half: tuple = ()  # their half-widths, ns
 
     def shift(self, np, start_ns):
         """ns to add to this rank's ``start_ns`` (int64 array) to put it on rank 0's clock."""
@@ -50,8 +50,12 @@ class RankClock:
         if not self.mid:
             return dict(status=UNMEASURED, offset_us=nan, uncertainty_us=nan, measurements=0)
         mids = sorted(self.mid)
-        return dict(status=MEASURED, offset_us=mids[len(mids) // 2] / 1e3, uncertainty_us=max(self.half) / 1e3,
-                    measurements=len(self.mid))
+        return dict(
+            status=MEASURED,
+            offset_us=mids[len(mids) // 2] / 1e3,
+            uncertainty_us=max(self.half) / 1e3,
+            measurements=len(self.mid),
+        )
 
 
 def rank_clock(rank: int, world_size: int, intervals) -> RankClock:
@@ -67,7 +71,7 @@ def rank_clock(rank: int, world_size: int, intervals) -> RankClock:
     for t, lo, hi in items:
         tight_lo = max(lo2 - DRIFT * abs(t - t2) for t2, lo2, _ in items)
         tight_hi = min(hi2 + DRIFT * abs(t - t2) for t2, _, hi2 in items)
-        if tight_lo > tight_hi:              # inconsistent (a clock stepped): as measured
+        if tight_lo > tight_hi:  # inconsistent (a clock stepped): as measured
             tight_lo, tight_hi = lo, hi
         tight_lo, tight_hi = max(tight_lo, lo), min(tight_hi, hi)
         at.append(t)

@@ -15,10 +15,10 @@ import json
 
 from .frame import Cat, columns
 from .logfile import _FRAME, LATE, MAGIC, META, OWN, ROWS, Parsed, _Bad, _meta
-from .schema import F_ERROR, ROW, T_DEVICE, T_FUTURE, T_NCCL, T_SHIFT, TIMINGS, row_dtype
 from .ops import OP_NAMES
+from .schema import F_ERROR, ROW, T_DEVICE, T_FUTURE, T_NCCL, T_SHIFT, TIMINGS, row_dtype
 
-MAX_FRAME = 1 << 28          # a frame longer than this is damage, not a flush (a flush is < 16 MB)
+MAX_FRAME = 1 << 28  # a frame longer than this is damage, not a flush (a flush is < 16 MB)
 _KINDS = frozenset((ROWS, LATE, META, OWN))
 _PAIR = 16
 # timing codes whose duration arrives after the row (a LATE / OWN record)
@@ -29,29 +29,30 @@ class Follower:
     """One rank log, decoded incrementally. ``feed(data)`` takes the next bytes (the file's
     ``MAGIC`` first when ``with_magic``); ``window`` holds the recent rows (numpy, seq order)."""
 
-    def __init__(self, max_rows: int = 1 << 16, keep_steps: int = 4, with_magic: bool = True,
-                 settling: bool = False) -> None:
+    def __init__(
+        self, max_rows: int = 1 << 16, keep_steps: int = 4, with_magic: bool = True, settling: bool = False
+    ) -> None:
         import numpy as np
 
         self.np = np
         self.dtype = row_dtype(np)
         self.max_rows = max_rows
         self.keep_steps = keep_steps
-        self.settling = settling           # rows wait in the window until take_settled() hands them out
+        self.settling = settling  # rows wait in the window until take_settled() hands them out
         self.parsed = Parsed()
-        self.pending = bytearray()         # bytes of a frame not complete yet (at most one frame)
+        self.pending = bytearray()  # bytes of a frame not complete yet (at most one frame)
         self.magic_left = len(MAGIC) if with_magic else 0
         self.window = np.empty(0, dtype=self.dtype)
-        self.taken = np.zeros(0, bool)     # per window row: handed out by take_settled()
-        self.late: dict[int, int] = {}     # seq -> duration ns, of rows in (or after) the window
+        self.taken = np.zeros(0, bool)  # per window row: handed out by take_settled()
+        self.late: dict[int, int] = {}  # seq -> duration ns, of rows in (or after) the window
         self.own: dict[int, int] = {}
-        self.rows_seen = 0                 # rows decoded in all
+        self.rows_seen = 0  # rows decoded in all
         self.bytes_read = 0
-        self.skipped_bytes = 0             # bytes that were no frame
+        self.skipped_bytes = 0  # bytes that were no frame
         self.bad_rows = 0
         self.bad_records = 0
-        self.dropped_unsettled = 0         # rows pushed out of the window before they settled
-        self.headers = 0                   # header records seen (a new file of the rank: more than one)
+        self.dropped_unsettled = 0  # rows pushed out of the window before they settled
+        self.headers = 0  # header records seen (a new file of the rank: more than one)
 
     # ---- decoding ------------------------------------------------------------------------
     def feed(self, data: bytes) -> int:
@@ -61,26 +62,30 @@ class Follower:
             return 0
         self.bytes_read += len(data)
         if self.magic_left:
-            head = bytes(data[:self.magic_left])
-            want = MAGIC[len(MAGIC) - self.magic_left:len(MAGIC) - self.magic_left + len(head)]
+            head = bytes(data[: self.magic_left])
+            want = MAGIC[len(MAGIC) - self.magic_left : len(MAGIC) - self.magic_left + len(head)]
             if head != want:
                 raise ValueError(f"not a commpatch binary log (no {MAGIC[:-1].decode()} header)")
             self.magic_left -= len(head)
-            data = data[len(head):]
+            data = data[len(head) :]
         buf = self.pending
         buf += data
         pos, end, added, rows = 0, len(buf), 0, []
         while end - pos >= _FRAME.size:
             kind, length = _FRAME.unpack_from(buf, pos)
-            if kind not in _KINDS or length > MAX_FRAME or (kind == ROWS and length % ROW.size) \
-                    or (kind in (LATE, OWN) and length % _PAIR):
-                pos += 1                    # not a frame here: look one byte further
+            if (
+                kind not in _KINDS
+                or length > MAX_FRAME
+                or (kind == ROWS and length % ROW.size)
+                or (kind in (LATE, OWN) and length % _PAIR)
+            ):
+                pos += 1  # not a frame here: look one byte further
                 self.skipped_bytes += 1
                 continue
             stop = pos + _FRAME.size + length
             if stop > end:
-                break                       # the rest of this frame has not arrived yet
-            payload = bytes(buf[pos + _FRAME.size:stop])
+                break  # the rest of this frame has not arrived yet
+            payload = bytes(buf[pos + _FRAME.size : stop])
             pos = stop
             if kind == ROWS:
                 rows.append(payload)
@@ -113,9 +118,17 @@ class Follower:
         rows = np.frombuffer(raw, dtype=self.dtype)
         h = self.parsed.header
         n_ops, n_timings = len(h.get("ops", OP_NAMES)), len(h.get("timings", TIMINGS))
-        ok = ((rows["seq"] >= 0) & (rows["op"] >= 0) & (rows["op"] < n_ops) & (rows["gid"] >= 0)
-              & (rows["dtype"] >= 0) & (rows["start"] > 0) & (rows["flags"] >> T_SHIFT < n_timings)
-              & (rows["tag"] >= 0) & (rows["where"] >= 0))
+        ok = (
+            (rows["seq"] >= 0)
+            & (rows["op"] >= 0)
+            & (rows["op"] < n_ops)
+            & (rows["gid"] >= 0)
+            & (rows["dtype"] >= 0)
+            & (rows["start"] > 0)
+            & (rows["flags"] >> T_SHIFT < n_timings)
+            & (rows["tag"] >= 0)
+            & (rows["where"] >= 0)
+        )
         if not ok.all():
             self.bad_rows += int((~ok).sum())
             rows = rows[ok]
@@ -124,7 +137,7 @@ class Follower:
         window = np.concatenate((self.window, rows))
         taken = np.concatenate((self.taken, np.zeros(len(rows), bool)))
         seq = window["seq"]
-        if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():       # threads interleave: seq order
+        if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():  # threads interleave: seq order
             order = np.argsort(seq, kind="stable")
             window, taken = window[order], taken[order]
         self.window, self.taken = window, taken
@@ -163,15 +176,31 @@ class Follower:
         import pandas as pd
 
         cols = self.frame(rows, names)
-        return pd.DataFrame({name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat)
-                             else c for name, c in cols.items()}, copy=False)
+        return pd.DataFrame(
+            {
+                name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
+                for name, c in cols.items()
+            },
+            copy=False,
+        )
 
     def _view(self, rows) -> Parsed:
         np = self.np
         view = Parsed()
         p = self.parsed
-        for name in ("header", "groups", "dtypes", "tags", "modules", "clock", "buckets", "step_sources", "syncs",
-                     "packs", "device"):
+        for name in (
+            "header",
+            "groups",
+            "dtypes",
+            "tags",
+            "modules",
+            "clock",
+            "buckets",
+            "step_sources",
+            "syncs",
+            "packs",
+            "device",
+        ):
             setattr(view, name, getattr(p, name))
         view.rows = rows
         seqs = set(rows["seq"].tolist())
@@ -196,15 +225,17 @@ class Follower:
             return None
         if not final:
             rows = w[new]
-            waits = np.isin(rows["flags"].astype(np.int64) >> T_SHIFT, LATE_TIMINGS) \
-                & ~np.isin(rows["seq"], np.fromiter(self.late, np.int64, len(self.late))) \
+            waits = (
+                np.isin(rows["flags"].astype(np.int64) >> T_SHIFT, LATE_TIMINGS)
+                & ~np.isin(rows["seq"], np.fromiter(self.late, np.int64, len(self.late)))
                 & ~(rows["flags"].astype(np.int64) & F_ERROR).astype(bool)
+            )
             if waits.any():
                 offset = self.parsed.clock[-1][1] if self.parsed.clock else 0
                 young = rows["start"].astype(np.int64) + offset > now_ns - horizon_ns
                 stop = np.flatnonzero(waits & young)
                 if len(stop):
-                    new = new[:stop[0]]
+                    new = new[: stop[0]]
             if not len(new):
                 return None
         upto = int(new[-1]) + 1

@@ -6,12 +6,29 @@ from __future__ import annotations
 
 import threading
 
-from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
 from .clock import CLOCK_ATTR, RankClock, rank_clock
 from .logfile import parse
-from .schema import (ROW, _FIELDS, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, PHASES, SCHEMA, STEP_SOURCES, T_DEVICE,
-                     T_FUTURE, T_HOST, T_NCCL, T_WAIT, TIMINGS, printable_name, row_dtype, unpack_flags, unpack_where)
-
+from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
+from .schema import (
+    _FIELDS,
+    COLUMNS,
+    DERIVED_FROM_OP,
+    OLD_TIMING_NAMES,
+    PHASES,
+    ROW,
+    SCHEMA,
+    STEP_SOURCES,
+    T_DEVICE,
+    T_FUTURE,
+    T_HOST,
+    T_NCCL,
+    T_WAIT,
+    TIMINGS,
+    printable_name,
+    row_dtype,
+    unpack_flags,
+    unpack_where,
+)
 
 _DTYPES = {c.name: c.dtype for c in SCHEMA}
 
@@ -46,7 +63,7 @@ def columns(parsed, names=None) -> dict:
     h = parsed.header
     rows = parsed.rows
     seq = rows["seq"]
-    if len(seq) > 1 and not (seq[1:] >= seq[:-1]).all():      # threads may interleave: order by seq
+    if len(seq) > 1 and not (seq[1:] >= seq[:-1]).all():  # threads may interleave: order by seq
         rows = rows[np.argsort(seq, kind="stable")]
     # contiguous, aligned columns (fields of the packed rows are strided, unaligned views; one row's
     # view counts as contiguous): every step below is faster, and Arrow takes no unaligned buffer
@@ -58,12 +75,16 @@ def columns(parsed, names=None) -> dict:
     late = _by_seq(np, raw["seq"], parsed.late_seq, parsed.late_dur)
 
     n_groups = max(parsed.groups, default=-1) + 1
-    groups = [parsed.groups.get(i, {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3})
-              for i in range(n_groups)]
+    groups = [
+        parsed.groups.get(i, {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3})
+        for i in range(n_groups)
+    ]
     op_names = h.get("ops", list(OP_NAMES))
     described = [describe_op(name) for name in op_names]
     n_dtypes = max(parsed.dtypes, default=1) + 1
-    dtypes = [parsed.dtypes.get(i, ("none", 0) if i == 0 else (OBJECT, 1) if i == 1 else ("?", 0)) for i in range(n_dtypes)]
+    dtypes = [
+        parsed.dtypes.get(i, ("none", 0) if i == 0 else (OBJECT, 1) if i == 1 else ("?", 0)) for i in range(n_dtypes)
+    ]
 
     gid = raw["gid"].astype(np.int64)
     g_size = np.array([g["size"] for g in groups] or [0], dtype=np.int64)[gid]
@@ -80,7 +101,7 @@ def columns(parsed, names=None) -> dict:
     device_own = _by_seq(np, raw["seq"], parsed.own_seq, parsed.own_dur).astype(np.float64)
     device_own[device_own < 0] = np.nan
     start_ns = raw["start"] + offset
-    start_ns = start_ns + parsed_clock(parsed).shift(np, start_ns)     # on rank 0's wall clock, when measured
+    start_ns = start_ns + parsed_clock(parsed).shift(np, start_ns)  # on rank 0's wall clock, when measured
     device = np.where(on_device, 1, np.where(raw["dtype"] <= 1, 2, 0))
     n = len(gid)
     module, phase = unpack_where(raw["where"].astype(np.int64))
@@ -111,16 +132,19 @@ def columns(parsed, names=None) -> dict:
             memo["buckets"] = _bucket_columns(np, raw["seq"], parsed.buckets)
         return memo["buckets"]
 
-    out: dict = {   # column -> how to build it: only the columns asked for are built
+    out: dict = {  # column -> how to build it: only the columns asked for are built
         "seq": lambda: raw["seq"],
         "op": lambda: _cat(np, op, op_names),
-        **{name: (lambda i=i: _cat(np, op, [kinds[i] for kinds in described])) for i, name in enumerate(DERIVED_FROM_OP)},
+        **{
+            name: (lambda i=i: _cat(np, op, [kinds[i] for kinds in described]))
+            for i, name in enumerate(DERIVED_FROM_OP)
+        },
         "rank": lambda: np.full(n, h.get("rank", -1), np.int64),
         "world_size": lambda: np.full(n, h.get("world_size", -1), np.int64),
         "group": lambda: _cat(np, gid, [g["name"] for g in groups]),
         "group_size": lambda: g_size,
         "group_ranks": lambda: _cat(np, gid, [g["ranks"] for g in groups]),
-        "group_seq": lambda: _cumcount(np, gid),          # the n-th call of this rank on that group
+        "group_seq": lambda: _cumcount(np, gid),  # the n-th call of this rank on that group
         "backend": lambda: _cat(np, gid * 3 + device, [b for g in groups for b in g["backends"]]),
         "device": lambda: _cat(np, device, ["cpu", parsed.device, "none"]),
         "dtype": lambda: _cat(np, raw["dtype"].astype(np.int64), [d[0] for d in dtypes]),
@@ -143,7 +167,7 @@ def columns(parsed, names=None) -> dict:
         "phase": lambda: _cat(np, phase, list(PHASES)),
         **{name: (lambda name=name: bucket_columns()[name]) for name in ("bucket", "bucket_params", "tensors")},
         "step_source": lambda: _cat(np, _step_sources(np, raw["seq"], parsed.step_sources), list(STEP_SOURCES)),
-        "sync_end_us": lambda: _noted_us(np, raw["seq"], parsed.syncs, 1),   # end of DDP's finalize
+        "sync_end_us": lambda: _noted_us(np, raw["seq"], parsed.syncs, 1),  # end of DDP's finalize
         "pack_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 1),
         "pack_alone_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 2),
     }
@@ -187,12 +211,12 @@ def _build(builders: dict, wanted: list, n: int) -> dict:
     try:
         helper.start()
         started = True
-    except RuntimeError:                # no new threads at interpreter shutdown: all built below
+    except RuntimeError:  # no new threads at interpreter shutdown: all built below
         started = False
     run(tasks[0::2])
     if started:
         helper.join()
-    for name in wanted:                 # what the helper did not build (it failed, or never ran)
+    for name in wanted:  # what the helper did not build (it failed, or never ran)
         if name not in done:
             done[name] = builders[name]()
     return {name: done[name] for name in wanted}
@@ -203,8 +227,13 @@ def dataframe(parsed, names=None):
     import pandas as pd
 
     cols = columns(parsed, names)
-    df = pd.DataFrame({name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
-                       for name, c in cols.items()}, copy=False)
+    df = pd.DataFrame(
+        {
+            name: pd.Categorical.from_codes(c.codes, categories=c.categories) if isinstance(c, Cat) else c
+            for name, c in cols.items()
+        },
+        copy=False,
+    )
     df.attrs["torn_records"] = parsed.torn
     rank = parsed.header.get("rank")
     if isinstance(rank, int) and rank >= 0:
@@ -216,8 +245,9 @@ def parsed_clock(parsed) -> RankClock:
     """The clock of a parsed rank log relative to rank 0's (``data.clock``)."""
     h = parsed.header
     rank, world = h.get("rank", -1), h.get("world_size", -1)
-    return rank_clock(rank if isinstance(rank, int) else -1, world if isinstance(world, int) else -1,
-                      parsed.rank0_offsets)
+    return rank_clock(
+        rank if isinstance(rank, int) else -1, world if isinstance(world, int) else -1, parsed.rank0_offsets
+    )
 
 
 def arrow_table(parsed, names=None):
@@ -232,7 +262,9 @@ def arrow_table(parsed, names=None):
     cols = columns(parsed, names)
     for c in cols.values():
         if isinstance(c, Cat):
-            arrays.append(pa.DictionaryArray.from_arrays(_arrow_array(pa, np, c.codes), _arrow_strings(pa, np, c.categories)))
+            arrays.append(
+                pa.DictionaryArray.from_arrays(_arrow_array(pa, np, c.codes), _arrow_strings(pa, np, c.categories))
+            )
         else:
             arrays.append(_arrow_array(pa, np, c))
     return pa.Table.from_arrays(arrays, names=list(cols))
@@ -246,8 +278,9 @@ def _arrow_array(pa, np, values):
     ``pa.array`` leaves it), sharing the numpy buffer except for bools (bit-packed)."""
     values = np.ascontiguousarray(values)
     if values.dtype == bool:
-        return pa.Array.from_buffers(pa.bool_(), len(values),
-                                     [None, pa.py_buffer(np.packbits(values, bitorder="little"))])
+        return pa.Array.from_buffers(
+            pa.bool_(), len(values), [None, pa.py_buffer(np.packbits(values, bitorder="little"))]
+        )
     kind = values.dtype.str.lstrip("<=|")
     if kind not in _ARROW_TYPES:
         return pa.array(values)
@@ -297,14 +330,14 @@ def own_times(np, keys, start_ns, dur_ns, timing, device_own=None):
     if host_clock.any():
         idx = np.flatnonzero(host_clock)
         k = np.asarray(keys)[idx]
-        order = idx[np.argsort(k, kind="stable")]      # by key, then issue (row) order: idx is increasing
+        order = idx[np.argsort(k, kind="stable")]  # by key, then issue (row) order: idx is increasing
         k = np.asarray(keys)[order]
-        start = (start_ns[order] - start_ns[idx].min()).astype(np.float64)   # small: exact in float64
+        start = (start_ns[order] - start_ns[idx].min()).astype(np.float64)  # small: exact in float64
         end = start + dur_ns[order]
-        prev = np.full(len(end), -np.inf)      # the latest completion among the key's earlier calls
+        prev = np.full(len(end), -np.inf)  # the latest completion among the key's earlier calls
         bounds = np.flatnonzero(np.r_[True, k[1:] != k[:-1], True])
-        for lo, hi in zip(bounds[:-1], bounds[1:]):      # one block per group: few
-            prev[lo + 1:hi] = np.maximum.accumulate(end[lo:hi - 1])
+        for lo, hi in zip(bounds[:-1], bounds[1:]):  # one block per group: few
+            prev[lo + 1 : hi] = np.maximum.accumulate(end[lo : hi - 1])
         # a call that completed before an earlier one did was not queued behind it: all its own
         own[order] = np.where(end > prev, end - np.maximum(start, prev), dur_ns[order])
     nccl = timing == T_NCCL
@@ -333,7 +366,7 @@ def _bucket_columns(np, seqs, spans):
         i, j = np.searchsorted(seqs, (lo, hi))
         if index >= 0:
             bucket[i:j], params[i:j] = index, count
-        else:                                   # a _coalescing_manager span: calls coalesced
+        else:  # a _coalescing_manager span: calls coalesced
             tensors[i:j] = count
     return {"bucket": bucket, "bucket_params": params, "tensors": tensors}
 
@@ -381,8 +414,9 @@ def _cat(np, codes, names) -> Cat:
     position = {name: i for i, name in enumerate(categories)}
     # the smallest code type (what pandas picks too; Arrow's dictionary arrays take any): 1 byte a
     # row for the usual handful of values, not 8 (most of a conversion's time is touching memory)
-    lut = np.full(len(names), -1, dtype=np.int8 if len(categories) < 127 else np.int16 if len(categories) < 32767
-                  else np.int32)
+    lut = np.full(
+        len(names), -1, dtype=np.int8 if len(categories) < 127 else np.int16 if len(categories) < 32767 else np.int32
+    )
     lut[present] = [position[names[i]] for i in present]
     return Cat(lut[codes], categories)
 
@@ -405,7 +439,6 @@ def apply_schema(df):
         else:
             out[col.name] = s.astype(col.dtype)
     return pd.DataFrame(out)
-
 
 
 def parsed_frame(data: bytes, name: str = "<log>"):

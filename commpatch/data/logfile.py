@@ -39,10 +39,10 @@ from .schema import F_ASYNC, F_DEVICE, F_ERROR, ROW, STEP_SOURCES, T_SHIFT, TIMI
 
 MAGIC = b"CPLOG1\n"
 SUFFIX = ".cplog"
-FORMAT_VERSION = 1     # of this file layout; the columns' version is data.schema.SCHEMA_VERSION
+FORMAT_VERSION = 1  # of this file layout; the columns' version is data.schema.SCHEMA_VERSION
 _FRAME = struct.Struct("<cI")
 ROWS, LATE, META, OWN = b"R", b"L", b"M", b"Q"
-_UNUSED_FLAGS = ((1 << T_SHIFT) - 1) & ~(F_ASYNC | F_DEVICE | F_ERROR)   # bits no row sets
+_UNUSED_FLAGS = ((1 << T_SHIFT) - 1) & ~(F_ASYNC | F_DEVICE | F_ERROR)  # bits no row sets
 
 
 def frame(kind: bytes, payload: bytes) -> bytes:
@@ -63,12 +63,12 @@ def meta(kind: str, **fields) -> bytes:
 # that sizes something (a registry code, a row's tag, a group's ranks) is checked against what
 # the file can hold before anything is allocated.
 
-MAX_WORLD = 1 << 20          # ranks: a world size (or rank) above this is damage, not a job
+MAX_WORLD = 1 << 20  # ranks: a world size (or rank) above this is damage, not a job
 RANKS_NAMED = 4 * MAX_WORLD  # ranks the groups of one file may name in all (the analysis lists them)
 _KINDS = frozenset((ROWS, LATE, META, OWN))
-_PAIR = 16                   # one (seq, ns) pair of an L or Q frame
+_PAIR = 16  # one (seq, ns) pair of an L or Q frame
 _CANDIDATE = re.compile(rb"[RLMQ]")
-_RESYNC_TRIES = 1 << 18      # candidate frame starts tried per file (and one per 64 bytes of it)
+_RESYNC_TRIES = 1 << 18  # candidate frame starts tried per file (and one per 64 bytes of it)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 _UNKNOWN_GROUP = {"name": "?", "size": 0, "ranks": "", "backend": "?", "backends": ["?"] * 3}
 
@@ -78,12 +78,12 @@ class Parsed:
     what was left out of a damaged file (``damage()``)."""
 
     def __init__(self) -> None:
-        self.rows: Any = None                           # numpy arrays once parsed
+        self.rows: Any = None  # numpy arrays once parsed
         self.late_seq: Any = None
         self.late_dur: Any = None
         self.own_seq: Any = None
         self.own_dur: Any = None
-        self.device = "cuda"     # files written before the accelerator was named: CUDA
+        self.device = "cuda"  # files written before the accelerator was named: CUDA
         self.header: dict = {}
         self.groups: dict[int, dict] = {}
         self.dtypes: dict[int, tuple[str, int]] = {}
@@ -93,49 +93,59 @@ class Parsed:
         # (at, lo, hi ns, same machine as rank 0): rank 0's wall clock minus this rank's
         self.rank0_offsets: list[tuple[int, int, int, int]] = []
         self.buckets: list[tuple[int, int, int, int]] = []
-        self.step_sources: list[tuple[int, int]] = []   # (first seq, data.schema.STEP_SOURCES code)
-        self.syncs: list[tuple[int, int]] = []          # (seq of a last bucket's row, finalize end ns after its start)
-        self.packs: list[tuple[int, int, int]] = []     # (seq of a bucket's first row, packing ns, of which alone)
-        self.torn = 0            # frames cut short (a crash, a short write): their whole rows kept
-        self.damaged = 0         # stretches of bytes that are no frame (zeros, garbage): skipped
-        self.skipped_bytes = 0   # bytes of torn frames and damaged stretches left out
-        self.bad_records = 0     # registry records that are not valid (bad JSON, a wrong type, out of bounds)
-        self.zero_rows = 0       # rows of zeros (a crash on some filesystems)
-        self.bad_rows = 0        # rows with impossible values (a code out of range, a negative seq ...)
-        self.repeated_rows = 0   # rows repeating the seq of an earlier row
-        self.unknown_codes = 0   # codes used by rows whose registry record is lost: named "?"
-        self.ranks_named = 0     # ranks named by the groups read so far (bounded: RANKS_NAMED)
-        self.lost: list[tuple[int, int, int, str]] = []   # rows the writer dropped: (rows, first seq, last seq, why)
-        self.inflight: dict[int, dict] = {}   # id -> a call noted in flight (record.inflight), its fields checked
-        self.landed: dict[int, int] = {}      # id -> Unix ns when that call was seen completed
-        self.alive_ns = 0                     # the latest 'alive' record: the process ran until then at least
+        self.step_sources: list[tuple[int, int]] = []  # (first seq, data.schema.STEP_SOURCES code)
+        self.syncs: list[tuple[int, int]] = []  # (seq of a last bucket's row, finalize end ns after its start)
+        self.packs: list[tuple[int, int, int]] = []  # (seq of a bucket's first row, packing ns, of which alone)
+        self.torn = 0  # frames cut short (a crash, a short write): their whole rows kept
+        self.damaged = 0  # stretches of bytes that are no frame (zeros, garbage): skipped
+        self.skipped_bytes = 0  # bytes of torn frames and damaged stretches left out
+        self.bad_records = 0  # registry records that are not valid (bad JSON, a wrong type, out of bounds)
+        self.zero_rows = 0  # rows of zeros (a crash on some filesystems)
+        self.bad_rows = 0  # rows with impossible values (a code out of range, a negative seq ...)
+        self.repeated_rows = 0  # rows repeating the seq of an earlier row
+        self.unknown_codes = 0  # codes used by rows whose registry record is lost: named "?"
+        self.ranks_named = 0  # ranks named by the groups read so far (bounded: RANKS_NAMED)
+        self.lost: list[tuple[int, int, int, str]] = []  # rows the writer dropped: (rows, first seq, last seq, why)
+        self.inflight: dict[int, dict] = {}  # id -> a call noted in flight (record.inflight), its fields checked
+        self.landed: dict[int, int] = {}  # id -> Unix ns when that call was seen completed
+        self.alive_ns = 0  # the latest 'alive' record: the process ran until then at least
 
     def damage(self) -> list[str]:
         """What was left out or guessed, one phrase per kind (none for an undamaged log)."""
         out = []
         if self.torn:
-            out.append(f"{self.torn} frame(s) cut short (the process died, or the disk was full, while writing "
-                       "them): their whole rows kept")
+            out.append(
+                f"{self.torn} frame(s) cut short (the process died, or the disk was full, while writing "
+                "them): their whole rows kept"
+            )
         if self.damaged:
-            out.append(f"{self.damaged} stretch(es) of bytes that hold no frame (zeros or garbage): read on from "
-                       "the next whole frame")
+            out.append(
+                f"{self.damaged} stretch(es) of bytes that hold no frame (zeros or garbage): read on from "
+                "the next whole frame"
+            )
         if out and self.skipped_bytes:
             out[-1] += f" ({self.skipped_bytes} byte(s) left out in all)"
-        for n, what in ((self.zero_rows, "row(s) of zeros (left by a crash on some filesystems)"),
-                        (self.bad_rows, "row(s) with impossible values (a code out of range, a negative seq)"),
-                        (self.repeated_rows, "row(s) repeating the seq of an earlier row"),
-                        (self.bad_records, "registry record(s) that are not valid")):
+        for n, what in (
+            (self.zero_rows, "row(s) of zeros (left by a crash on some filesystems)"),
+            (self.bad_rows, "row(s) with impossible values (a code out of range, a negative seq)"),
+            (self.repeated_rows, "row(s) repeating the seq of an earlier row"),
+            (self.bad_records, "registry record(s) that are not valid"),
+        ):
             if n:
                 out.append(f"{n} {what}: left out")
         if self.unknown_codes:
-            out.append(f"{self.unknown_codes} group / dtype / tag / module code(s) used by rows but never "
-                       "registered (their record was lost): named '?'")
+            out.append(
+                f"{self.unknown_codes} group / dtype / tag / module code(s) used by rows but never "
+                "registered (their record was lost): named '?'"
+            )
         if self.lost:
             rows = sum(n for n, _, _, _ in self.lost)
             whys = sorted({why for _, _, _, why in self.lost if why})
-            out.append(f"{rows} row(s) recorded but never written: dropped by the writer"
-                       + (f" ({'; '.join(whys)[:200]})" if whys else "")
-                       + f", seq {min(f for _, f, _, _ in self.lost)}-{max(last for _, _, last, _ in self.lost)}")
+            out.append(
+                f"{rows} row(s) recorded but never written: dropped by the writer"
+                + (f" ({'; '.join(whys)[:200]})" if whys else "")
+                + f", seq {min(f for _, f, _, _ in self.lost)}-{max(last for _, _, last, _ in self.lost)}"
+            )
         return out
 
 
@@ -162,7 +172,7 @@ def parse(data: bytes, row_size: int, row_dtype, name: str = "<log>") -> Parsed:
         if kind == ROWS:
             rows.append(payload)
         elif kind == LATE or kind == OWN:
-            (late if kind == LATE else own).append(payload[:len(payload) - len(payload) % _PAIR])
+            (late if kind == LATE else own).append(payload[: len(payload) - len(payload) % _PAIR])
         else:
             try:
                 _meta(out, json.loads(bytes(payload)), scan.limit)
@@ -191,11 +201,11 @@ class _Scanner:
         # a registry code needs a record of ~30 bytes in the file: a code above this is damage
         self.limit = len(data) // 16 + 16
         self.ops, self.timings = _header_sizes({})
-        self.tries = _RESYNC_TRIES + len(data) // 64     # bounded work on any input
+        self.tries = _RESYNC_TRIES + len(data) // 64  # bounded work on any input
 
     def frames(self):
         pos, end, out = len(MAGIC), self.end, self.out
-        ahead = None                   # the frame after the last one taken, already looked at
+        ahead = None  # the frame after the last one taken, already looked at
         while pos < end:
             got = ahead if ahead is not None and ahead[1] == pos + _FRAME.size else self._whole(pos)
             ahead = None
@@ -205,18 +215,18 @@ class _Scanner:
                 continue
             head = got or self._head(pos)
             nxt = self._resync(head[1] if head is not None else pos + 1)
-            if got is not None and nxt >= got[2]:        # a whole frame; the damage starts after it
+            if got is not None and nxt >= got[2]:  # a whole frame; the damage starts after it
                 yield got
                 pos = got[2]
                 continue
-            if head is not None and head[0] == ROWS:     # rows: the whole ones before the damage kept
+            if head is not None and head[0] == ROWS:  # rows: the whole ones before the damage kept
                 whole = head[1] + (min(nxt, head[2]) - head[1]) // self.row_size * self.row_size
                 if whole > head[1]:
                     yield ROWS, head[1], whole
                 pos = whole
-            if head is not None and head[2] > nxt:        # cut short: another frame starts inside it
+            if head is not None and head[2] > nxt:  # cut short: another frame starts inside it
                 out.torn += 1
-            else:                                         # bytes that are no frame (zeros, garbage)
+            else:  # bytes that are no frame (zeros, garbage)
                 out.damaged += 1
             # the rows of a frame whose header was lost end where the next whole frame starts
             first = self._rows_before(pos, nxt)
@@ -238,7 +248,7 @@ class _Scanner:
         if kind == ROWS:
             ok = length % self.row_size == 0
         elif kind == META:
-            brace = data[start:start + 2]       # a torn last frame may hold less
+            brace = data[start : start + 2]  # a torn last frame may hold less
             ok = length >= 2 and (brace == b'{"' or (len(brace) < 2 and b'{"'.startswith(brace)))
         else:
             ok = length % _PAIR == 0
@@ -251,19 +261,28 @@ class _Scanner:
             return None
         kind, start, stop = head
         if kind == META:
-            ok = self.data[stop - 1:stop] == b"}"
+            ok = self.data[stop - 1 : stop] == b"}"
         elif kind == ROWS:
             ok = start == stop or (self._row_ok(start) and self._row_ok(stop - self.row_size))
         else:
-            ok = start == stop or int.from_bytes(self.data[start:start + 8], "little", signed=True) >= 0
+            ok = start == stop or int.from_bytes(self.data[start : start + 8], "little", signed=True) >= 0
         return head if ok else None
 
     def _row_ok(self, at: int) -> bool:
         if self.row_size != ROW.size:
             return True
         seq, op, gid, dtype, _, flags, start, _, _, _, tag, where = ROW.unpack_from(self.data, at)
-        return (seq >= 0 and 0 <= op < self.ops and gid >= 0 and dtype >= 0 and not flags & _UNUSED_FLAGS
-                and flags >> T_SHIFT < self.timings and start > 0 and 0 <= tag < self.limit and where >= 0)
+        return (
+            seq >= 0
+            and 0 <= op < self.ops
+            and gid >= 0
+            and dtype >= 0
+            and not flags & _UNUSED_FLAGS
+            and flags >> T_SHIFT < self.timings
+            and start > 0
+            and 0 <= tag < self.limit
+            and where >= 0
+        )
 
     def _rows_before(self, lo: int, hi: int) -> int:
         """Where the run of plausible rows that ends at ``hi`` starts (``hi`` if none), not before ``lo``."""
@@ -299,8 +318,11 @@ def _valid_rows(np, out: Parsed, raw: bytes, row_dtype, row_size: int, scan: _Sc
     # int64 copies of the packed (unaligned) fields, so every bound below is in the arrays' range:
     # numpy 2.0.2 (Python 3.9) crashed here in one test process (a NULL ufunc loop under bitwise_and
     # of these comparisons on the packed fields; not reproduced in isolation)
-    f = {name: rows[name].astype(np.int64) for name in ("seq", "op", "gid", "dtype", "flags", "start", "tag", "where")
-         if name in rows.dtype.names}
+    f = {
+        name: rows[name].astype(np.int64)
+        for name in ("seq", "op", "gid", "dtype", "flags", "start", "tag", "where")
+        if name in rows.dtype.names
+    }
     ok = f["seq"] >= 0
     for name, hi in (("op", scan.ops), ("gid", 1 << 15), ("dtype", 1 << 15), ("tag", scan.limit)):
         if name in f:
@@ -312,29 +334,31 @@ def _valid_rows(np, out: Parsed, raw: bytes, row_dtype, row_size: int, scan: _Sc
     if "where" in f:
         ok &= (f["where"] >= 0) & (f["where"] < scan.limit << 2)
     keep = None if ok.all() else np.flatnonzero(ok)
-    if keep is not None:            # of the rows left out, those of zeros (every row has a start > 0)
+    if keep is not None:  # of the rows left out, those of zeros (every row has a start > 0)
         bad = np.flatnonzero(~ok)
         zero = int((~np.frombuffer(raw, np.uint8).reshape(len(rows), row_size)[bad].any(axis=1)).sum())
         out.zero_rows += zero
         out.bad_rows += len(bad) - zero
     seq = f["seq"] if keep is None else f["seq"][keep]
-    if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():       # seq must not repeat: the first row kept
+    if len(seq) > 1 and not (seq[1:] > seq[:-1]).all():  # seq must not repeat: the first row kept
         _, first = np.unique(seq, return_index=True)
         if len(first) < len(seq):
             out.repeated_rows += len(seq) - len(first)
             keep = (np.arange(len(rows)) if keep is None else keep)[np.sort(first)]
     if keep is not None:
         rows = rows[keep]
-    codes: list[tuple] = [("gid", rows["gid"] if "gid" in f else None, out.groups, _UNKNOWN_GROUP, 0),
-             ("dtype", rows["dtype"] if "dtype" in f else None, out.dtypes, ("?", 0), 2),   # 0, 1: none, object
-             ("tag", rows["tag"] if "tag" in f else None, out.tags, "?", 0),
-             ("module", rows["where"] >> 2 if "where" in f else None, out.modules, "?", 0)]
+    codes: list[tuple] = [
+        ("gid", rows["gid"] if "gid" in f else None, out.groups, _UNKNOWN_GROUP, 0),
+        ("dtype", rows["dtype"] if "dtype" in f else None, out.dtypes, ("?", 0), 2),  # 0, 1: none, object
+        ("tag", rows["tag"] if "tag" in f else None, out.tags, "?", 0),
+        ("module", rows["where"] >> 2 if "where" in f else None, out.modules, "?", 0),
+    ]
     for _, used, registry, unknown, first in codes:
         if used is None or len(used) == 0:
             continue
         top = int(used.max())
         if top < len(registry) and all(c in registry for c in range(first, top + 1)):
-            continue                                  # the usual case: every code up to the top is known
+            continue  # the usual case: every code up to the top is known
         for code in np.unique(used).tolist():
             if code >= first and code not in registry:
                 registry[code] = unknown
@@ -353,7 +377,7 @@ def parse_header(data: bytes) -> dict:
         return {}
     out = Parsed()
     try:
-        _meta(out, json.loads(data[start:start + length]), len(data))
+        _meta(out, json.loads(data[start : start + length]), len(data))
     except (ValueError, KeyError, TypeError, RecursionError, _Bad):
         return {}
     return out.header
@@ -423,7 +447,12 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         if len(backends) != 3:
             raise _Bad("backends")
         out.groups[_int(m, "gid", 0, min(limit, 1 << 15) - 1)] = {
-            "name": _str(m, "name"), "size": size, "ranks": ranks, "backend": backend, "backends": backends}
+            "name": _str(m, "name"),
+            "size": size,
+            "ranks": ranks,
+            "backend": backend,
+            "backends": backends,
+        }
     elif kind == "dtype":
         out.dtypes[_int(m, "code", 0, min(limit, 1 << 15) - 1)] = (_str(m, "name"), _int(m, "size", 0, 1 << 10))
     elif kind == "tag":
@@ -447,18 +476,25 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.syncs.append((_int(m, "seq"), _int(m, "end")))
     elif kind == "pack":
         out.packs.append((_int(m, "seq"), _int(m, "ns"), _int(m, "alone")))
-    elif kind == "inflight":    # a call in flight longer than the flusher's period (record.inflight)
+    elif kind == "inflight":  # a call in flight longer than the flusher's period (record.inflight)
         out.inflight[_int(m, "id", 0)] = {
-            "seq": _int(m, "seq", -1), "below": _int(m, "below", 0), "op": _int(m, "op", 0, 1 << 15),
-            "gid": _int(m, "gid", 0, min(limit, 1 << 15) - 1), "peer": _int(m, "peer", -1, MAX_WORLD),
-            "numel": _int(m, "numel", -1), "bytes": _int(m, "bytes", -1), "start_ns": _int(m, "start", -1),
-            "seen_ns": _int(m, "seen", 0), "thread": _str(m, "thread")[:200],
-            "stack": [line[:500] for line in _strs(m, "stack", 64)]}
+            "seq": _int(m, "seq", -1),
+            "below": _int(m, "below", 0),
+            "op": _int(m, "op", 0, 1 << 15),
+            "gid": _int(m, "gid", 0, min(limit, 1 << 15) - 1),
+            "peer": _int(m, "peer", -1, MAX_WORLD),
+            "numel": _int(m, "numel", -1),
+            "bytes": _int(m, "bytes", -1),
+            "start_ns": _int(m, "start", -1),
+            "seen_ns": _int(m, "seen", 0),
+            "thread": _str(m, "thread")[:200],
+            "stack": [line[:500] for line in _strs(m, "stack", 64)],
+        }
     elif kind == "landed":
         out.landed[_int(m, "id", 0)] = _int(m, "ns", 0)
     elif kind == "alive":
         out.alive_ns = max(out.alive_ns, _int(m, "ns", 0))
-    elif kind == "lost":        # rows the writer dropped (a slow or full disk: record.log)
+    elif kind == "lost":  # rows the writer dropped (a slow or full disk: record.log)
         out.lost.append((_int(m, "rows", 0), _int(m, "first_seq"), _int(m, "last_seq"), _str(m, "why")))
 
 
@@ -482,7 +518,12 @@ def in_flight(parsed: Parsed) -> dict:
         c = dict(parsed.inflight[key])
         group = parsed.groups.get(c.pop("gid"), _UNKNOWN_GROUP)
         op = c.pop("op")
-        calls.append({"op": ops[op] if op < len(ops) else "?", "group": group["name"], "group_ranks": group["ranks"],
-                      **c})
-    return {"rank": parsed.header.get("rank", -1), "pid": parsed.header.get("pid", -1),
-            "alive_ns": parsed.alive_ns, "calls": calls}
+        calls.append(
+            {"op": ops[op] if op < len(ops) else "?", "group": group["name"], "group_ranks": group["ranks"], **c}
+        )
+    return {
+        "rank": parsed.header.get("rank", -1),
+        "pid": parsed.header.get("pid", -1),
+        "alive_ns": parsed.alive_ns,
+        "calls": calls,
+    }

@@ -26,20 +26,27 @@ DIST = "torch.distributed"
 
 # Bus-bandwidth factor kinds; analysis maps them to formulas of the group size n.
 ALLREDUCE, ALLGATHER, REDUCESCATTER, ALLTOALL, ROOTED_N, ONE, NO_BW = (
-    "allreduce", "allgather", "reducescatter", "alltoall", "rooted_n", "one", "none")
+    "allreduce",
+    "allgather",
+    "reducescatter",
+    "alltoall",
+    "rooted_n",
+    "one",
+    "none",
+)
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
-    tensor: str | None            # parameter giving dtype/device (a tensor, or a list whose first item is used)
+    tensor: str | None  # parameter giving dtype/device (a tensor, or a list whose first item is used)
     size: tuple[str, str | None]  # (rule, parameter) -> numel of S
-    bw: str                       # bus-bandwidth factor kind
+    bw: str  # bus-bandwidth factor kind
     asynchronous: str | bool = "async_op"  # parameter name, True (always returns Work), False (never)
-    peer: tuple[str, str] | None = None    # (global-rank parameter, group-rank parameter)
-    leaf: bool = True             # False: may call other wrapped functions (depth guard needed)
+    peer: tuple[str, str] | None = None  # (global-rank parameter, group-rank parameter)
+    leaf: bool = True  # False: may call other wrapped functions (depth guard needed)
     also_in: tuple[str, ...] = field(default=())  # modules that bind the name at import
-    runs: tuple[str, ...] = ()    # extra ops only: the collectives issued underneath (profiler names)
+    runs: tuple[str, ...] = ()  # extra ops only: the collectives issued underneath (profiler names)
 
 
 _T = Target
@@ -59,16 +66,14 @@ TARGETS: tuple[Target, ...] = (
     _T("reduce_scatter_tensor", "input", ("t", "input"), REDUCESCATTER, leaf=False),
     _T("reduce_scatter_single", "input", ("t", "input"), REDUCESCATTER),
     _T("_reduce_scatter_base", "input", ("t", "input"), REDUCESCATTER, leaf=False),
-    _T("broadcast", "tensor", ("t", "tensor"), ONE, peer=("src", "group_src"),
-       also_in=COLLECTIVE_UTILS),
+    _T("broadcast", "tensor", ("t", "tensor"), ONE, peer=("src", "group_src"), also_in=COLLECTIVE_UTILS),
     _T("broadcast_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
     _T("reduce", "tensor", ("t", "tensor"), ONE, peer=("dst", "group_dst")),
     _T("all_to_all", "input_tensor_list", ("list", "input_tensor_list"), ALLTOALL),
     _T("all_to_all_single", "input", ("t", "input"), ALLTOALL),
     _T("gather", "tensor", ("xn", "tensor"), ROOTED_N, peer=("dst", "group_dst")),
     _T("gather_object", None, ("nested", None), NO_BW, False, peer=("dst", "group_dst"), leaf=False),
-    _T("scatter", "tensor", ("xn", "tensor"), ROOTED_N, peer=("src", "group_src"),
-       also_in=COLLECTIVE_UTILS),
+    _T("scatter", "tensor", ("xn", "tensor"), ROOTED_N, peer=("src", "group_src"), also_in=COLLECTIVE_UTILS),
     _T("scatter_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
     _T("barrier", None, ("none", None), NO_BW),
     _T("monitored_barrier", None, ("none", None), NO_BW, False),
@@ -87,7 +92,7 @@ TARGET_NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
 # Same size rules and bandwidth kinds; ``runs`` names what a profiler sees underneath.
 EXTRA_OPS: tuple[Target, ...] = (
     _T("ddp_bucket_allreduce", None, ("t", None), ALLREDUCE, True, runs=("all_reduce",)),
-    _T("ddp_broadcast_coalesced", None, ("list", None), ONE, False, runs=("broadcast",)),   # one row per broadcast
+    _T("ddp_broadcast_coalesced", None, ("list", None), ONE, False, runs=("broadcast",)),  # one row per broadcast
     # one 0-byte row per call: written by commpatch before issue 16, kept to read older files
     _T("ddp_verify_params", None, ("none", None), NO_BW, False, runs=("all_gather", "broadcast")),
     _T("ddp_rebuild_buckets", None, ("none", None), NO_BW, False, runs=("broadcast", "broadcast")),
@@ -110,8 +115,7 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("compiled.all_gather_into_tensor", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
     _T("compiled.all_gather_into_tensor_coalesced", None, ("xn", None), ALLGATHER, True, runs=("all_gather",)),
     _T("compiled.reduce_scatter_tensor", None, ("t", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
-    _T("compiled.reduce_scatter_tensor_coalesced", None, ("list", None), REDUCESCATTER, True,
-       runs=("reduce_scatter",)),
+    _T("compiled.reduce_scatter_tensor_coalesced", None, ("list", None), REDUCESCATTER, True, runs=("reduce_scatter",)),
     _T("compiled.all_to_all_single", None, ("t", None), ALLTOALL, True, runs=("all_to_all",)),
     _T("compiled.broadcast", None, ("t", None), ONE, True, runs=("broadcast",)),
     # what DDP's C++ issues, one row per collective (the constructor's check and broadcast, the
@@ -129,20 +133,45 @@ OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
 # What each op is, as three separate facts (the `op` column folds them into one name):
 # collective (the nccl-tests kind), api (the function actually called, torch's own name) and
 # source (who issued it). Derived when a DataFrame is built: nothing on the hot path.
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
-          "scatter", "barrier", "send", "recv")
-_SPECIAL = {"_all_gather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
-            "monitored_barrier": "barrier", "isend": "send", "irecv": "recv", "batch_isend_irecv": "send_recv",
-            "ddp_bucket_allreduce": "all_reduce", "ddp_broadcast_coalesced": "broadcast",
-            "ddp_verify_params": "all_gather", "ddp_rebuild_buckets": "broadcast",
-            "ddp_verify_params_allgather": "all_gather", "ddp_verify_params_broadcast": "broadcast",
-            "ddp_rebuild_buckets_broadcast": "broadcast", "ddp_unused_allreduce": "all_reduce"}
-_DDP_API = {"ddp_bucket_allreduce": "Reducer.allreduce", "ddp_broadcast_coalesced": "_broadcast_coalesced",
-            "ddp_verify_params": "_verify_params_across_processes", "ddp_rebuild_buckets": "Reducer._rebuild_buckets",
-            "ddp_verify_params_allgather": "_verify_params_across_processes",
-            "ddp_verify_params_broadcast": "_verify_params_across_processes",
-            "ddp_rebuild_buckets_broadcast": "Reducer._rebuild_buckets",
-            "ddp_unused_allreduce": "Reducer.all_reduce_local_used_map"}
+_KINDS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+)
+_SPECIAL = {
+    "_all_gather_base": "all_gather",
+    "_reduce_scatter_base": "reduce_scatter",
+    "monitored_barrier": "barrier",
+    "isend": "send",
+    "irecv": "recv",
+    "batch_isend_irecv": "send_recv",
+    "ddp_bucket_allreduce": "all_reduce",
+    "ddp_broadcast_coalesced": "broadcast",
+    "ddp_verify_params": "all_gather",
+    "ddp_rebuild_buckets": "broadcast",
+    "ddp_verify_params_allgather": "all_gather",
+    "ddp_verify_params_broadcast": "broadcast",
+    "ddp_rebuild_buckets_broadcast": "broadcast",
+    "ddp_unused_allreduce": "all_reduce",
+}
+_DDP_API = {
+    "ddp_bucket_allreduce": "Reducer.allreduce",
+    "ddp_broadcast_coalesced": "_broadcast_coalesced",
+    "ddp_verify_params": "_verify_params_across_processes",
+    "ddp_rebuild_buckets": "Reducer._rebuild_buckets",
+    "ddp_verify_params_allgather": "_verify_params_across_processes",
+    "ddp_verify_params_broadcast": "_verify_params_across_processes",
+    "ddp_rebuild_buckets_broadcast": "Reducer._rebuild_buckets",
+    "ddp_unused_allreduce": "Reducer.all_reduce_local_used_map",
+}
 
 
 def describe_op(name: str) -> tuple[str, str, str]:
@@ -153,6 +182,8 @@ def describe_op(name: str) -> tuple[str, str, str]:
     source = {"coalesced": "coalescing"}.get(source, source)
     collective = _SPECIAL.get(name) or next((k for k in _KINDS if api.lstrip("_").startswith(k)), api)
     return collective, api, source
+
+
 BY_NAME = {t.name: t for t in TARGETS + EXTRA_OPS}
 OP_CODE = {name: i for i, name in enumerate(OP_NAMES)}
 # point-to-point ops: two ranks only, numbered apart from a group's collectives (analysis.matching)

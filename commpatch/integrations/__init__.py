@@ -20,13 +20,20 @@ same writer as the wrapper's slow path). A new integration is a module here plus
 
 from __future__ import annotations
 
-from . import base, coalescing, compiled, ddp, fsdp, functional, modules, steps
 from ..record import state as _runtime
+from . import base, coalescing, compiled, ddp, fsdp, functional, modules, steps
 from .base import Context, Integration, Needs  # noqa: F401 - the contract, for integrations and their readers
 
 # in the order they are applied
-ALL: tuple[Integration, ...] = (ddp.INTEGRATION, functional.INTEGRATION, modules.INTEGRATION, fsdp.INTEGRATION,
-                                coalescing.INTEGRATION, compiled.INTEGRATION, steps.INTEGRATION)
+ALL: tuple[Integration, ...] = (
+    ddp.INTEGRATION,
+    functional.INTEGRATION,
+    modules.INTEGRATION,
+    fsdp.INTEGRATION,
+    coalescing.INTEGRATION,
+    compiled.INTEGRATION,
+    steps.INTEGRATION,
+)
 
 
 def apply(log, timing, settings: dict) -> Context:

@@ -25,9 +25,9 @@ from ..patch.hooks import when_imported as _when_imported
 from ..record import state as _runtime
 from ..record.rows import record  # noqa: F401 - the row writer of every integration
 
-CURRENT = None   # the Context between apply() and remove()
+CURRENT = None  # the Context between apply() and remove()
 _ADAPTERS: dict = {}
-_SKIPPED: set[str] = set()   # commpatch modules whose code dynamo never compiles as a frame (never_compiled)
+_SKIPPED: set[str] = set()  # commpatch modules whose code dynamo never compiles as a frame (never_compiled)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Needs:
     ``resolve`` finds in the installed torch. ``loses``: what is not recorded without it; empty
     when the integration cannot work at all without it."""
 
-    name: str          # alternatives (torch moved it between versions) separated by "|"
+    name: str  # alternatives (torch moved it between versions) separated by "|"
     loses: str = ""
 
     @property
@@ -53,12 +53,12 @@ class Integration:
     """What one integration patches and relies on, and how it is switched on and off."""
 
     name: str
-    patches: str                   # what it replaces (for the docs and for a reader of a traceback)
-    relies_on: tuple[Needs, ...]   # torch names it depends on (resolved by tests, `commpatch env` and apply)
+    patches: str  # what it replaces (for the docs and for a reader of a traceback)
+    relies_on: tuple[Needs, ...]  # torch names it depends on (resolved by tests, `commpatch env` and apply)
     wanted: Callable[[dict], bool]
-    apply: Callable[["Context"], None]
-    remove: Callable[["Context"], None] = lambda ctx: None
-    records: str = ""              # what its rows are, for the warning when it is unavailable
+    apply: Callable[[Context], None]
+    remove: Callable[[Context], None] = lambda ctx: None
+    records: str = ""  # what its rows are, for the warning when it is unavailable
 
 
 _MISSING = object()
@@ -155,8 +155,12 @@ def say_missing(integration: Integration, gaps: list) -> bool:
             continue
         _SAID.add((integration.name, need.name))
         lost = need.loses or integration.records or f"the {integration.name} integration's rows"
-        warnings.warn(f"commpatch: torch {torch.__version__} has no {' or '.join(need.names)} ({why}): {lost} "
-                      f"{'are' if lost.endswith('s') else 'is'} not recorded", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"commpatch: torch {torch.__version__} has no {' or '.join(need.names)} ({why}): {lost} "
+            f"{'are' if lost.endswith('s') else 'is'} not recorded",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return fatal
 
 
@@ -168,7 +172,7 @@ class Context:
         self.timing = timing
         self.settings = settings or {}
         self.patches = Patches()
-        self.integration: Integration | None = None    # the one being applied
+        self.integration: Integration | None = None  # the one being applied
 
 
 def when_imported(modname: str, fn) -> None:
@@ -179,6 +183,7 @@ def when_imported(modname: str, fn) -> None:
     integration = CURRENT.integration if CURRENT is not None else None
     adapter = _ADAPTERS.get((modname, fn))
     if adapter is None:
+
         def adapter(module):
             if CURRENT is None:
                 return
@@ -196,7 +201,7 @@ class Waits:
     their result: keyed by the result's storage address, as torch's work registry is (waits on
     views of it count); an entry keeps its tensor alive, so the storage is not reused meanwhile."""
 
-    MAX = 1 << 16        # results never waited for are dropped beyond this
+    MAX = 1 << 16  # results never waited for are dropped beyond this
 
     def __init__(self, log) -> None:
         self.pending: dict[int, tuple] = {}
@@ -217,7 +222,7 @@ class Waits:
         """Remember a recorded result (its storage, weakly) for ``served``."""
         try:
             self.results[key] = tensor.untyped_storage()
-        except TypeError:                # a storage without weak references (an older torch): not kept
+        except TypeError:  # a storage without weak references (an older torch): not kept
             pass
 
     def served(self, key: int) -> bool:
@@ -276,7 +281,7 @@ def _codes(module, name: str):
     for value in vars(module).values():
         members = vars(value).values() if isinstance(value, type) else (value,)
         for member in members:
-            member = getattr(member, "__func__", member)          # staticmethod / classmethod
+            member = getattr(member, "__func__", member)  # staticmethod / classmethod
             for fn in (member.fget, member.fset) if isinstance(member, property) else (member,):
                 code = getattr(fn, "__code__", None)
                 if isinstance(code, types.CodeType) and getattr(fn, "__module__", None) == name:

@@ -52,7 +52,7 @@ def _patch(ctx, c10d) -> None:
 
     made = {}
 
-    def make(orig):    # one wrapper object for both namespaces
+    def make(orig):  # one wrapper object for both namespaces
         return made.setdefault(id(orig), _manager(ctx, c10d, orig))
 
     for owner in (c10d, dist):
@@ -74,11 +74,11 @@ def _manager(ctx, c10d, orig):
             with orig(group, device, async_ops) as cm:
                 yield cm
             return
-        span = spans[pg] = []            # [start] of the first queued call, set by the wrapper
+        span = spans[pg] = []  # [start] of the first queued call, set by the wrapper
         queue, cm, err = [], None, True
         try:
             with orig(group, device, async_ops) as cm:
-                queue = c10d._world.pg_coalesce_state.get(pg, [])   # torch pops it at exit, the list stays
+                queue = c10d._world.pg_coalesce_state.get(pg, [])  # torch pops it at exit, the list stays
                 yield cm
             err = False
         finally:
@@ -95,9 +95,9 @@ def _manager(ctx, c10d, orig):
 
 def _record(ctx, pg, queue, span, end, cm, err) -> None:
     start, seq = span[0], next(SEQ)
-    name = queue[0].op.__name__          # the wrapper's name: torch's own function name
+    name = queue[0].op.__name__  # the wrapper's name: torch's own function name
     # S as the queued calls count it: all_gather the full output (the dst tensors), else the input
-    gather = name in ("all_gather_single", "all_gather_into_tensor")     # the latter queued on torch < 2.5
+    gather = name in ("all_gather_single", "all_gather_into_tensor")  # the latter queued on torch < 2.5
     numel = sum((op.dst_tensor if gather else op.tensor).numel() for op in queue)
     op = OP_CODE["coalesced." + name]
     tcode = T_HOST
@@ -110,7 +110,13 @@ def _record(ctx, pg, queue, span, end, cm, err) -> None:
 INTEGRATION = Integration(
     name="coalescing",
     patches="distributed_c10d._coalescing_manager (in distributed_c10d and torch.distributed)",
-    relies_on=(Needs(f"{C10D}._coalescing_manager"), Needs(f"{C10D}._world.pg_coalesce_state"),
-               Needs(f"{C10D}._IllegalWork"), Needs(f"{C10D}._get_default_group")),
+    relies_on=(
+        Needs(f"{C10D}._coalescing_manager"),
+        Needs(f"{C10D}._world.pg_coalesce_state"),
+        Needs(f"{C10D}._IllegalWork"),
+        Needs(f"{C10D}._get_default_group"),
+    ),
     records="_coalescing_manager's coalesced collectives",
-    wanted=wanted, apply=apply)
+    wanted=wanted,
+    apply=apply,
+)

@@ -50,18 +50,24 @@ OPS = {
     "all_reduce_coalesced_": ("compiled.all_reduce_coalesced", "funcol.all_reduce_coalesced", True),
     "all_gather_into_tensor": ("compiled.all_gather_into_tensor", "funcol.all_gather", False),
     "all_gather_into_tensor_out": ("compiled.all_gather_into_tensor", "funcol.all_gather", False),
-    "all_gather_into_tensor_coalesced": ("compiled.all_gather_into_tensor_coalesced",
-                                         "funcol.all_gather_coalesced", True),
+    "all_gather_into_tensor_coalesced": (
+        "compiled.all_gather_into_tensor_coalesced",
+        "funcol.all_gather_coalesced",
+        True,
+    ),
     "reduce_scatter_tensor": ("compiled.reduce_scatter_tensor", "funcol.reduce_scatter", False),
     "reduce_scatter_tensor_out": ("compiled.reduce_scatter_tensor", "funcol.reduce_scatter", False),
-    "reduce_scatter_tensor_coalesced": ("compiled.reduce_scatter_tensor_coalesced",
-                                        "funcol.reduce_scatter_coalesced", True),
+    "reduce_scatter_tensor_coalesced": (
+        "compiled.reduce_scatter_tensor_coalesced",
+        "funcol.reduce_scatter_coalesced",
+        True,
+    ),
     "all_to_all_single": ("compiled.all_to_all_single", "funcol.all_to_all_single", False),
     "broadcast": ("compiled.broadcast", "funcol.broadcast", False),
     "broadcast_": ("compiled.broadcast", "funcol.broadcast", False),
 }
 _KERNELS = Kernels("_c10d_functional")
-_CTX: list = []           # the integration context while enabled (one at most)
+_CTX: list = []  # the integration context while enabled (one at most)
 
 
 def wanted(settings: dict) -> bool:
@@ -75,7 +81,7 @@ def apply(ctx) -> None:
 
 def remove(ctx) -> None:
     _CTX.clear()
-    _KERNELS.remove()       # ctx.patches restores dynamo's callback runner
+    _KERNELS.remove()  # ctx.patches restores dynamo's callback runner
 
 
 def _watch_dynamo(ctx, dynamo) -> None:
@@ -125,8 +131,12 @@ def ensure_installed(for_formulas: bool = False) -> None:
                 _SAID_FORMULAS.append(why)
                 import warnings
 
-                warnings.warn(f"commpatch: the collectives of functional collectives' backward formulas are not "
-                              f"recorded on {why}", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"commpatch: the collectives of functional collectives' backward formulas are not "
+                    f"recorded on {why}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return
     try:
         _install(_CTX[0])
@@ -142,18 +152,19 @@ def _install(ctx) -> None:
     waits = Waits(log)
     groups: dict = {}
     node = torch._C._current_autograd_node
-    makers = {}                          # OpOverload -> make(call), also for the first invocation below
+    makers = {}  # OpOverload -> make(call), also for the first invocation below
     for name, (compiled_op, formula_op, many) in OPS.items():
-        packet = getattr(torch.ops._c10d_functional, name, None)     # older torch lacks some (said at apply)
+        packet = getattr(torch.ops._c10d_functional, name, None)  # older torch lacks some (said at apply)
         if packet is not None:
-            makers[packet.default] = \
-                lambda call, c=compiled_op, f=formula_op, m=many: _kernel(log, call, c, f, m, waits, groups, node)
+            makers[packet.default] = lambda call, c=compiled_op, f=formula_op, m=many: _kernel(
+                log, call, c, f, m, waits, groups, node
+            )
     makers[torch.ops._c10d_functional.wait_tensor.default] = lambda call: _wait_kernel(call, waits)
     for op, make in makers.items():
         _KERNELS.wrap(op._opname, make)
     try:
         from torch._functorch._aot_autograd import runtime_wrappers
-    except ImportError:                  # an older torch has no first-invocation mode
+    except ImportError:  # an older torch has no first-invocation mode
         return
     mode = getattr(runtime_wrappers, "_AnalyzeCustomOpInputOutputMode", None)
     if mode is not None:
@@ -164,6 +175,7 @@ def _first_invocation(orig, makers: dict):
     """AOT autograd runs a compiled graph's first call under a TorchDispatchMode (custom-op
     aliasing checks) whose ``func(*args)`` skips every key above the backend, the kernels' key
     included: that call's collectives are observed here, with the same row writers."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         make = makers.get(func) if _KERNELS.installed else None
         if make is None or not all(type(a) is _tensor() for a in args if isinstance(a, _tensor())):
@@ -232,7 +244,7 @@ def _wait_kernel(call, waits: Waits):
 def _group(cache: dict, name):
     """The ProcessGroup named by an op's ``group_name`` argument (a name, or a boxed group)."""
     pg = cache.get(name) if isinstance(name, str) else None
-    if pg is None or pg not in _world().pg_names:   # destroyed since: a new group may have its name
+    if pg is None or pg not in _world().pg_names:  # destroyed since: a new group may have its name
         from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
 
         pg = _resolve_process_group(name) if isinstance(name, str) else ProcessGroup.unbox(name)
@@ -250,19 +262,26 @@ def _world():
 INTEGRATION = Integration(
     name="compiled",
     patches="Python kernels (torch.library, ADInplaceOrView key) on the way to torch's kernels of the "
-            "_c10d_functional collectives and wait_tensor, while a compiled graph or a functional collective's "
-            "autograd formula may issue them",
-    relies_on=(Needs("torch.library.Library.impl"), Needs("torch._ops.OpOverload.redispatch"),
-               Needs("torch._C._current_autograd_node"),
-               Needs("torch._C._distributed_c10d._resolve_process_group"),
-               Needs("torch._C._distributed_c10d.ProcessGroup.unbox"),
-               Needs("torch.ops._c10d_functional.wait_tensor"),
-               Needs("torch._dynamo.callback_handler.run_start_callbacks",
-                     "collectives of graphs compiled after enable() (until a functional collective's autograd "
-                     "formula runs)"),
-               Needs("torch._dynamo.utils.counters", "collectives of graphs compiled before enable()"),
-               # runtime_wrappers._AnalyzeCustomOpInputOutputMode (torch >= 2.5) is wrapped where it exists:
-               # an older torch runs a graph's first call through the kernels like the others
-               Needs("torch.ops._c10d_functional.all_reduce")),   # ops an older torch lacks: it issues none
+    "_c10d_functional collectives and wait_tensor, while a compiled graph or a functional collective's "
+    "autograd formula may issue them",
+    relies_on=(
+        Needs("torch.library.Library.impl"),
+        Needs("torch._ops.OpOverload.redispatch"),
+        Needs("torch._C._current_autograd_node"),
+        Needs("torch._C._distributed_c10d._resolve_process_group"),
+        Needs("torch._C._distributed_c10d.ProcessGroup.unbox"),
+        Needs("torch.ops._c10d_functional.wait_tensor"),
+        Needs(
+            "torch._dynamo.callback_handler.run_start_callbacks",
+            "collectives of graphs compiled after enable() (until a functional collective's autograd formula runs)",
+        ),
+        Needs("torch._dynamo.utils.counters", "collectives of graphs compiled before enable()"),
+        # runtime_wrappers._AnalyzeCustomOpInputOutputMode (torch >= 2.5) is wrapped where it exists:
+        # an older torch runs a graph's first call through the kernels like the others
+        Needs("torch.ops._c10d_functional.all_reduce"),
+    ),  # ops an older torch lacks: it issues none
     records="collectives inside compiled graphs and functional collectives' autograd formulas",
-    wanted=wanted, apply=apply, remove=remove)
+    wanted=wanted,
+    apply=apply,
+    remove=remove,
+)

@@ -73,8 +73,8 @@ _pc = time.perf_counter_ns
 # Reducer -> its _Dispatch, or None when the reducer is someone else's (a hook registered before
 # enable(), the Python reducer): decided once per reducer, forgotten with it.
 _SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_NO_REBUILD: weakref.WeakSet = weakref.WeakSet()    # reducers whose bucket rebuild is behind them or never comes
-_TORCH: dict[str, object] = {}      # the torch functions behind the persistent pass-throughs
+_NO_REBUILD: weakref.WeakSet = weakref.WeakSet()  # reducers whose bucket rebuild is behind them or never comes
+_TORCH: dict[str, object] = {}  # the torch functions behind the persistent pass-throughs
 
 
 def wanted(settings: dict) -> bool:
@@ -144,8 +144,18 @@ def measured(log, ddp, hook, timing=None, pack=None):
             fut = _default_hook(slot, bucket, buf, (done, seq, start, pack))
             end = _pc()
             try:
-                record(log, "ddp_bucket_allreduce", ddp.process_group, buf, buf.numel(), start, end, True, T_FUTURE,
-                       seq=seq)
+                record(
+                    log,
+                    "ddp_bucket_allreduce",
+                    ddp.process_group,
+                    buf,
+                    buf.numel(),
+                    start,
+                    end,
+                    True,
+                    T_FUTURE,
+                    seq=seq,
+                )
                 noted(ddp, bucket, seq, seq + 1, seq, start)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("ddp.hook", exc)
@@ -167,7 +177,7 @@ def measured(log, ddp, hook, timing=None, pack=None):
         try:
             lo = _peek_seq(SEQ)
             started = None
-            if timing is not None:           # the bucket's own device (the flag may not be set yet)
+            if timing is not None:  # the bucket's own device (the flag may not be set yet)
                 try:
                     buf = bucket.buffer()
                     started = timing.device_start(buf) if on_device(buf, log) else None
@@ -182,7 +192,7 @@ def measured(log, ddp, hook, timing=None, pack=None):
                 if pack is not None:
                     fut.then(pack.completed)
                 timed_seq = None
-                if _peek_seq(SEQ) == lo:         # nothing visible from Python: the C++ all-reduce ran
+                if _peek_seq(SEQ) == lo:  # nothing visible from Python: the C++ all-reduce ran
                     buf, group = bucket.buffer(), ddp.process_group if ddp else None
                     seq = next(SEQ)
                     if started is not None:
@@ -193,7 +203,7 @@ def measured(log, ddp, hook, timing=None, pack=None):
                     record(log, "ddp_bucket_allreduce", group, buf, buf.numel(), start, end, True, tcode, seq=seq)
                     if started is None and buf.is_cpu:
                         timed_seq = seq
-                elif started is not None:        # the rows inside timed themselves
+                elif started is not None:  # the rows inside timed themselves
                     timing.cancel(started)
                 noted(ddp, bucket, lo, _peek_seq(SEQ), timed_seq, start)
             except Exception as exc:  # noqa: BLE001
@@ -204,9 +214,16 @@ def measured(log, ddp, hook, timing=None, pack=None):
 
     hook_wrapper.__wrapped__ = hook
     hook_wrapper.__qualname__ = getattr(hook, "__qualname__", "hook")
-    if hook is _dispatch:       # the common case in C when built (the same row, span and timing)
-        fast = bucket_hook(log, hook_wrapper, _default_hook, functools.partial(modules.where, phase=P_BACKWARD),
-                           last_bucket, torch.Tensor, pack)
+    if hook is _dispatch:  # the common case in C when built (the same row, span and timing)
+        fast = bucket_hook(
+            log,
+            hook_wrapper,
+            _default_hook,
+            functools.partial(modules.where, phase=P_BACKWARD),
+            last_bucket,
+            torch.Tensor,
+            pack,
+        )
         if fast is not None:
             return fast
     return hook_wrapper
@@ -219,6 +236,7 @@ def _time_finalize(engine, syncs, seq, start) -> None:
     final callback right after this last hook returns (reducer.cpp, ``mark_variable_ready``); a
     callback queued here runs before it, and one queued by that callback after it (the engine runs
     the callbacks added while it runs them, in order). Two callbacks and one timestamp per step."""
+
     def finalize_begins():
         try:
             engine.queue_callback(lambda: syncs.append((seq, _pc() - start)))
@@ -238,18 +256,18 @@ class _Dispatch:
     __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "pack", "__weakref__")
 
     def __init__(self, ddp) -> None:
-        self.ddp = weakref.ref(ddp)          # the reducer holds this object: no cycle through it
+        self.ddp = weakref.ref(ddp)  # the reducer holds this object: no cycle through it
         self.size = ddp.process_group.size()
         self.hook, self.state, self.user = _default_hook, self, False
         self.work, self.static = None, True  # the reducer's forward work handle (join), if any
-        self.track = None                    # _AliasTrack, when the reducer's operation must be known
-        self.pack = None                     # rows.Packing of a CPU model (_packing)
+        self.track = None  # _AliasTrack, when the reducer's operation must be known
+        self.pack = None  # rows.Packing of a CPU model (_packing)
         if ddp.gradient_as_bucket_view and not _pow2(self.size):
             self.track = _AliasTrack(ddp)
 
     def fill(self, hook, state) -> None:
         self.hook, self.state, self.user = hook, state, True
-        self.track = None                    # the user's hook divides (or not) by itself
+        self.track = None  # the user's hook divides (or not) by itself
 
     def divisor(self) -> int:
         """What ``Reducer::set_divide_factor`` computes: the group size, or, when the forward
@@ -278,11 +296,11 @@ def _default_hook(slot, bucket, buf=None, timed=None):
         buf = bucket.buffer()
     d = slot.divisor()
     if d == 1:
-        pass                                 # x * 1.0 and x / 1 are x: no pass over the bucket
+        pass  # x * 1.0 and x / 1 are x: no pass over the bucket
     elif buf.is_sparse:
-        buf.div_(d)                          # mark_variable_ready_sparse: div_ in place
+        buf.div_(d)  # mark_variable_ready_sparse: div_ in place
     elif slot.track is None or _pow2(d):
-        buf.mul_(1.0 / d)                    # mul_out(bucket_view, grad, 1/d); x/d is the same bits
+        buf.mul_(1.0 / d)  # mul_out(bucket_view, grad, 1/d); x/d is the same bits
     else:
         slot.track.scale(bucket, buf, d)
     if slot.track is not None and bucket.is_last():
@@ -298,7 +316,7 @@ def _bucket_tensor(fut):
 
 
 def _timed_bucket_tensor(done, seq, start, pack, fut):
-    done[seq] = _pc() - start                # the log's completion time, as the rows' own callbacks note it
+    done[seq] = _pc() - start  # the log's completion time, as the rows' own callbacks note it
     if pack is not None:
         pack.done()
     return _bucket_tensor(fut)
@@ -317,8 +335,8 @@ class _AliasTrack:
     def __init__(self, ddp) -> None:
         self.ddp = weakref.ref(ddp)
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
-        self.task = None                     # the autograd graph task last seen
-        self.ptr: dict[int, int] = {}        # id(param) -> data_ptr of its grad's storage (0: none)
+        self.task = None  # the autograd graph task last seen
+        self.ptr: dict[int, int] = {}  # id(param) -> data_ptr of its grad's storage (0: none)
         hook = functools.partial(_accumulated, weakref.ref(self))
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         weakref.finalize(self, _remove, handles)
@@ -343,10 +361,10 @@ def _accumulated(track_ref, param) -> None:
     try:
         track = track_ref()
         ddp = track.ddp() if track is not None else None
-        if ddp is None or not ddp.require_backward_grad_sync:     # no_sync(): no reduction follows
+        if ddp is None or not ddp.require_backward_grad_sync:  # no_sync(): no reduction follows
             return
         task = _graph_task_id()
-        if task != track.task:               # a new backward (or a reentrant one inside it)
+        if task != track.task:  # a new backward (or a reentrant one inside it)
             track.task = task
             ptr = track.ptr
             for p in track.params:
@@ -402,6 +420,7 @@ def _pre_forward(log, orig):
 
 def _installing(log, orig, active):
     """``orig`` (a DDP method), which first puts the dispatcher in place when ``active()``."""
+
     def installing(self, *args, **kwargs):
         if active():
             reducer = self.__dict__.get("reducer")
@@ -410,9 +429,9 @@ def _installing(log, orig, active):
                 if slot is _install:
                     _install(log, self, reducer)
                     if getattr(self, "find_unused_parameters", False) and not getattr(self, "static_graph", False):
-                        _NO_REBUILD.add(reducer)     # torch's should_rebuild_buckets() is false for good
+                        _NO_REBUILD.add(reducer)  # torch's should_rebuild_buckets() is false for good
                 elif slot is not None and slot.pack is not None:
-                    slot.pack.reset()            # a new forward: packing no launch followed is forgotten
+                    slot.pack.reset()  # a new forward: packing no launch followed is forgotten
         return orig(self, *args, **kwargs)
 
     return _eager(installing)
@@ -429,13 +448,16 @@ def _eager(fn):
 
 
 def _install(log, ddp, reducer) -> None:
-    _SLOTS[reducer] = None                   # decided once per reducer, whatever happens below
+    _SLOTS[reducer] = None  # decided once per reducer, whatever happens below
     try:
         existing = ddp._get_ddp_logging_data().get("comm_hook", "")
-        if existing:     # a hook registered before enable(): it cannot be wrapped or replaced
-            _runtime.fail("ddp.hook_registered_before_enable",
-                          RuntimeError(f"comm hook {existing!r} was registered before commpatch.enable(): "
-                                       "its buckets are not recorded"))
+        if existing:  # a hook registered before enable(): it cannot be wrapped or replaced
+            _runtime.fail(
+                "ddp.hook_registered_before_enable",
+                RuntimeError(
+                    f"comm hook {existing!r} was registered before commpatch.enable(): its buckets are not recorded"
+                ),
+            )
             return
         if getattr(ddp, "_use_python_reducer", False):
             return
@@ -444,8 +466,9 @@ def _install(log, ddp, reducer) -> None:
         ctx = base.CURRENT
         if ctx is None or ctx.settings.get("ddp_packing", True):
             slot.pack = _packing(log, slot, ddp)
-        _TORCH["register"](reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None,
-                                                   slot.pack))
+        _TORCH["register"](
+            reducer, slot, measured(log, ddp, _dispatch, ctx.timing if ctx is not None else None, slot.pack)
+        )
         _SLOTS[reducer] = slot
     except Exception as exc:  # noqa: BLE001
         _runtime.fail("ddp.install", exc)
@@ -471,7 +494,7 @@ def _persist() -> None:
     @functools.wraps(register)
     def _register_comm_hook(reducer, state, comm_hook):
         slot = _slot_of(reducer)
-        if slot is None or slot.user:        # no dispatcher, or taken: torch decides (and raises)
+        if slot is None or slot.user:  # no dispatcher, or taken: torch decides (and raises)
             return register(reducer, state, comm_hook)
         slot.fill(comm_hook, state)
         return None
@@ -483,7 +506,7 @@ def _persist() -> None:
         ddp = slot.ddp() if slot is not None else None
         if python_hook is None or ddp is None:
             return builtin(reducer, comm_hook_type)
-        slot.fill(python_hook, ddp.process_group)      # builtin hooks run no Python: same numerics
+        slot.fill(python_hook, ddp.process_group)  # builtin hooks run no Python: same numerics
         return None
 
     def _set_forward_pass_work_handle(self, work, use_static_world_size):
@@ -492,9 +515,15 @@ def _persist() -> None:
             try:
                 slot.work, slot.static = work, bool(use_static_world_size)
                 ddp = slot.ddp()
-                if (not slot.static and not slot.user and slot.track is None and slot.size > 2
-                        and ddp is not None and ddp.gradient_as_bucket_view):
-                    slot.track = _AliasTrack(ddp)    # the running count may be no power of two
+                if (
+                    not slot.static
+                    and not slot.user
+                    and slot.track is None
+                    and slot.size > 2
+                    and ddp is not None
+                    and ddp.gradient_as_bucket_view
+                ):
+                    slot.track = _AliasTrack(ddp)  # the running count may be no power of two
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("ddp.join", exc)
         return set_work(self, work, use_static_world_size)
@@ -507,7 +536,7 @@ def _persist() -> None:
 def _slot_of(reducer):
     try:
         return _SLOTS.get(reducer)
-    except TypeError:                        # not weak-referenceable: not a reducer of ours
+    except TypeError:  # not weak-referenceable: not a reducer of ours
         return None
 
 
@@ -515,8 +544,10 @@ def _builtin_equivalent(comm_hook_type):
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    return {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}.get(comm_hook_type)
+    return {
+        dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+        dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+    }.get(comm_hook_type)
 
 
 # ---- collectives the reducer and the constructor issue from C++ ----------------------------
@@ -552,8 +583,9 @@ def _inner_kernels(log, ops: dict, kind: str, thread: int, once: bool = False):
     try:
         where = _runtime.STATE.where
         for name, (op, count) in ops.items():
-            kernels.wrap(name, lambda call, op=op, count=count:
-                         _inner_kernel(log, call, op, count, kind, thread, once, where))
+            kernels.wrap(
+                name, lambda call, op=op, count=count: _inner_kernel(log, call, op, count, kind, thread, once, where)
+            )
     except Exception as exc:  # noqa: BLE001
         kernels.remove()
         _runtime.fail(f"ddp.{kind}", exc)
@@ -573,7 +605,7 @@ def _inner_kernel(log, call, op: str, count: str, kind: str, thread: int, once: 
         timing = base.CURRENT.timing if base.CURRENT is not None else None
         try:
             if timing is not None and flat and on_device(flat[0], log):
-                started = timing.device_start(flat[0])     # on an accelerator the work's future completes at enqueue
+                started = timing.device_start(flat[0])  # on an accelerator the work's future completes at enqueue
         except Exception as exc:  # noqa: BLE001 - device events unusable: timed by the future
             _runtime.fail("timing", exc)
         start = _pc()
@@ -612,7 +644,7 @@ def _rebuild_buckets(log, orig):
     def rebuild_buckets(reducer):
         try:
             done = reducer in _NO_REBUILD
-        except TypeError:                    # not weak-referenceable: not a reducer we know
+        except TypeError:  # not weak-referenceable: not a reducer we know
             done = False
         if done:
             return orig(reducer)
@@ -641,23 +673,30 @@ def _unused_map_allreduce(log, ddp) -> None:
 INTEGRATION = Integration(
     name="ddp",
     patches="DistributedDataParallel: __init__, forward pre-hook, register_comm_hook, _register_builtin_comm_hook, "
-            "_rebuild_buckets, join; dist._register_comm_hook while a registration runs; dispatcher kernels for "
-            "c10d::allgather_ / broadcast_ / allreduce_ around the constructor's and reducer's C++ collectives",
-    relies_on=(Needs(f"{DDP_MODULE}.DistributedDataParallel._pre_forward"),
-               Needs(f"{DDP_MODULE}.DistributedDataParallel.register_comm_hook"),
-               Needs(f"{DDP_MODULE}.DistributedDataParallel._register_builtin_comm_hook"),
-               Needs("torch.distributed._register_comm_hook"), Needs("torch.distributed._register_builtin_comm_hook"),
-               Needs("torch.distributed.BuiltinCommHookType"),
-               Needs("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"),
-               Needs("torch._C._distributed_c10d.Reducer._run_allreduce_hook"),
-               Needs("torch._C._distributed_c10d.GradBucket.is_last"),
-               Needs("torch._C._current_graph_task_id"),
-               Needs("torch.autograd.Variable._execution_engine.queue_callback", "DDP's finalize time (sync_end_us)"),
-               Needs("torch._C._distributed_c10d.Reducer._rebuild_buckets", "the bucket-rebuild broadcasts"),
-               Needs("torch._C._distributed_c10d.Reducer._set_forward_pass_work_handle",
-                     "the collectives of DDP.join()'s shadow steps"),
-               Needs("torch.distributed._broadcast_coalesced", "DDP's constructor broadcast"),
-               Needs("torch.distributed._verify_params_across_processes", "DDP's constructor parameter check"),
-               Needs("torch.Tensor.register_post_accumulate_grad_hook", "DDP's gradient packing (pack_us)")),
+    "_rebuild_buckets, join; dist._register_comm_hook while a registration runs; dispatcher kernels for "
+    "c10d::allgather_ / broadcast_ / allreduce_ around the constructor's and reducer's C++ collectives",
+    relies_on=(
+        Needs(f"{DDP_MODULE}.DistributedDataParallel._pre_forward"),
+        Needs(f"{DDP_MODULE}.DistributedDataParallel.register_comm_hook"),
+        Needs(f"{DDP_MODULE}.DistributedDataParallel._register_builtin_comm_hook"),
+        Needs("torch.distributed._register_comm_hook"),
+        Needs("torch.distributed._register_builtin_comm_hook"),
+        Needs("torch.distributed.BuiltinCommHookType"),
+        Needs("torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook"),
+        Needs("torch._C._distributed_c10d.Reducer._run_allreduce_hook"),
+        Needs("torch._C._distributed_c10d.GradBucket.is_last"),
+        Needs("torch._C._current_graph_task_id"),
+        Needs("torch.autograd.Variable._execution_engine.queue_callback", "DDP's finalize time (sync_end_us)"),
+        Needs("torch._C._distributed_c10d.Reducer._rebuild_buckets", "the bucket-rebuild broadcasts"),
+        Needs(
+            "torch._C._distributed_c10d.Reducer._set_forward_pass_work_handle",
+            "the collectives of DDP.join()'s shadow steps",
+        ),
+        Needs("torch.distributed._broadcast_coalesced", "DDP's constructor broadcast"),
+        Needs("torch.distributed._verify_params_across_processes", "DDP's constructor parameter check"),
+        Needs("torch.Tensor.register_post_accumulate_grad_hook", "DDP's gradient packing (pack_us)"),
+    ),
     records="DDP's gradient buckets",
-    wanted=wanted, apply=apply)
+    wanted=wanted,
+    apply=apply,
+)

@@ -52,7 +52,7 @@ def _patch_fsdp1(ctx, module) -> None:
         ctx.patches.wrap(module, name, lambda orig: _attributed(orig, _fsdp1_unit))
 
 
-_fsdp1_units: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # FlatParamHandle -> unit
+_fsdp1_units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FlatParamHandle -> unit
 
 
 def _fsdp1_unit(state, args):
@@ -94,9 +94,13 @@ def _attributed(orig, unit_of):
 INTEGRATION = Integration(
     name="fsdp",
     patches="FSDP2 FSDPParamGroup.unshard / post_backward; FSDP1 _runtime_utils._unshard / _reduce_grad",
-    relies_on=tuple(Needs("|".join(f"{m}.FSDPParamGroup.{a}" for m in FSDP2), "FSDP2's module attribution")
-                    for a in ("unshard", "post_backward")) +
-              tuple(Needs(f"{FSDP1}.{f}", "FSDP1's module attribution") for f in ("_unshard", "_reduce_grad")) +
-              (Needs("torch._C._current_graph_task_id"),),
+    relies_on=tuple(
+        Needs("|".join(f"{m}.FSDPParamGroup.{a}" for m in FSDP2), "FSDP2's module attribution")
+        for a in ("unshard", "post_backward")
+    )
+    + tuple(Needs(f"{FSDP1}.{f}", "FSDP1's module attribution") for f in ("_unshard", "_reduce_grad"))
+    + (Needs("torch._C._current_graph_task_id"),),
     records="FSDP's collectives attributed to their unit (module)",
-    wanted=wanted, apply=apply)
+    wanted=wanted,
+    apply=apply,
+)

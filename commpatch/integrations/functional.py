@@ -72,8 +72,11 @@ def _patch_funcol(ctx, funcol) -> None:
     # where dynamo inlines one (torch 2.4 traces dist.all_reduce into funcol.all_reduce_inplace, which
     # calls funcol.all_reduce), it traces torch's function: compiled calls are recorded by integrations.compiled
     for name, (op, many) in FUNCTIONS.items():
-        ctx.patches.wrap(funcol, name, lambda orig, op=op, many=many:
-                         invisible_to_dynamo(_wrapper(ctx, funcol, orig, op, many, waits), orig))
+        ctx.patches.wrap(
+            funcol,
+            name,
+            lambda orig, op=op, many=many: invisible_to_dynamo(_wrapper(ctx, funcol, orig, op, many, waits), orig),
+        )
     ctx.patches.wrap(funcol, "wait_tensor", lambda orig: invisible_to_dynamo(_wait_wrapper(orig, waits), orig))
 
 
@@ -89,30 +92,30 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     from torch._subclasses.fake_tensor import FakeTensor
 
     compiling, dynamo_compiling = torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling
-    resolve = getattr(funcol, "_resolve_group", None) or getattr(funcol, "_resolve_group_name", None)   # < 2.5
+    resolve = getattr(funcol, "_resolve_group", None) or getattr(funcol, "_resolve_group_name", None)  # < 2.5
     grad_enabled = torch.is_grad_enabled
 
     def wrapper(*args, **kwargs):
         if not state.recording:
             return orig(*args, **kwargs)
         outer = local.python_call
-        if outer:                        # inside another wrapped function (``*_autograd`` calls the plain one)
+        if outer:  # inside another wrapped function (``*_autograd`` calls the plain one)
             return orig(*args, **kwargs)
-        if compiling():                  # traced into a graph: seen when it runs (integrations.compiled)
-            if not dynamo_compiling():   # AOT autograd runs this as Python (dynamo would only trace it)
+        if compiling():  # traced into a graph: seen when it runs (integrations.compiled)
+            if not dynamo_compiling():  # AOT autograd runs this as Python (dynamo would only trace it)
                 _compile_notice.collective_compiled(op)
             return orig(*args, **kwargs)
         try:
             first = args[0] if args else next(iter(kwargs.values()))
             tensor = first[0] if many else first
-            traced = isinstance(tensor, FakeTensor) or tensor.is_meta    # (make_fx, export): nothing runs
+            traced = isinstance(tensor, FakeTensor) or tensor.is_meta  # (make_fx, export): nothing runs
             if not traced:
                 group = args[gpos] if len(args) > gpos else kwargs["group"]
                 tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.read", exc)
             return orig(*args, **kwargs)
-        if traced:                       # outside the try: torch's own error is the user's, raised once
+        if traced:  # outside the try: torch's own error is the user's, raised once
             return orig(*args, **kwargs)
         if isinstance(group, list) and resolve is not None:
             # torch's FutureWarning for a rank list (stacklevel=3 in _resolve_group) names the caller
@@ -127,10 +130,10 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.read", exc)
             return orig(*args, **kwargs)
-        if tensor.requires_grad and grad_enabled():   # an autograd formula may issue collectives in
-            compiled.ensure_installed(for_formulas=True)   # backward, from C++: seen at the dispatcher
+        if tensor.requires_grad and grad_enabled():  # an autograd formula may issue collectives in
+            compiled.ensure_installed(for_formulas=True)  # backward, from C++: seen at the dispatcher
         start = _pc()
-        local.python_call = True         # recorded here: the dispatcher kernels skip it
+        local.python_call = True  # recorded here: the dispatcher kernels skip it
         try:
             result = orig(*args, **kwargs)
         except BaseException:
@@ -138,22 +141,22 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             raise
         finally:
             local.python_call = outer
-            waited, local.waited = local.waited, None     # (not kept alive past the call)
+            waited, local.waited = local.waited, None  # (not kept alive past the call)
         end = _pc()
         try:
             last = result[-1] if many and result else result
             if isinstance(last, act):
                 key = _storage_key(last.elem)
-                lazy = key is not None   # no real storage (a simulated LocalTensor): no wait to time
-            else:                        # torch waited for it and made a new tensor of it (all_gather on
-                key, lazy = (_storage_key(waited) if waited is not None else None), False   # a dim other than 0)
-            if key and waits.served(key):    # a saved result handed back (SAC's recomputation): nothing ran
+                lazy = key is not None  # no real storage (a simulated LocalTensor): no wait to time
+            else:  # torch waited for it and made a new tensor of it (all_gather on
+                key, lazy = (_storage_key(waited) if waited is not None else None), False  # a dim other than 0)
+            if key and waits.served(key):  # a saved result handed back (SAC's recomputation): nothing ran
                 return result
             if key and not lazy:
                 waits.keep(key, waited)
             timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
-            if lazy:                     # the last result's wait marks completion of the batch
+            if lazy:  # the last result's wait marks completion of the batch
                 waits.add(key, last.elem, seq, start)
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.record", exc)
@@ -165,7 +168,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
 def _with_group(args: tuple, kwargs: dict, gpos: int, group):
     """The arguments with the group argument replaced."""
     if len(args) > gpos:
-        return args[:gpos] + (group,) + args[gpos + 1:], kwargs
+        return args[:gpos] + (group,) + args[gpos + 1 :], kwargs
     return args, {**kwargs, "group": group}
 
 
@@ -174,11 +177,11 @@ def _wait_wrapper(orig, waits: Waits):
 
     def wait_tensor(tensor):
         out = orig(tensor)
-        if local.python_call:            # inside a recorded functional collective: its result
+        if local.python_call:  # inside a recorded functional collective: its result
             local.waited = tensor
         if waits:
             key = _storage_key(tensor)
-            if key is not None:          # a traced / fake tensor has no storage: not one of ours
+            if key is not None:  # a traced / fake tensor has no storage: not one of ours
                 waits.waited(key)
         return out
 
@@ -200,11 +203,11 @@ def _process_group(funcol, cache: dict, group, tag: str):
     key = (group, tag) if not isinstance(group, list) else None
     if key is not None:
         pg = cache.get(key)
-        if pg is not None and pg in c10d._world.pg_names:   # not destroyed since (a new group may have its name)
+        if pg is not None and pg in c10d._world.pg_names:  # not destroyed since (a new group may have its name)
             return pg
     import warnings
 
-    with warnings.catch_warnings():      # torch warned the user already, from their own call
+    with warnings.catch_warnings():  # torch warned the user already, from their own call
         warnings.simplefilter("ignore")
         pg = c10d._resolve_process_group(funcol._resolve_group_name(group, tag))
     if key is not None:
@@ -215,11 +218,18 @@ def _process_group(funcol, cache: dict, group, tag: str):
 INTEGRATION = Integration(
     name="functional",
     patches="the leaf functions of torch.distributed._functional_collectives (FUNCTIONS), and the wait of their "
-            "AsyncCollectiveTensor results",
-    relies_on=(Needs(f"{FUNCOL}.all_reduce"), Needs(f"{FUNCOL}._resolve_group_name"),
-               Needs(f"{FUNCOL}.AsyncCollectiveTensor"), Needs("torch.distributed.distributed_c10d._resolve_process_group"),
-               Needs(f"{FUNCOL}.wait_tensor", "functional collectives' durations (rows are timed to the call only)"),
-               Needs("torch.compiler.is_compiling"), Needs("torch.compiler.is_dynamo_compiling"),
-               Needs("torch._subclasses.fake_tensor.FakeTensor")),
+    "AsyncCollectiveTensor results",
+    relies_on=(
+        Needs(f"{FUNCOL}.all_reduce"),
+        Needs(f"{FUNCOL}._resolve_group_name"),
+        Needs(f"{FUNCOL}.AsyncCollectiveTensor"),
+        Needs("torch.distributed.distributed_c10d._resolve_process_group"),
+        Needs(f"{FUNCOL}.wait_tensor", "functional collectives' durations (rows are timed to the call only)"),
+        Needs("torch.compiler.is_compiling"),
+        Needs("torch.compiler.is_dynamo_compiling"),
+        Needs("torch._subclasses.fake_tensor.FakeTensor"),
+    ),
     records="functional collectives (DTensor, tensor parallel)",
-    wanted=wanted, apply=apply)
+    wanted=wanted,
+    apply=apply,
+)

@@ -62,7 +62,7 @@ class _Codes:
         key = id(module)
         try:
             self._refs[key] = weakref.ref(module, lambda _r, key=key: self._forget(key))
-        except TypeError:            # not weak-referenceable: kept for the process's life
+        except TypeError:  # not weak-referenceable: kept for the process's life
             pass
         self.by_id[key] = code
 
@@ -72,8 +72,8 @@ class _Codes:
 
 
 _codes = _Codes()
-_stack: list[int] = []                     # STATE.where before each module call in progress
-_in_optimizer: list[int] = []              # STATE.where before each optimizer step in progress
+_stack: list[int] = []  # STATE.where before each module call in progress
+_in_optimizer: list[int] = []  # STATE.where before each optimizer step in progress
 _handles: list = []
 
 
@@ -151,7 +151,7 @@ def _install(ctx, compiler) -> None:
             previous = state.where
             stack.append(previous)
             if code >= 0:
-                state.where = (code << 2) | P_FORWARD     # pack_where inlined: this runs per module call
+                state.where = (code << 2) | P_FORWARD  # pack_where inlined: this runs per module call
             try:
                 output = orig(module, *args, **kwargs)
             finally:
@@ -161,7 +161,7 @@ def _install(ctx, compiler) -> None:
                 _mark_backward(module, output)
             return output
 
-        return invisible_to_dynamo(_call_impl, orig)     # see the module's docstring (torch.compile)
+        return invisible_to_dynamo(_call_impl, orig)  # see the module's docstring (torch.compile)
 
     def _mark_backward(module, output):
         node = _grad_fn(output)
@@ -193,8 +193,12 @@ def _install(ctx, compiler) -> None:
         state.where = in_optimizer.pop() if in_optimizer else 0
 
     ctx.patches.wrap(nn_module.Module, "_call_impl", wrap_call_impl)
-    _handles.extend((optim_module.register_optimizer_step_pre_hook(optim_pre),
-                     optim_module.register_optimizer_step_post_hook(optim_post)))
+    _handles.extend(
+        (
+            optim_module.register_optimizer_step_pre_hook(optim_pre),
+            optim_module.register_optimizer_step_post_hook(optim_post),
+        )
+    )
 
 
 def remove(ctx) -> None:
@@ -252,12 +256,18 @@ def _grad_fn(output):
 INTEGRATION = Integration(
     name="modules",
     patches="torch.nn.Module._call_impl (a wrapper), global optimizer step pre/post hooks, a grad_fn pre-hook per "
-            "root output",
-    relies_on=(Needs("torch.nn.Module._call_impl"), Needs("torch.nn.Module._wrapped_call_impl"),
-               Needs("torch.optim.optimizer.register_optimizer_step_pre_hook", "the optimizer phase"),
-               Needs("torch.optim.optimizer.register_optimizer_step_post_hook", "the optimizer phase"),
-               Needs("torch.autograd.Variable._execution_engine.queue_callback"),
-               Needs("torch.compiler.is_compiling"),
-               Needs("torch._dynamo.eval_frame.skip_code")),     # invisible_to_dynamo: never a compiled frame
+    "root output",
+    relies_on=(
+        Needs("torch.nn.Module._call_impl"),
+        Needs("torch.nn.Module._wrapped_call_impl"),
+        Needs("torch.optim.optimizer.register_optimizer_step_pre_hook", "the optimizer phase"),
+        Needs("torch.optim.optimizer.register_optimizer_step_post_hook", "the optimizer phase"),
+        Needs("torch.autograd.Variable._execution_engine.queue_callback"),
+        Needs("torch.compiler.is_compiling"),
+        Needs("torch._dynamo.eval_frame.skip_code"),
+    ),  # invisible_to_dynamo: never a compiled frame
     records="the module and phase of each call",
-    wanted=wanted, apply=apply, remove=remove)
+    wanted=wanted,
+    apply=apply,
+    remove=remove,
+)

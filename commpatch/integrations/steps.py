@@ -29,13 +29,15 @@ from .base import Integration, Needs, when_imported
 
 DDP_MODULE = "torch.nn.parallel.distributed"
 FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
-FSDP2_MODULES = tuple(f"{package}._fsdp_state" for package in ("torch.distributed.fsdp._fully_shard",
-                                                                "torch.distributed._composable.fsdp"))
+FSDP2_MODULES = tuple(
+    f"{package}._fsdp_state"
+    for package in ("torch.distributed.fsdp._fully_shard", "torch.distributed._composable.fsdp")
+)
 
 _handles: list = []
-_driver: list = []            # id() of the optimizer whose steps count
-_seen_forward: list = []      # a root forward ran (the first one opens step 0, it does not advance)
-_local = threading.local()    # .depth: counted root forwards running in this thread
+_driver: list = []  # id() of the optimizer whose steps count
+_seen_forward: list = []  # a root forward ran (the first one opens step 0, it does not advance)
+_local = threading.local()  # .depth: counted root forwards running in this thread
 
 
 def wanted(settings: dict) -> bool:
@@ -125,8 +127,11 @@ def _wrap_fsdp2(ctx, module) -> None:
         def _root_pre_forward(self, *args, **kwargs):
             try:
                 ctx_state = getattr(self, "_state_ctx", None)
-                if ctx_state is not None and getattr(ctx_state, "iter_forward_root", 0) is None \
-                        and getattr(_local, "depth", 0) == 0:
+                if (
+                    ctx_state is not None
+                    and getattr(ctx_state, "iter_forward_root", 0) is None
+                    and getattr(_local, "depth", 0) == 0
+                ):
                     _root_forward_begins()
             except Exception as exc:  # noqa: BLE001 - step counting never breaks a forward
                 _runtime.fail("steps.forward", exc)
@@ -147,12 +152,21 @@ def remove(ctx) -> None:
 INTEGRATION = Integration(
     name="steps",
     patches="a global optimizer step post-hook; DistributedDataParallel.forward, FullyShardedDataParallel.forward, "
-            "FSDP2 FSDPState._root_pre_forward (counting only)",
-    relies_on=(Needs("torch.optim.optimizer.register_optimizer_step_post_hook",
-                     "steps counted by optimizer.step() (DDP / FSDP root forwards still count)"),
-               Needs(f"{DDP_MODULE}.DistributedDataParallel.forward", "steps counted by DDP's forwards"),
-               Needs(f"{FSDP1_MODULE}.FullyShardedDataParallel.forward", "steps counted by FSDP1's forwards"),
-               Needs("|".join(f"{m}.FSDPState._root_pre_forward" for m in FSDP2_MODULES),
-                     "steps counted by FSDP2's root forwards")),
+    "FSDP2 FSDPState._root_pre_forward (counting only)",
+    relies_on=(
+        Needs(
+            "torch.optim.optimizer.register_optimizer_step_post_hook",
+            "steps counted by optimizer.step() (DDP / FSDP root forwards still count)",
+        ),
+        Needs(f"{DDP_MODULE}.DistributedDataParallel.forward", "steps counted by DDP's forwards"),
+        Needs(f"{FSDP1_MODULE}.FullyShardedDataParallel.forward", "steps counted by FSDP1's forwards"),
+        Needs(
+            "|".join(f"{m}.FSDPState._root_pre_forward" for m in FSDP2_MODULES),
+            "steps counted by FSDP2's root forwards",
+        ),
+    ),
     records="automatic step numbers",
-    wanted=wanted, apply=apply, remove=remove)
+    wanted=wanted,
+    apply=apply,
+    remove=remove,
+)

@@ -13,11 +13,13 @@ import os
 import re
 
 FILE_GLOB = "hang_rank*.txt"
-MAX_BYTES = 16 << 20        # a dump file larger than this is not one: skipped
+MAX_BYTES = 16 << 20  # a dump file larger than this is not one: skipped
 _HEAD = re.compile(r"^===== commpatch watchdog: rank (\d+) pid (\d+) host .* \(unix_ns (\d+)\) =====$")
-_CALL = re.compile(r"^\[(?:STUCK|in flight)\] (\S+)  seq=(\d+)  (?:(?:collective|call) #\d+ of group .*?|group .*?, "
-                   r"number unknown)  group=(.*?) \(ranks (.*?); size \d+; .*?\)  numel=(-?\d+)  pending for "
-                   r"([0-9.]+) s  thread (.*)$")
+_CALL = re.compile(
+    r"^\[(?:STUCK|in flight)\] (\S+)  seq=(\d+)  (?:(?:collective|call) #\d+ of group .*?|group .*?, "
+    r"number unknown)  group=(.*?) \(ranks (.*?); size \d+; .*?\)  numel=(-?\d+)  pending for "
+    r"([0-9.]+) s  thread (.*)$"
+)
 
 
 def dumps_beside(paths) -> list[dict]:
@@ -53,7 +55,20 @@ def parse_dump(text: str) -> dict | None:
         if call:
             op, seq, group, ranks, numel, age, thread = call.groups()
             start = last["alive_ns"] - int(float(age) * 1e9)
-            last["calls"].append({"op": op, "group": group, "group_ranks": ranks, "peer": -1, "seq": int(seq),
-                                  "below": int(seq) + 1, "numel": int(numel), "bytes": -1, "start_ns": start,
-                                  "seen_ns": start, "thread": thread, "stack": []})
+            last["calls"].append(
+                {
+                    "op": op,
+                    "group": group,
+                    "group_ranks": ranks,
+                    "peer": -1,
+                    "seq": int(seq),
+                    "below": int(seq) + 1,
+                    "numel": int(numel),
+                    "bytes": -1,
+                    "start_ns": start,
+                    "seen_ns": start,
+                    "thread": thread,
+                    "stack": [],
+                }
+            )
     return last

@@ -10,7 +10,7 @@ from ..data.follow import Follower
 from ..data.logfile import SUFFIX
 from .reader import file_rank, latest_run, runs
 
-READ_MOST = 64 << 20       # bytes read from one file per look (the rest at the next look)
+READ_MOST = 64 << 20  # bytes read from one file per look (the rest at the next look)
 CHUNK = 4 << 20
 
 
@@ -22,7 +22,7 @@ class FileFollower:
         self.follower = Follower(**window)
         self.offset = 0
         self.fd = -1
-        self.error = ""           # why the file cannot be read ('' : it can)
+        self.error = ""  # why the file cannot be read ('' : it can)
 
     def poll(self) -> int:
         """Read and decode what was appended since the last call (at most READ_MOST bytes);
@@ -33,7 +33,9 @@ class FileFollower:
         while done < READ_MOST:
             try:
                 if self.fd < 0:
-                    self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+                    self.fd = os.open(
+                        self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                    )
                 data = os.pread(self.fd, CHUNK, self.offset)
             except OSError as exc:
                 self.error = f"{self.path}: {exc.strerror or exc}"
@@ -43,8 +45,8 @@ class FileFollower:
             self.offset += len(data)
             done += len(data)
             try:
-                self.follower.feed(data)      # decoded chunk by chunk: the window stays bounded
-            except ValueError as exc:         # not a rank log
+                self.follower.feed(data)  # decoded chunk by chunk: the window stays bounded
+            except ValueError as exc:  # not a rank log
                 self.error = f"{self.path}: {exc}"
                 break
         return done
@@ -73,7 +75,7 @@ class RunFollower:
         try:
             if any(name.endswith(SUFFIX) for name in os.listdir(self.root)) or not runs(self.root):
                 return self.root
-        except OSError:                     # not there yet: the job creates it
+        except OSError:  # not there yet: the job creates it
             return self.root
         return latest_run(self.root) or self.root
 

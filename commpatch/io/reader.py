@@ -13,8 +13,18 @@ from ..data.clock import CLOCK_ATTR
 from ..data.frame import arrow_table, dataframe, own_times, parse_log, parsed_clock
 from ..data.logfile import IN_FLIGHT_ATTR, MAX_WORLD, RANKS_NAMED, SUFFIX, in_flight, parse_header, rank_count
 from ..data.ops import describe_op
-from ..data.schema import (ADDED_IN, BOUNDARY_SOURCES, COLUMNS, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA,
-                           SCHEMA_VERSION, SCHEMA_VERSION_KEY, STEPLESS_ATTR, TIMINGS)
+from ..data.schema import (
+    ADDED_IN,
+    BOUNDARY_SOURCES,
+    COLUMNS,
+    DERIVED_FROM_OP,
+    OLD_TIMING_NAMES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    STEPLESS_ATTR,
+    TIMINGS,
+)
 from . import writer as _writer
 from .dumps import dumps_beside
 from .problems import LogFileError, LogFileNotFoundError, LogFileWarning, _NotALog
@@ -28,16 +38,21 @@ if TYPE_CHECKING:
 # then what is wrong) or, where a correct best-effort result exists, a LogFileWarning and the
 # rest of the data. Nothing else escapes from here for bad input: no raw pyarrow / pandas error.
 
-_SNIFF = 1 << 16                       # bytes looked at to tell what a file is
+_SNIFF = 1 << 16  # bytes looked at to tell what a file is
 _PARQUET_MAGIC = b"PAR1"
-_IDENTITY = ("seq", "rank", "world_size", "start_ns", "pid")   # read always: duplicate / mixed-job checks
+_IDENTITY = ("seq", "rank", "world_size", "start_ns", "pid")  # read always: duplicate / mixed-job checks
 _NEUTRAL = {"category": "", "int64": 0, "float64": float("nan"), "bool": False}
 _NEUTRAL_BY_COLUMN = {"bucket": -1, "peer": -1, "tensors": 1}
-_WORDS = {"int64": "an integer", "float64": "a number", "bool": "true or false", "double": "a number",
-          "bool_": "true or false"}
+_WORDS = {
+    "int64": "an integer",
+    "float64": "a number",
+    "bool": "true or false",
+    "double": "a number",
+    "bool_": "true or false",
+}
 
 
-def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.DataFrame":
+def read(paths, progress=None, columns=None, ranks=None, steps=None) -> pd.DataFrame:
     """Read per-rank files (a file, a directory, a glob, or a list of them) into one DataFrame
     with the SCHEMA's dtypes; ``read(write(df, p)) == df``.
 
@@ -73,14 +88,13 @@ def read(paths, progress=None, columns=None, ranks=None, steps=None) -> "pd.Data
     finally:
         notes.emit()
     df = parts.frame()
-    if notes.run is not None:          # the report's first line names the run read and the others
+    if notes.run is not None:  # the report's first line names the run read and the others
         df.attrs[RUN_ATTR] = notes.run
     return df
 
 
 # df.attrs key: (the run directory read, how many runs its parent holds), when a directory of runs was given
 RUN_ATTR = "run"
-
 
 
 class _Plan:
@@ -101,7 +115,7 @@ class _Parts:
     """The files read so far (conformed Arrow tables, or DataFrames without pyarrow), checked as
     one job (``_Jobs``), cut to the plan's ranks and steps; ``frame()`` joins them."""
 
-    def __init__(self, plan: _Plan, notes: "_Notes", jobs: "_Jobs | None" = None) -> None:
+    def __init__(self, plan: _Plan, notes: _Notes, jobs: _Jobs | None = None) -> None:
         self.plan, self.notes = plan, notes
         self.jobs = jobs if jobs is not None else _Jobs()
         self.pa = _writer._pyarrow()
@@ -109,8 +123,8 @@ class _Parts:
         self.filled: set = set()
         self.foreign: list = []
         self.keys: list = []
-        self.whole: set = set()      # ranks read whole despite a window of steps: no step boundary
-        self.clocks: dict = {}       # rank -> data.clock RankClock.summary() (binary logs only)
+        self.whole: set = set()  # ranks read whole despite a window of steps: no step boundary
+        self.clocks: dict = {}  # rank -> data.clock RankClock.summary() (binary logs only)
 
     def load(self, path, scanned) -> None:
         plan, pa = self.plan, self.pa
@@ -130,34 +144,35 @@ class _Parts:
         self.keys.append((path, keys))
         data, whole = _cut(pa, data, plan.ranks, plan.steps)
         self.whole.update(whole)
-        if len(plan.schema) != len(plan.read_schema):      # the identity columns were for admit()
+        if len(plan.schema) != len(plan.read_schema):  # the identity columns were for admit()
             data = data.select(plan.names) if pa is not None else data[plan.names]
         self.parts.append(data)
         self.filled.update(fill)
 
     def check(self, paths, n_files) -> None:
         if self.foreign and len(self.foreign) == n_files:
-            raise LogFileNotFoundError(_describe(paths), f"no commpatch log among {n_files} file(s) "
-                                                         f"({self.foreign[0]})")
+            raise LogFileNotFoundError(
+                _describe(paths), f"no commpatch log among {n_files} file(s) ({self.foreign[0]})"
+            )
 
-    def frame(self) -> "pd.DataFrame":
+    def frame(self) -> pd.DataFrame:
         pa, schema, filled = self.pa, self.plan.schema, set(self.filled)
         df = _arrow_frame(pa, self.parts, schema) if pa is not None else _pandas_frame(self.parts, schema)
         derived = [c for c in DERIVED_FROM_OP if c in filled and c in df.columns]
-        if derived and "op" in df.columns:         # an older file: from its op column, not neutral values
+        if derived and "op" in df.columns:  # an older file: from its op column, not neutral values
             _derive_from_op(df, derived)
             filled -= set(derived)
         if "own_us" in filled and "own_us" in df.columns and {"start_ns", "duration_us", "timing"} <= set(df.columns):
-            _derive_own(df)                        # an older file: from its durations (host clock)
+            _derive_own(df)  # an older file: from its durations (host clock)
             filled.discard("own_us")
-        filled -= {"sync_end_us", "pack_us", "pack_alone_us"}   # an older file measured no DDP finalize or
-                                                                  # packing: NaN is its value
+        filled -= {"sync_end_us", "pack_us", "pack_alone_us"}  # an older file measured no DDP finalize or
+        # packing: NaN is its value
         if "timing" in df.columns and df["timing"].dtype.name == "category":
             old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
             if old:
                 df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
         df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
-        here = {k["rank"] for _, keys in self.keys for k in keys}      # the ranks read: their dumps only
+        here = {k["rank"] for _, keys in self.keys for k in keys}  # the ranks read: their dumps only
         flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
         df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
         if self.clocks:
@@ -216,7 +231,7 @@ def _stepless_ranks(pa, data) -> list:
     return sorted(flat)
 
 
-def file_rank(path) -> "int | None":
+def file_rank(path) -> int | None:
     """The rank a log file holds, from its first bytes (a binary log's header, a CSV's first row,
     a Parquet file's statistics); None when that cannot be told cheaply (reading will say why)."""
     try:
@@ -273,12 +288,11 @@ def read_ranks(paths, transform, columns=None, ranks=None, steps=None, progress=
             by_rank.setdefault(("rank", rank) if rank is not None else ("file", path), []).append((path, scanned))
         tasks = list(by_rank.values())
         jobs, foreign = _Jobs(), 0
-        for done, (result, problems, keys, n_foreign) in enumerate(
-                _run_tasks(tasks, plan, transform, workers), 1):
+        for done, (result, problems, keys, n_foreign) in enumerate(_run_tasks(tasks, plan, transform, workers), 1):
             for problem, where in problems.items():
                 for path in where:
                     notes.add(path, problem)
-            admitted = [jobs.admit(path, k, notes) for path, k in keys]   # all: every check runs
+            admitted = [jobs.admit(path, k, notes) for path, k in keys]  # all: every check runs
             foreign += n_foreign
             if progress is not None:
                 progress(done, len(tasks))
@@ -303,7 +317,7 @@ def _run_tasks(tasks, plan, transform, workers):
         queue.reverse()
         try:
             while queue or pending:
-                while queue and len(pending) < 2 * workers:     # a bounded window: memory for a few ranks
+                while queue and len(pending) < 2 * workers:  # a bounded window: memory for a few ranks
                     pending.append(pool.submit(_rank_task, queue.pop(), plan, transform))
                 yield pending.pop(0).result()
         finally:
@@ -329,8 +343,10 @@ def _derive_own(df) -> None:
     key = df.groupby(by, observed=True, sort=False).ngroup().to_numpy(np.int64) if by else np.zeros(len(df), np.int64)
     order = np.argsort(df["seq"].to_numpy(), kind="stable") if "seq" in df.columns else np.arange(len(df))
     names = df["timing"].astype("category")
-    code_of = [TIMINGS.index(OLD_TIMING_NAMES.get(t, t)) if OLD_TIMING_NAMES.get(t, t) in TIMINGS else -1
-               for t in names.cat.categories.astype(str)]      # per category, not per row
+    code_of = [
+        TIMINGS.index(OLD_TIMING_NAMES.get(t, t)) if OLD_TIMING_NAMES.get(t, t) in TIMINGS else -1
+        for t in names.cat.categories.astype(str)
+    ]  # per category, not per row
     codes = names.cat.codes.to_numpy()
     timing = np.where(codes >= 0, np.asarray(code_of + [-1], np.int64)[codes], -1)
     dur_ns = df["duration_us"].to_numpy(np.float64) * 1e3
@@ -393,8 +409,9 @@ def _resolve(paths, notes) -> list[tuple[str, bool]]:
                 run = chosen.get(p)
                 found = _log_files(run) if run else []
             if not found:
-                raise LogFileNotFoundError(p, "no .cplog, .csv or .parquet file in this directory (nor in a run "
-                                              "directory under it)")
+                raise LogFileNotFoundError(
+                    p, "no .cplog, .csv or .parquet file in this directory (nor in a run directory under it)"
+                )
             scanned = True
         elif os.path.exists(p):
             found, scanned = [p], False
@@ -418,13 +435,13 @@ def _resolve(paths, notes) -> list[tuple[str, bool]]:
     return out
 
 
-PARTITION = "rank="     # the subdirectories of a rank-partitioned Parquet dataset (``commpatch convert --to parquet``)
+PARTITION = "rank="  # the subdirectories of a rank-partitioned Parquet dataset (``commpatch convert --to parquet``)
 
 
-def partition_rank(path) -> "int | None":
+def partition_rank(path) -> int | None:
     """The rank of a file of a rank-partitioned dataset (``.../rank=7/part.parquet``), else None."""
     parent = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    value = parent[len(PARTITION):] if parent.startswith(PARTITION) else ""
+    value = parent[len(PARTITION) :] if parent.startswith(PARTITION) else ""
     return int(value) if value.isdigit() else None
 
 
@@ -433,13 +450,24 @@ def _log_files(directory: str) -> list[str]:
     are the export of a binary log beside them (the same rows twice); or the Parquet files of a
     rank-partitioned dataset (``rank=R/*.parquet``)."""
     entries = os.listdir(directory)
-    parts = sorted((d for d in entries if partition_rank(os.path.join(directory, d, "x")) is not None
-                    and os.path.isdir(os.path.join(directory, d))), key=lambda d: int(d[len(PARTITION):]))
+    parts = sorted(
+        (
+            d
+            for d in entries
+            if partition_rank(os.path.join(directory, d, "x")) is not None and os.path.isdir(os.path.join(directory, d))
+        ),
+        key=lambda d: int(d[len(PARTITION) :]),
+    )
     if parts:
-        return [os.path.join(directory, d, f) for d in parts for f in sorted(os.listdir(os.path.join(directory, d)))
-                if f.endswith(".parquet") and os.path.isfile(os.path.join(directory, d, f))]
-    names = [f for f in entries if f.endswith((SUFFIX, ".csv", ".parquet"))
-             and os.path.isfile(os.path.join(directory, f))]
+        return [
+            os.path.join(directory, d, f)
+            for d in parts
+            for f in sorted(os.listdir(os.path.join(directory, d)))
+            if f.endswith(".parquet") and os.path.isfile(os.path.join(directory, d, f))
+        ]
+    names = [
+        f for f in entries if f.endswith((SUFFIX, ".csv", ".parquet")) and os.path.isfile(os.path.join(directory, f))
+    ]
     binary = {f[: -len(SUFFIX)] for f in names if f.endswith(SUFFIX)}
     keep = [f for f in names if f.endswith(SUFFIX) or os.path.splitext(f)[0] not in binary]
     return [os.path.join(directory, f) for f in sorted(keep)]
@@ -504,15 +532,21 @@ def one_run(directories, notes=None) -> dict:
         out = {d: os.path.join(d, name) for d in directories}
         if notes is not None:
             counts = sorted({len(rs) for rs in found.values()})
-            notes.add(directories[0], f"{len(directories)} directories of runs: reading run {name}, held by all of "
-                                      f"them ({'/'.join(map(str, counts))} run(s) each)")
+            notes.add(
+                directories[0],
+                f"{len(directories)} directories of runs: reading run {name}, held by all of "
+                f"them ({'/'.join(map(str, counts))} run(s) each)",
+            )
             notes.run = (out[directories[0]], max(counts), len(directories))
         return out
     out = {d: latest_run(d) for d in directories}
     if notes is not None:
-        notes.add(directories[0], "the directories given hold no run of the same name (each host of a job writes "
-                                  "its ranks' files under the run's one name): reading the latest of each: "
-                                  + ", ".join(os.path.basename(r) for r in out.values() if r))
+        notes.add(
+            directories[0],
+            "the directories given hold no run of the same name (each host of a job writes "
+            "its ranks' files under the run's one name): reading the latest of each: "
+            + ", ".join(os.path.basename(r) for r in out.values() if r),
+        )
     return out
 
 
@@ -521,7 +555,7 @@ def chosen_run(paths):
     its own: its latest run is read), else None; what ``read`` keeps in ``df.attrs["run"]``."""
     if isinstance(paths, (list, tuple)) and len(paths) == 1:
         paths = paths[0]
-    if isinstance(paths, (list, tuple)) and len(paths) > 1:      # one directory of runs per host
+    if isinstance(paths, (list, tuple)) and len(paths) > 1:  # one directory of runs per host
         dirs = [str(os.fspath(p)) for p in paths]
         if all(os.path.isdir(d) and not _log_files(d) for d in dirs):
             chosen = one_run(dirs)
@@ -554,8 +588,8 @@ class _Notes:
 
     def __init__(self) -> None:
         self.problems: dict[str, list[str]] = {}
-        self.run = None      # (the run directory read, how many runs its parent holds): latest_run
-        self.flight: list[dict] = []   # per binary log read: data.logfile.in_flight (its calls in flight at the end)
+        self.run = None  # (the run directory read, how many runs its parent holds): latest_run
+        self.flight: list[dict] = []  # per binary log read: data.logfile.in_flight (its calls in flight at the end)
 
     def add(self, path, problem: str) -> None:
         self.problems.setdefault(problem, []).append(str(path))
@@ -574,8 +608,8 @@ class _Jobs:
     copy of a file already read (skipped) from rows given twice (refused)."""
 
     def __init__(self) -> None:
-        self.world: tuple | None = None            # (world_size, file)
-        self.ranks: dict[int, list] = {}           # rank -> [(pid, file, key summary)]
+        self.world: tuple | None = None  # (world_size, file)
+        self.ranks: dict[int, list] = {}  # rank -> [(pid, file, key summary)]
 
     def admit(self, path, keys, notes) -> bool:
         copies = []
@@ -585,19 +619,28 @@ class _Jobs:
                     self.world = (ws, path)
                 elif ws != self.world[0]:
                     where = "it" if self.world[1] == path else self.world[1]
-                    raise LogFileError(path, f"world_size {ws}, but {where} has world_size {self.world[0]}: logs "
-                                             "of two different jobs. Read one run's files at a time (one directory "
-                                             "per run; `commpatch report --compare DIR...` compares runs)")
+                    raise LogFileError(
+                        path,
+                        f"world_size {ws}, but {where} has world_size {self.world[0]}: logs "
+                        "of two different jobs. Read one run's files at a time (one directory "
+                        "per run; `commpatch report --compare DIR...` compares runs)",
+                    )
             for pid, other, o in self.ranks.get(k["rank"], ()):
                 if pid != k["pid"]:
-                    raise LogFileError(path, f"rank {k['rank']} recorded by pid {k['pid']}, but {other} holds rank "
-                                             f"{k['rank']} recorded by pid {pid}: logs of two different runs (or a "
-                                             "restarted job). Read one run's files at a time (one directory per run)")
+                    raise LogFileError(
+                        path,
+                        f"rank {k['rank']} recorded by pid {k['pid']}, but {other} holds rank "
+                        f"{k['rank']} recorded by pid {pid}: logs of two different runs (or a "
+                        "restarted job). Read one run's files at a time (one directory per run)",
+                    )
                 if all(o[f] == k[f] for f in ("seq_count", "seq_min", "seq_max", "start_ns_min", "start_ns_max")):
                     copies.append(other)
                 elif k["seq_min"] <= o["seq_max"] and o["seq_min"] <= k["seq_max"]:
-                    raise LogFileError(path, f"repeats rows of rank {k['rank']} (pid {pid}, seq {k['seq_min']}-"
-                                             f"{k['seq_max']}) that {other} also holds: give each rank's rows once")
+                    raise LogFileError(
+                        path,
+                        f"repeats rows of rank {k['rank']} (pid {pid}, seq {k['seq_min']}-"
+                        f"{k['seq_max']}) that {other} also holds: give each rank's rows once",
+                    )
         if copies:
             if len(copies) == len(keys) and len(set(copies)) == 1:
                 notes.add(path, f"a copy of {copies[0]} (the same rank, process and rows): read once")
@@ -623,8 +666,9 @@ def _read_file(pa, path, schema, notes, clocks=None):
         table, fill = _read_parquet(pa, path, schema, notes)
         data = _conform(pa, path, table, schema, fill, where)
     elif str(path).endswith(".parquet"):
-        raise LogFileError(path, "not a Parquet file (no Parquet magic bytes at its start; truncated to "
-                                 "nothing, or another format)")
+        raise LogFileError(
+            path, "not a Parquet file (no Parquet magic bytes at its start; truncated to nothing, or another format)"
+        )
     elif head.startswith(b"CPLOG"):
         data, fill = _read_binary(pa, path, schema, notes, clocks)
     elif b"\0" in head:
@@ -633,8 +677,11 @@ def _read_file(pa, path, schema, notes, clocks=None):
         names = _csv_header(path, head)
         fill = _plan(path, names, schema, None, notes)
         if 0 < end < size:
-            notes.add(path, "its last line is incomplete (the file was cut short, e.g. the process was killed "
-                            "while writing): that partial row is left out")
+            notes.add(
+                path,
+                "its last line is incomplete (the file was cut short, e.g. the process was killed "
+                "while writing): that partial row is left out",
+            )
         else:
             end = size
         if pa is not None:
@@ -672,19 +719,23 @@ def _check_sizes(pa, data, path, where) -> None:
     if world is not None:
         bad = np.flatnonzero((world < -1) | (world > MAX_WORLD) | (world == 0))
         if len(bad):
-            raise LogFileError(path, f"column 'world_size' holds {world[bad[0]]} on {where(int(bad[0]))}: a world "
-                                     f"size is 1 to {MAX_WORLD:,} (-1: not distributed)")
+            raise LogFileError(
+                path,
+                f"column 'world_size' holds {world[bad[0]]} on {where(int(bad[0]))}: a world "
+                f"size is 1 to {MAX_WORLD:,} (-1: not distributed)",
+            )
         if "rank" in names:
             rank = column("rank")
             bad = np.flatnonzero((rank < -1) | ((world > 0) & (rank >= world)) | ((world < 0) & (rank >= MAX_WORLD)))
             if len(bad):
                 i = int(bad[0])
-                raise LogFileError(path, f"column 'rank' holds {rank[i]} on {where(i)}: not a rank of a world of "
-                                         f"{world[i]}")
-    if "group_ranks" in names:      # within MAX_WORLD (a log may outlive a process group), and in all
+                raise LogFileError(
+                    path, f"column 'rank' holds {rank[i]} on {where(i)}: not a rank of a world of {world[i]}"
+                )
+    if "group_ranks" in names:  # within MAX_WORLD (a log may outlive a process group), and in all
         col = data.column("group_ranks") if pa is not None else data["group_ranks"]
         named = 0
-        for value in (col.unique().to_pylist() if pa is not None else col.unique().tolist()):
+        for value in col.unique().to_pylist() if pa is not None else col.unique().tolist():
             text = str(value)
             try:
                 named += rank_count(text)
@@ -693,9 +744,12 @@ def _check_sizes(pa, data, path, where) -> None:
             except ValueError:
                 i = (col.to_pylist() if pa is not None else col.astype(str).tolist()).index(text)
                 shown = repr(text if len(text) <= 40 else text[:40] + "...")
-                raise LogFileError(path, f"column 'group_ranks' holds {shown} on {where(i)}, not ranks (range "
-                                         f"notation: '0-7', '0-6:2', '0 3 5'; at most {MAX_WORLD:,} ranks, and "
-                                         f"{RANKS_NAMED:,} named by a file's groups in all)") from None
+                raise LogFileError(
+                    path,
+                    f"column 'group_ranks' holds {shown} on {where(i)}, not ranks (range "
+                    f"notation: '0-7', '0-6:2', '0 3 5'; at most {MAX_WORLD:,} ranks, and "
+                    f"{RANKS_NAMED:,} named by a file's groups in all)",
+                ) from None
 
 
 def _read_binary(pa, path, schema, notes, clocks=None):
@@ -762,24 +816,34 @@ def _plan(path, names, schema, version, notes) -> list[str]:
     present = set(names)
     base = [c for c in COLUMNS if ADDED_IN.get(c, 1) == 1]
     if sum(c in present for c in base) < len(base) // 2:
-        shown = ", ".join(repr(n)[1:-1][:30] for n in names[:6]) + (f", ... ({len(names)} columns)"
-                                                                  if len(names) > 6 else "")
-        raise _NotALog(path, f"not a commpatch log: its columns are {shown or 'none'}; a log has "
-                             f"{', '.join(COLUMNS[:4])}, ... (see commpatch.schema())")
+        shown = ", ".join(repr(n)[1:-1][:30] for n in names[:6]) + (
+            f", ... ({len(names)} columns)" if len(names) > 6 else ""
+        )
+        raise _NotALog(
+            path,
+            f"not a commpatch log: its columns are {shown or 'none'}; a log has "
+            f"{', '.join(COLUMNS[:4])}, ... (see commpatch.schema())",
+        )
     missing = [c.name for c in schema if c.name not in present]
     required = [c for c in missing if ADDED_IN.get(c, 1) <= (version or 1)]
     if required:
         which = f"schema {version}" if version else "commpatch"
-        raise LogFileError(path, f"no {', '.join(map(repr, required))} column: every {which} log has it (the file "
-                                 "was edited, or written by another tool)")
+        raise LogFileError(
+            path,
+            f"no {', '.join(map(repr, required))} column: every {which} log has it (the file "
+            "was edited, or written by another tool)",
+        )
     derivable = {c for c in DERIVED_FROM_OP if "op" in present}
     if {"start_ns", "duration_us", "timing"} <= present:
         derivable.add("own_us")
     lacking = [c for c in missing if c not in derivable]
     if lacking:
         since = min(ADDED_IN.get(c, 1) for c in lacking)
-        notes.add(path, f"written by an older commpatch (schema {since - 1}, before the column(s) "
-                        f"{', '.join(lacking)}): filled with neutral values")
+        notes.add(
+            path,
+            f"written by an older commpatch (schema {since - 1}, before the column(s) "
+            f"{', '.join(lacking)}): filled with neutral values",
+        )
     return missing
 
 
@@ -798,8 +862,12 @@ def _short(exc) -> str:
 
 
 def _arrow_type(pa, dtype):
-    return {"category": pa.dictionary(pa.int32(), pa.string()), "int64": pa.int64(),
-            "float64": pa.float64(), "bool": pa.bool_()}[dtype]
+    return {
+        "category": pa.dictionary(pa.int32(), pa.string()),
+        "int64": pa.int64(),
+        "float64": pa.float64(),
+        "bool": pa.bool_(),
+    }[dtype]
 
 
 def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
@@ -816,10 +884,16 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
     # no invalid_row_handler: pyarrow decodes the row for it and prints a raw traceback on stderr
     # when the row is not UTF-8; a row of the wrong width is found again below (the error path)
     def parse(check_utf8, include=cols, column_types=types):
-        return pacsv.read_csv(source(), convert_options=pacsv.ConvertOptions(
-                                  column_types=column_types, include_columns=include,
-                                  strings_can_be_null=False, quoted_strings_can_be_null=False,
-                                  check_utf8=check_utf8))
+        return pacsv.read_csv(
+            source(),
+            convert_options=pacsv.ConvertOptions(
+                column_types=column_types,
+                include_columns=include,
+                strings_can_be_null=False,
+                quoted_strings_can_be_null=False,
+                check_utf8=check_utf8,
+            ),
+        )
 
     try:
         try:
@@ -831,14 +905,15 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
     except pa.ArrowInvalid as exc:
         if re.search(r"Expected \d+ columns, got \d+", str(exc)):
             raise _first_damaged_line(path, len(names)) from None
-        m = re.search(r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'",
-                      str(exc), re.S)
+        m = re.search(
+            r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'", str(exc), re.S
+        )
         if m is None:
             raise LogFileError(path, f"not a valid CSV log ({_short(exc)})") from None
         index, kind, value = int(m.group(1)), m.group(2), m.group(3)
         name = names[index] if index < len(names) else f"#{index}"
         where = "a line"
-        try:   # the error path only: find the line of the first bad value
+        try:  # the error path only: find the line of the first bad value
             import pyarrow.compute as pc
 
             column = parse(False, [name], {name: pa.string()}).column(name)
@@ -853,8 +928,11 @@ def _read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
 
 
 def _damaged_line(path, where, fields, expected) -> LogFileError:
-    return LogFileError(path, f"{where} has {fields} field(s) where the header has {expected}: the file is "
-                              "damaged (or two files were joined)")
+    return LogFileError(
+        path,
+        f"{where} has {fields} field(s) where the header has {expected}: the file is "
+        "damaged (or two files were joined)",
+    )
 
 
 def _fields_on_line(path, number) -> int:
@@ -879,8 +957,9 @@ def _first_damaged_line(path, expected) -> LogFileError:
                     return _damaged_line(path, f"line {reader.line_num}", len(fields), expected)
     except (OSError, csv.Error):
         pass
-    return LogFileError(path, "a line has a number of fields other than the header's: the file is damaged (or two "
-                              "files were joined)")
+    return LogFileError(
+        path, "a line has a number of fields other than the header's: the file is damaged (or two files were joined)"
+    )
 
 
 def _fix_utf8(pa, table, path, notes):
@@ -929,16 +1008,22 @@ def _read_parquet(pa, path, schema, notes):
             except ValueError:
                 notes.add(path, f"unreadable schema version {raw[:20]!r} in its metadata: ignored")
         if version is not None and version > SCHEMA_VERSION:
-            notes.add(path, f"written by a newer commpatch (schema {version}; this one knows up to "
-                            f"{SCHEMA_VERSION}): the columns added since are ignored")
+            notes.add(
+                path,
+                f"written by a newer commpatch (schema {version}; this one knows up to "
+                f"{SCHEMA_VERSION}): the columns added since are ignored",
+            )
         names = list(arrow_schema.names)
         part_rank = partition_rank(path) if "rank" not in names else None
-        if part_rank is not None:          # a file of a rank-partitioned dataset: the rank is in its path
+        if part_rank is not None:  # a file of a rank-partitioned dataset: the rank is in its path
             names.append("rank")
         fill = _plan(path, names, schema, version and min(version, SCHEMA_VERSION), notes)
         try:
-            table = pf.read(columns=[c.name for c in schema if c.name not in fill
-                                     and not (c.name == "rank" and part_rank is not None)])
+            table = pf.read(
+                columns=[
+                    c.name for c in schema if c.name not in fill and not (c.name == "rank" and part_rank is not None)
+                ]
+            )
             if part_rank is not None and any(c.name == "rank" for c in schema):
                 table = table.append_column("rank", pa.repeat(pa.scalar(part_rank, pa.int64()), table.num_rows))
         except (pa.ArrowException, OSError, ValueError) as exc:
@@ -961,8 +1046,9 @@ def _conform(pa, path, table, schema, fill, where):
         if c.name in fill:
             value = _NEUTRAL_BY_COLUMN.get(c.name, _NEUTRAL[c.dtype])
             if c.dtype == "category":
-                col = pa.DictionaryArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n),
-                                                     pa.array([value] if n else [], pa.string()))
+                col = pa.DictionaryArray.from_arrays(
+                    pa.repeat(pa.scalar(0, pa.int32()), n), pa.array([value] if n else [], pa.string())
+                )
             elif c.dtype == "float64":
                 col = pa.nulls(n, pa.float64())
             else:
@@ -972,8 +1058,11 @@ def _conform(pa, path, table, schema, fill, where):
         col = table.column(c.name)
         try:
             if c.dtype == "category":
-                if col.null_count or not pa.types.is_dictionary(col.type) \
-                        or not pa.types.is_string(col.type.value_type):
+                if (
+                    col.null_count
+                    or not pa.types.is_dictionary(col.type)
+                    or not pa.types.is_string(col.type.value_type)
+                ):
                     col = pc.dictionary_encode(pc.fill_null(pc.cast(col, pa.string()), ""))
                 col = pc.cast(col, target)
             elif col.type != target:
@@ -988,8 +1077,13 @@ def _conform(pa, path, table, schema, fill, where):
 
 
 # time and bandwidth columns that cannot be infinite or negative, with what a bad value voids
-_IMPOSSIBLE = (("duration_us", ("own_us", "algbw_gbps", "busbw_gbps")), ("own_us", ("algbw_gbps", "busbw_gbps")),
-               ("host_us", ()), ("algbw_gbps", ()), ("busbw_gbps", ()))
+_IMPOSSIBLE = (
+    ("duration_us", ("own_us", "algbw_gbps", "busbw_gbps")),
+    ("own_us", ("algbw_gbps", "busbw_gbps")),
+    ("host_us", ()),
+    ("algbw_gbps", ()),
+    ("busbw_gbps", ()),
+)
 
 
 def _sanitize_arrow(pa, table, path, notes):
@@ -1005,8 +1099,9 @@ def _sanitize_arrow(pa, table, path, notes):
         return pc.or_(inf, neg), pc.sum(inf).as_py() or 0, pc.sum(neg).as_py() or 0
 
     def clear(name, mask):
-        return table.set_column(names.index(name), name,
-                                pc.if_else(mask, pa.scalar(None, pa.float64()), table.column(name)))
+        return table.set_column(
+            names.index(name), name, pc.if_else(mask, pa.scalar(None, pa.float64()), table.column(name))
+        )
 
     for name, derived in _IMPOSSIBLE:
         if name not in names:
@@ -1020,7 +1115,7 @@ def _sanitize_arrow(pa, table, path, notes):
         _note_impossible(notes, path, name, inf, neg)
     if "duration_us" in names:
         unknown = pc.fill_null(pc.is_nan(table.column("duration_us")), True)
-        if pc.any(unknown).as_py():     # no duration: no bandwidth either, whatever the file says
+        if pc.any(unknown).as_py():  # no duration: no bandwidth either, whatever the file says
             for target in ("own_us", "algbw_gbps", "busbw_gbps"):
                 if target in names:
                     table = clear(target, unknown)
@@ -1032,21 +1127,30 @@ def _sanitize_arrow(pa, table, path, notes):
 
 def _note_host_unmeasured(notes, path, n) -> None:
     if n:
-        notes.add(path, f"{n} row(s) with timing 'host' but no duration_us (a host-timed call always has "
-                        "one: the value was lost or edited): counted as unmeasured")
+        notes.add(
+            path,
+            f"{n} row(s) with timing 'host' but no duration_us (a host-timed call always has "
+            "one: the value was lost or edited): counted as unmeasured",
+        )
 
 
 def _note_impossible(notes, path, name, inf, neg) -> None:
     if name in ("algbw_gbps", "busbw_gbps"):
-        return      # derived from duration_us: cleared with it, or on its own without a word
+        return  # derived from duration_us: cleared with it, or on its own without a word
     kinds = " and ".join(f"{k} {what}" for k, what in ((inf, "infinite"), (neg, "negative")) if k)
-    effect = ("treated as unmeasured (left out of times and bandwidth)" if name == "duration_us"
-              else "set to NaN")
+    effect = "treated as unmeasured (left out of times and bandwidth)" if name == "duration_us" else "set to NaN"
     notes.add(path, f"{inf + neg} impossible {name} value(s) ({kinds}): {effect}")
 
 
-_KEY_AGGREGATES = (("seq", "count"), ("seq", "min"), ("seq", "max"), ("start_ns", "min"), ("start_ns", "max"),
-                   ("world_size", "min"), ("world_size", "max"))
+_KEY_AGGREGATES = (
+    ("seq", "count"),
+    ("seq", "min"),
+    ("seq", "max"),
+    ("start_ns", "min"),
+    ("start_ns", "max"),
+    ("world_size", "min"),
+    ("world_size", "max"),
+)
 
 
 def _keys_arrow(table) -> list[dict]:
@@ -1070,7 +1174,7 @@ def _arrow_frame(pa, tables, schema):
     del tables[:]
     df = table.to_pandas(self_destruct=True, split_blocks=True)
     del table
-    for c in schema:   # sorted categories, as the in-memory log gives
+    for c in schema:  # sorted categories, as the in-memory log gives
         if c.dtype == "category":
             df[c.name] = df[c.name].cat.reorder_categories(sorted(df[c.name].cat.categories))
     return df
@@ -1090,8 +1194,15 @@ def _read_csv_pandas(path, names, schema, fill, size, end, notes):
         else:
             with open(path, "rb") as f:
                 source = io.BytesIO(f.read(end))
-        return pd.read_csv(source, usecols=cols, dtype=str, keep_default_na=False, na_filter=False,
-                           encoding="utf-8", encoding_errors=errors)
+        return pd.read_csv(
+            source,
+            usecols=cols,
+            dtype=str,
+            keep_default_na=False,
+            na_filter=False,
+            encoding="utf-8",
+            encoding_errors=errors,
+        )
 
     try:
         try:
@@ -1149,19 +1260,19 @@ def _typed_pandas(path, name, s, dtype, fields):
     low = text.str.lower()
     if dtype == "int64":
         ok = text.str.fullmatch(r"[+-]?\d+").fillna(False)
-        values = lambda: pd.to_numeric(text.where(ok, "0")).astype(np.int64)   # noqa: E731
+        values = lambda: pd.to_numeric(text.where(ok, "0")).astype(np.int64)  # noqa: E731
     elif dtype == "bool":
         ok = low.isin(("true", "false", "1", "0"))
-        values = lambda: low.isin(("true", "1")).astype(bool)   # noqa: E731
+        values = lambda: low.isin(("true", "1")).astype(bool)  # noqa: E731
     else:
         nan = low.isin(("", "nan", "-nan", "+nan", "na", "n/a", "null", "none"))
         number = _exact_floats(text.where(~nan, "nan"))
         ok = nan | number.notna()
-        values = lambda: number   # noqa: E731
+        values = lambda: number  # noqa: E731
     ok = ok.to_numpy(bool)
     if not ok.all():
         first = int(np.flatnonzero(~ok)[0])
-        if text.iloc[first] == "":      # pandas gives "" for the fields a short line lacks
+        if text.iloc[first] == "":  # pandas gives "" for the fields a short line lacks
             found = _fields_on_line(path, first + 2)
             if found < fields:
                 raise _damaged_line(path, f"line {first + 2}", found, fields)
@@ -1186,7 +1297,7 @@ def _sanitize_pandas(df, path, notes):
         _note_impossible(notes, path, name, int(inf.sum()), int(neg.sum()))
     if "duration_us" in df.columns:
         unknown = np.isnan(df["duration_us"].to_numpy(np.float64))
-        if unknown.any():               # no duration: no bandwidth either, whatever the file says
+        if unknown.any():  # no duration: no bandwidth either, whatever the file says
             for target in ("own_us", "algbw_gbps", "busbw_gbps"):
                 if target in df.columns:
                     df[target] = np.where(unknown, np.nan, df[target].to_numpy(np.float64))
@@ -1201,8 +1312,7 @@ def _pandas_frame(frames, schema):
     if frames:
         df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     else:
-        df = pd.DataFrame({c.name: pd.Series([], dtype=object if c.dtype == "category" else c.dtype)
-                           for c in schema})
+        df = pd.DataFrame({c.name: pd.Series([], dtype=object if c.dtype == "category" else c.dtype) for c in schema})
     for c in schema:
         if c.dtype == "category":
             df[c.name] = pd.Categorical(df[c.name].astype(str))
@@ -1215,5 +1325,3 @@ def _read_pandas(path: str):
     """One CSV file read by pandas, every column as the SCHEMA's dtype (no pyarrow needed)."""
     part = _read_file(None, path, SCHEMA, _Notes())
     return _pandas_frame([part[0]] if part is not None else [], SCHEMA)
-
-

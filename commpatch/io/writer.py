@@ -26,7 +26,7 @@ def convert(path: str, out: str | None = None, exclusive: bool = True) -> str:
     out = out or export_path(path)
     if out.endswith(".csv") and len(parsed.rows) <= SMALL_ROWS and "pyarrow" not in sys.modules:
         return write_small_csv(parsed, out, exclusive)
-    if _pyarrow() is not None:            # straight to Arrow: no pandas import, no DataFrame
+    if _pyarrow() is not None:  # straight to Arrow: no pandas import, no DataFrame
         return write(arrow_table(parsed), out, exclusive=exclusive)
     return write(dataframe(parsed), out, exclusive=exclusive)
 
@@ -53,8 +53,8 @@ def _parse_file(path: str):
     return parsed
 
 
-DATASET_ROW_GROUP = 1 << 20      # rows per row group of the dataset: big enough to scan, small enough to skip
-SMALL_ROWS = 20_000    # up to this many rows, a CSV is written without importing pyarrow or pandas
+DATASET_ROW_GROUP = 1 << 20  # rows per row group of the dataset: big enough to scan, small enough to skip
+SMALL_ROWS = 20_000  # up to this many rows, a CSV is written without importing pyarrow or pandas
 
 
 def write_small_csv(parsed, out: str, exclusive: bool = True) -> str:
@@ -65,13 +65,12 @@ def write_small_csv(parsed, out: str, exclusive: bool = True) -> str:
 
     import numpy as np
 
-
     cols = columns(parsed)
     text = []
     for c in cols.values():
         if isinstance(c, Cat):
             names = np.array(list(c.categories) + [""], dtype=object)
-            text.append(names[c.codes])             # code -1 picks the trailing ""
+            text.append(names[c.codes])  # code -1 picks the trailing ""
         elif c.dtype == bool:
             text.append(np.where(c, "true", "false"))
         elif c.dtype.kind == "f":
@@ -110,9 +109,9 @@ def _publish(path: str, exclusive: bool, fill) -> str:
         with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
             fill(f)
         if exclusive:
-            os.link(tmp, path)          # fails if the name is taken: nothing is replaced
+            os.link(tmp, path)  # fails if the name is taken: nothing is replaced
         else:
-            os.replace(tmp, path)       # readers never see a half-written file
+            os.replace(tmp, path)  # readers never see a half-written file
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
@@ -138,15 +137,18 @@ def _write_to(df, path: str, f) -> None:
             _write_csv_blocks(pacsv, table, f)  # categorical columns written as their strings
         except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
             # older pyarrow cannot write dictionary columns: decode them first
-            table = table.cast(pa.schema([
-                pa.field(x.name, pa.string()) if pa.types.is_dictionary(x.type) else x for x in table.schema]))
+            table = table.cast(
+                pa.schema(
+                    [pa.field(x.name, pa.string()) if pa.types.is_dictionary(x.type) else x for x in table.schema]
+                )
+            )
             pacsv.write_csv(table, f)
     else:
         df.to_csv(f, index=False)
 
 
 CSV_BLOCK_ROWS = 1 << 18
-STATISTICS = ["seq", "rank", "step", "start_ns"]     # the Parquet export's columns with row-group statistics
+STATISTICS = ["seq", "rank", "step", "start_ns"]  # the Parquet export's columns with row-group statistics
 
 
 def _write_csv_blocks(pacsv, table, f) -> None:
@@ -161,8 +163,9 @@ def _write_csv_blocks(pacsv, table, f) -> None:
 
     def render(start):
         buf = io.BytesIO()
-        pacsv.write_csv(table.slice(start, CSV_BLOCK_ROWS), buf,
-                        write_options=pacsv.WriteOptions(include_header=start == 0))
+        pacsv.write_csv(
+            table.slice(start, CSV_BLOCK_ROWS), buf, write_options=pacsv.WriteOptions(include_header=start == 0)
+        )
         return buf.getvalue()
 
     starts = list(range(0, n, CSV_BLOCK_ROWS))
@@ -174,7 +177,7 @@ def _write_csv_blocks(pacsv, table, f) -> None:
             thread = threading.Thread(target=lambda: done.__setitem__(i, render(starts[i])), daemon=True)
             try:
                 thread.start()
-            except RuntimeError:                  # no new threads at interpreter shutdown
+            except RuntimeError:  # no new threads at interpreter shutdown
                 done[i] = render(starts[i])
                 return
             threads[i] = thread
@@ -186,7 +189,7 @@ def _write_csv_blocks(pacsv, table, f) -> None:
         if thread is not None:
             thread.join()
         chunk = done.pop(i, None)
-        if chunk is None:                        # the thread failed: format it here (raises its error)
+        if chunk is None:  # the thread failed: format it here (raises its error)
             chunk = render(starts[i])
         start_render(i + 2)
         f.write(chunk)
@@ -200,8 +203,9 @@ def with_schema_version(table):
     """A pyarrow Table with the schema version in its key-value metadata, as Parquet logs carry it
     (``pq.write_table(with_schema_version(table), path)``); other metadata is kept."""
 
-    return table.replace_schema_metadata({**(table.schema.metadata or {}),
-                                          SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+    return table.replace_schema_metadata(
+        {**(table.schema.metadata or {}), SCHEMA_VERSION_KEY: str(SCHEMA_VERSION).encode()}
+    )
 
 
 def _pyarrow():

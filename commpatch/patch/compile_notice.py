@@ -26,10 +26,12 @@ from __future__ import annotations
 import sys
 import warnings
 
-_said = False          # once per process
+_said = False  # once per process
 
-MESSAGE = ("commpatch: torch.compile traced the collective {name!r} into a graph whose collectives commpatch "
-           "cannot record: {reason} (said once; see the docs' timing page, 'What is not measured')")
+MESSAGE = (
+    "commpatch: torch.compile traced the collective {name!r} into a graph whose collectives commpatch "
+    "cannot record: {reason} (said once; see the docs' timing page, 'What is not measured')"
+)
 
 
 def collective_compiled(name: str) -> None:
@@ -58,11 +60,15 @@ def unseen() -> str | None:
 
         options = _compile_options()
         if config.cpp_wrapper or options.get("cpp_wrapper"):
-            return ("inductor's C++ wrapper (cpp_wrapper=True) calls the collectives' C++ implementation without "
-                    "dispatching the op")
+            return (
+                "inductor's C++ wrapper (cpp_wrapper=True) calls the collectives' C++ implementation without "
+                "dispatching the op"
+            )
         if _cuda_available() and (config.triton.cudagraphs or options.get("triton.cudagraphs")):
-            return ("the graph is replayed as a CUDA graph (mode='reduce-overhead' or triton.cudagraphs), which "
-                    "launches the captured collectives without dispatching any op")
+            return (
+                "the graph is replayed as a CUDA graph (mode='reduce-overhead' or triton.cudagraphs), which "
+                "launches the captured collectives without dispatching any op"
+            )
     except Exception:  # noqa: BLE001 - a best-effort reading of torch internals
         return None
     return None
@@ -80,7 +86,7 @@ def _compile_options() -> dict:
 
     tx = InstructionTranslator.current_tx()
     backend = tx.output.compiler_fn if tx is not None else None
-    for _ in range(8):                       # dynamo wraps the backend (debug wrappers, callbacks)
+    for _ in range(8):  # dynamo wraps the backend (debug wrappers, callbacks)
         config = getattr(backend, "config", None)
         if isinstance(config, dict):
             return config
@@ -98,7 +104,7 @@ class RemapTable(dict):
     def __init__(self, original: dict, wrappers) -> None:
         super().__init__(original)
         self.original = original
-        self.wrappers = wrappers       # name by wrapper, for the notice
+        self.wrappers = wrappers  # name by wrapper, for the notice
 
     def __getitem__(self, key):
         value = dict.__getitem__(self, key)

@@ -29,7 +29,7 @@ import threading
 import warnings
 
 KEY = "ADInplaceOrView"
-_LIVE: set = set()            # Kernels with registrations, for the exit clean-up
+_LIVE: set = set()  # Kernels with registrations, for the exit clean-up
 _lock = threading.Lock()
 
 
@@ -39,8 +39,11 @@ def real_backends() -> tuple:
     import torch
 
     keys = torch._C.DispatchKey
-    return tuple(getattr(keys, name) for name in ("CPU", "CUDA", "XPU", "HPU", "MTIA", "PrivateUse1", "MPS")
-                 if hasattr(keys, name))
+    return tuple(
+        getattr(keys, name)
+        for name in ("CPU", "CUDA", "XPU", "HPU", "MTIA", "PrivateUse1", "MPS")
+        if hasattr(keys, name)
+    )
 
 
 class Kernels:
@@ -63,8 +66,8 @@ class Kernels:
         op = getattr(getattr(torch.ops, self.namespace), name).default
         after = torch._C._after_ADInplaceOrView_keyset
         real = real_backends()
-        redispatch = op._handle.redispatch_boxed      # what OpOverload.redispatch calls
-        observe = make(redispatch)     # called with the keyset below this key
+        redispatch = op._handle.redispatch_boxed  # what OpOverload.redispatch calls
+        observe = make(redispatch)  # called with the keyset below this key
 
         def kernel(keyset, *args, **kwargs):
             below = keyset & after
@@ -76,7 +79,7 @@ class Kernels:
             if self.lib is None:
                 self.lib = torch.library.Library(self.namespace, "IMPL")
                 _LIVE.add(self)
-            with warnings.catch_warnings():      # "Overriding a previously registered kernel"
+            with warnings.catch_warnings():  # "Overriding a previously registered kernel"
                 warnings.simplefilter("ignore")
                 self.lib.impl(name, kernel, KEY, with_keyset=True)
 

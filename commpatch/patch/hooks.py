@@ -23,7 +23,7 @@ class Patches:
     """Attributes replaced by integrations, restored by identity on remove."""
 
     def __init__(self) -> None:
-        self.installed: list[tuple[object, str, object, object]] = []   # (owner, attr, orig, new)
+        self.installed: list[tuple[object, str, object, object]] = []  # (owner, attr, orig, new)
 
     def wrap(self, owner, attr: str, make) -> None:
         """Replace ``owner.attr`` with ``make(orig)`` unless it is already ours."""
@@ -56,6 +56,7 @@ def when_imported(modname: str, fn, run_now: bool = True, error_kind: str = "") 
     whether it is still wanted. wrapt fires a hook at once only when it is registered, so a later
     call with the same ``fn`` (enable() after disable()) runs it itself when the module is there.
     """
+
     def on_import(module):
         try:
             fn(module)
@@ -68,4 +69,4 @@ def when_imported(modname: str, fn, run_now: bool = True, error_kind: str = "") 
         return
     module = sys.modules.get(modname)
     if run_now and module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False):
-        on_import(module)      # still importing: the registered hook runs at the end of it
+        on_import(module)  # still importing: the registered hook runs at the end of it

@@ -35,11 +35,11 @@ class Patcher:
     def __init__(self, log, timing, on_destroy=None) -> None:
         self.log = log
         self.timing = timing
-        self.on_destroy = on_destroy                 # called at destroy_process_group() of the default group
-        self.originals: dict[str, object] = {}       # op name -> original function
-        self.wrappers: dict[str, object] = {}        # op name -> the one wrapper object
+        self.on_destroy = on_destroy  # called at destroy_process_group() of the default group
+        self.originals: dict[str, object] = {}  # op name -> original function
+        self.wrappers: dict[str, object] = {}  # op name -> the one wrapper object
         self.installed: list[tuple[object, str]] = []  # (module, attribute) we replaced
-        self.remaps: list[object] = []               # wrappers added to dynamo's remap table
+        self.remaps: list[object] = []  # wrappers added to dynamo's remap table
         self._hooked: set[str] = set()
 
     @property
@@ -53,9 +53,9 @@ class Patcher:
             if ops is not None and target.name not in ops:
                 continue
             orig = getattr(c10d, target.name, None)
-            if orig is None:                       # not in this torch version: skipped
+            if orig is None:  # not in this torch version: skipped
                 continue
-            orig = getattr(orig, MARK, orig)       # already ours (e.g. a stale wrapper): use its original
+            orig = getattr(orig, MARK, orig)  # already ours (e.g. a stale wrapper): use its original
             self.originals[target.name] = orig
             self.wrappers[target.name] = make_wrapper(target, orig, self.log, self.timing, host_only)
         self._wrap_lifecycle(c10d)

@@ -27,11 +27,11 @@ import threading
 import time
 
 PREFIX = "commpatch/clock"
-PINGS = 4                        # exchanges per rank and round (intervals intersected)
-SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)   # waits between rounds; the last one repeats
-WAIT_S = 10.0                    # rank 0's wait for one request, a rank's for one answer
+PINGS = 4  # exchanges per rank and round (intervals intersected)
+SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)  # waits between rounds; the last one repeats
+WAIT_S = 10.0  # rank 0's wait for one request, a rank's for one answer
 TURN_S = max(SCHEDULE_S) + 120.0  # a rank's wait for its next turn (rank 0 gone quiet after it: the end)
-READY_S, READY_TRIES = 0.25, 8   # rank 0's next round while some rank's thread has not started
+READY_S, READY_TRIES = 0.25, 8  # rank 0's next round while some rank's thread has not started
 
 
 class ClockSync:
@@ -46,11 +46,11 @@ class ClockSync:
         self.store, self.rank, self.world_size, self.note = store, rank, world_size, note
         self.prefix = f"{PREFIX}/{generation}"
         self.stop_event = threading.Event()
-        self.waiting = ""                # the key the thread blocks on ('' : none)
-        self.round = 0                   # rank i: its exchanges so far (the keys' number)
-        self.rounds = 0                  # rounds completed (served on rank 0, measured elsewhere)
-        self.error = ""                  # why the thread ended early ('' : it did not)
-        self.gone: set = set()           # rank 0: ranks that stopped or never answered, not asked again
+        self.waiting = ""  # the key the thread blocks on ('' : none)
+        self.round = 0  # rank i: its exchanges so far (the keys' number)
+        self.rounds = 0  # rounds completed (served on rank 0, measured elsewhere)
+        self.error = ""  # why the thread ended early ('' : it did not)
+        self.gone: set = set()  # rank 0: ranks that stopped or never answered, not asked again
         self.thread = threading.Thread(target=self._run, name="commpatch-clock", daemon=True)
         self.thread.start()
 
@@ -80,11 +80,11 @@ class ClockSync:
         import datetime
 
         try:
-            store = self.store.clone()          # its own connection: the user's store object is never waited on
+            store = self.store.clone()  # its own connection: the user's store object is never waited on
             store.set_timeout(datetime.timedelta(seconds=TURN_S))
             if self.rank > 0:
                 store.set(f"{self.prefix}/ready/{self.rank}", b"")
-            served = [0] * self.world_size      # rank 0: exchanges done with each rank
+            served = [0] * self.world_size  # rank 0: exchanges done with each rank
             k = tries = 0
             while not self.stop_event.is_set():
                 if self.rank == 0:
@@ -97,7 +97,7 @@ class ClockSync:
                 if self.stop_event.is_set():
                     return
                 self.rounds += 1
-                if waiting and tries < READY_TRIES:     # rank 0: soon again for ranks whose thread starts later
+                if waiting and tries < READY_TRIES:  # rank 0: soon again for ranks whose thread starts later
                     tries += 1
                     delay = READY_S
                 else:
@@ -112,7 +112,7 @@ class ClockSync:
         """Block until ``key`` is set (raises after ``seconds``); False when stopped meanwhile."""
         import datetime
 
-        self.waiting = key                 # before the check: stop() sets it, or the check sees stop
+        self.waiting = key  # before the check: stop() sets it, or the check sees stop
         if self.stop_event.is_set():
             return False
         store.wait([key], datetime.timedelta(seconds=seconds))
@@ -169,9 +169,9 @@ class ClockSync:
             a, b = t3 - t4, t2 - t1
             if lo is None:
                 lo, hi, at = a, b, t1
-            elif max(lo, a) <= min(hi, b):          # intersect: the offset lies in both
+            elif max(lo, a) <= min(hi, b):  # intersect: the offset lies in both
                 lo, hi = max(lo, a), min(hi, b)
-            elif b - a < hi - lo:                   # disjoint (a clock stepped meanwhile): the narrower
+            elif b - a < hi - lo:  # disjoint (a clock stepped meanwhile): the narrower
                 lo, hi, at = a, b, t1
         if lo is not None:
             self.note(at, lo, hi, same)
@@ -191,7 +191,7 @@ def _boot_id() -> str:
 BOOT_ID = _boot_id()
 
 
-def start(log, note=None) -> "ClockSync | None":
+def start(log, note=None) -> ClockSync | None:
     """A ClockSync for ``log``'s rank through the default process group's store, or None (one
     rank, no default group, no store that can be cloned)."""
     if log.world_size < 2 or log.rank < 0:

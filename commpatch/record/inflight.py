@@ -33,9 +33,9 @@ from ..data.ops import OP_CODE
 from .rows import SEQ, peek_seq
 from .state import fail
 
-ALIVE_S = 1.0          # an 'alive' record at most this often
-STACK_FRAMES = 5       # frames of the caller's stack kept in a record, innermost last
-WRAPPER_FILE = "<commpatch wrapper "   # the generated wrappers' code file name (record.wrapper)
+ALIVE_S = 1.0  # an 'alive' record at most this often
+STACK_FRAMES = 5  # frames of the caller's stack kept in a record, innermost last
+WRAPPER_FILE = "<commpatch wrapper "  # the generated wrappers' code file name (record.wrapper)
 
 
 class InFlight:
@@ -43,8 +43,8 @@ class InFlight:
 
     def __init__(self, period_s: float) -> None:
         self.period_ns = int(period_s * 1e9)
-        self.noted: dict = {}          # key -> record id, of the calls noted and not landed yet
-        self.sightings: dict = {}      # thread ident -> (wrapper frame id, seq counter, first seen perf ns)
+        self.noted: dict = {}  # key -> record id, of the calls noted and not landed yet
+        self.sightings: dict = {}  # thread ident -> (wrapper frame id, seq counter, first seen perf ns)
         self.next_id = 0
         self.last_alive = 0.0
 
@@ -62,15 +62,23 @@ class InFlight:
 
     def _scan(self, log) -> bytes:
         now = time.perf_counter_ns()
-        wall = now + log.offsets[1][-1]            # perf -> Unix ns, as the rows' start_ns
+        wall = now + log.offsets[1][-1]  # perf -> Unix ns, as the rows' start_ns
         out, live = [], {}
-        pending = log.pending.copy()               # one C call: safe against concurrent updates
-        for seq, e in pending.items():      # (op, gid, numel, thread, start, stack): rows.Pending
+        pending = log.pending.copy()  # one C call: safe against concurrent updates
+        for seq, e in pending.items():  # (op, gid, numel, thread, start, stack): rows.Pending
             if now - e[4] > self.period_ns:
                 live[("seq", seq)] = lambda seq=seq, e=e: dict(
-                    seq=seq, below=seq + 1, op=e[0], gid=e[1], peer=-1, numel=e[2], bytes=-1,
-                    start=e[4] + log.offsets[1][-1], thread=_thread_name(e[3]),
-                    stack=_stack_lines(e[5]) if e[5] else [])
+                    seq=seq,
+                    below=seq + 1,
+                    op=e[0],
+                    gid=e[1],
+                    peer=-1,
+                    numel=e[2],
+                    bytes=-1,
+                    start=e[4] + log.offsets[1][-1],
+                    thread=_thread_name(e[3]),
+                    stack=_stack_lines(e[5]) if e[5] else [],
+                )
         counter = peek_seq(SEQ)
         me = threading.get_ident()
         seen = {}
@@ -86,17 +94,18 @@ class InFlight:
                 continue
             seq = local.get("seq")
             if type(seq) is int and seq in pending:
-                continue                            # the pending entry says it (exact)
+                continue  # the pending entry says it (exact)
             first = self.sightings.get(ident)
             if first is None or first[0] != id(frame) or first[1] != counter:
-                seen[ident] = (id(frame), counter, now)          # a new call (or maybe one): wait a period
+                seen[ident] = (id(frame), counter, now)  # a new call (or maybe one): wait a period
                 continue
             seen[ident] = first
             if now - first[2] < self.period_ns:
                 continue
             key = ("seq", seq) if type(seq) is int else ("frame", ident, id(frame), first[1])
             live[key] = lambda frame=frame, local=local, ident=ident, first=first: _from_frame(
-                log, frame, local, ident, first, wall - now)
+                log, frame, local, ident, first, wall - now
+            )
         self.sightings = seen
         for key, make in live.items():
             if key not in self.noted:
@@ -146,11 +155,19 @@ def _from_frame(log, frame, local, ident, first, offset) -> dict | None:
     seq, start = local.get("seq"), local.get("start")
     exact = type(seq) is int
     peer = local.get("peer")
-    return dict(seq=seq if exact else -1, below=seq + 1 if exact else first[1], op=op, gid=gid,
-                peer=peer if type(peer) is int else -1, numel=numel if type(numel) is int else -1, bytes=nbytes,
-                start=start + offset if exact and type(start) is int else -1, seen=first[2] + offset,
-                thread=_thread_name(ident),
-                stack=_stack_lines(traceback.extract_stack(frame.f_back, limit=STACK_FRAMES)))
+    return dict(
+        seq=seq if exact else -1,
+        below=seq + 1 if exact else first[1],
+        op=op,
+        gid=gid,
+        peer=peer if type(peer) is int else -1,
+        numel=numel if type(numel) is int else -1,
+        bytes=nbytes,
+        start=start + offset if exact and type(start) is int else -1,
+        seen=first[2] + offset,
+        thread=_thread_name(ident),
+        stack=_stack_lines(traceback.extract_stack(frame.f_back, limit=STACK_FRAMES)),
+    )
 
 
 def _stack_lines(frames) -> list:
@@ -159,5 +176,5 @@ def _stack_lines(frames) -> list:
 
 
 def _thread_name(ident) -> str:
-    thread = threading._active.get(ident)     # noqa: SLF001 - no lock: a name is all it reads
+    thread = threading._active.get(ident)  # noqa: SLF001 - no lock: a name is all it reads
     return thread.name if thread is not None else str(ident)

@@ -25,7 +25,7 @@ from ..data.schema import ROW, SCHEMA_VERSION, TIMINGS, compact_ranks, row_dtype
 from . import inflight, sinks, state
 
 CHUNK_BITS = 14
-CHUNK = 1 << CHUNK_BITS           # rows between maintenance passes (late timings, clock offset)
+CHUNK = 1 << CHUNK_BITS  # rows between maintenance passes (late timings, clock offset)
 CHUNK_MASK = CHUNK - 1
 
 
@@ -34,8 +34,8 @@ class GroupInfo:
     name: str
     size: int
     ranks: str
-    backend: str                  # as configured: 'gloo', or 'cpu:gloo,cuda:nccl' for several
-    backends: tuple = ()          # the one that runs, per device code (cpu, the accelerator, none)
+    backend: str  # as configured: 'gloo', or 'cpu:gloo,cuda:nccl' for several
+    backends: tuple = ()  # the one that runs, per device code (cpu, the accelerator, none)
 
 
 class _Rows:
@@ -43,12 +43,12 @@ class _Rows:
 
     __slots__ = ("append",)
 
-    def __init__(self, log: "Log") -> None:
+    def __init__(self, log: Log) -> None:
         pack, extend, dtype_id = ROW.pack, log.buf.extend, log.dtype_id
 
         def append(row) -> None:
             row = list(row)
-            row[3] = dtype_id(row[3])     # the dtype field
+            row[3] = dtype_id(row[3])  # the dtype field
             extend(pack(*row))
 
         self.append = append
@@ -63,16 +63,18 @@ class Log:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.buf = bytearray()
-        self.done: dict[int, int] = {}        # seq -> duration_ns, written by completion callbacks
-        self.own: dict[int, int] = {}         # seq -> own time (ns) of device-timed rows, when resolved
-        self.device = ""                      # the accelerator's type, once a row ran on it
+        self.done: dict[int, int] = {}  # seq -> duration_ns, written by completion callbacks
+        self.own: dict[int, int] = {}  # seq -> own time (ns) of device-timed rows, when resolved
+        self.device = ""  # the accelerator's type, once a row ran on it
         # seq -> (op code, gid, numel, thread id, start perf ns, issue stack or None): calls in
         # flight (async ones until their timing resolves; sync ones too when the watchdog is on)
         self.pending: dict[int, tuple] = {}
         self.offsets = ([0], [time.time_ns() - time.perf_counter_ns()])  # (from seq, perf->Unix ns)
-        self.rank0_offsets: list[tuple] = []  # (at, lo, hi ns, same machine): rank 0's wall clock minus ours (record.clocksync)
+        self.rank0_offsets: list[
+            tuple
+        ] = []  # (at, lo, hi ns, same machine): rank 0's wall clock minus ours (record.clocksync)
         self.groups: list[GroupInfo] = []
-        self.group_ids: dict = {}             # group object (None: default group) -> gid
+        self.group_ids: dict = {}  # group object (None: default group) -> gid
         self.dtype_names: list[str] = ["none", OBJECT]
         self.dtype_sizes: list[int] = [0, 1]
         self.dtype_ids: dict = {None: 0, OBJECT: 1}
@@ -80,34 +82,34 @@ class Log:
         self.rank = -1
         self.world_size = -1
         self.pid = os.getpid()
-        self.buckets: list[tuple] = []       # (first_seq, end_seq, bucket, params): DDP hook spans
-        self.syncs: list[tuple] = []         # (seq, ns after its start): end of DDP's finalize (integrations.ddp)
-        self.packs: list[tuple] = []         # (seq, pack ns, alone ns): DDP's gradient packing before a bucket (rows.Packing)
-        self.output = ""                     # path template ('' : frames kept in memory)
-        self.max_rows = 0                    # with no output: rows kept in memory (0: no limit)
-        self.on_open = None                  # called with (log) before a file is opened: e.g. start the flusher
-        self.on_warn = None                  # called with a message the user should see once
-        self.wake = None                     # asks the flusher to write soon, without waiting for it
-        self.sink = None                     # the current record.sinks sink
+        self.buckets: list[tuple] = []  # (first_seq, end_seq, bucket, params): DDP hook spans
+        self.syncs: list[tuple] = []  # (seq, ns after its start): end of DDP's finalize (integrations.ddp)
+        self.packs: list[tuple] = []  # (seq, pack ns, alone ns): DDP's gradient packing before a bucket (rows.Packing)
+        self.output = ""  # path template ('' : frames kept in memory)
+        self.max_rows = 0  # with no output: rows kept in memory (0: no limit)
+        self.on_open = None  # called with (log) before a file is opened: e.g. start the flusher
+        self.on_warn = None  # called with a message the user should see once
+        self.wake = None  # asks the flusher to write soon, without waiting for it
+        self.sink = None  # the current record.sinks sink
         # The disk is written by one thread at a time, under io_lock (taken before self.lock, never
         # inside it): frames wait in the backlog meanwhile, bounded (max_rows or BACKLOG_ROWS).
         self.io_lock = threading.RLock()
-        self.backlog = sinks.MemorySink()    # frames for this rank's file not written yet
-        self.chain_written = False           # an earlier file of this rank holds the header: a new one needs it again
-        self.stem_cache = None               # (stem, export suffix) of this rank's files, once known
-        self.failing = ""                    # why this rank's file cannot be written now ('' : it can)
-        self.retry_at = 0.0                  # time.monotonic() of the next attempt after a failure
-        self.closing = False                 # the process exits: no file is re-created
-        self.closed: list = []               # earlier sinks that log() still shows (re-initialised ranks)
-        self.files: list = []                # every file sink this process opened (exported at exit)
-        self.written: dict[str, int] = {}    # registry -> entries already collected for the current sink
-        self.flushed_rows = 0                # rows collected (in the sinks or the backlog)
-        self.dropped = 0                     # rows dropped by a cap (max_rows; the backlog's bound), counted
-        self.reset_seq = 0                   # log() shows rows from this seq on (commpatch.reset())
-        self.recent = b""                    # the last flushed rows (the watchdog's view)
-        self.observed = None                 # frames collected, for the live metrics (a list when on)
-        self.unobserved = 0                  # frames the live metrics never took (bounded list)
-        self.inflight = inflight.InFlight(sinks.FLUSH_S)   # the flusher's notes on calls in flight
+        self.backlog = sinks.MemorySink()  # frames for this rank's file not written yet
+        self.chain_written = False  # an earlier file of this rank holds the header: a new one needs it again
+        self.stem_cache = None  # (stem, export suffix) of this rank's files, once known
+        self.failing = ""  # why this rank's file cannot be written now ('' : it can)
+        self.retry_at = 0.0  # time.monotonic() of the next attempt after a failure
+        self.closing = False  # the process exits: no file is re-created
+        self.closed: list = []  # earlier sinks that log() still shows (re-initialised ranks)
+        self.files: list = []  # every file sink this process opened (exported at exit)
+        self.written: dict[str, int] = {}  # registry -> entries already collected for the current sink
+        self.flushed_rows = 0  # rows collected (in the sinks or the backlog)
+        self.dropped = 0  # rows dropped by a cap (max_rows; the backlog's bound), counted
+        self.reset_seq = 0  # log() shows rows from this seq on (commpatch.reset())
+        self.recent = b""  # the last flushed rows (the watchdog's view)
+        self.observed = None  # frames collected, for the live metrics (a list when on)
+        self.unobserved = 0  # frames the live metrics never took (bounded list)
+        self.inflight = inflight.InFlight(sinks.FLUSH_S)  # the flusher's notes on calls in flight
 
     # ---- registries (slow path, first sight only) -------------------------------------
     def group_id(self, group) -> int:
@@ -119,7 +121,7 @@ class Log:
 
         with self.lock:
             if group is None and not dist.is_initialized():
-                return -1          # not cached: torch raises its own error for this call
+                return -1  # not cached: torch raises its own error for this call
             pg = group if group is not None else dist.distributed_c10d._get_default_group()
             if pg is dist.GroupMember.NON_GROUP_MEMBER:
                 self.group_ids[group] = -1
@@ -143,18 +145,18 @@ class Log:
                 state.STATE.devices = accelerator_present()
             opening = self.sink is None and self.output and self.on_open is not None
         if opening:
-            self.on_open(self)        # outside self.lock: it may touch the disk
+            self.on_open(self)  # outside self.lock: it may touch the disk
         return gid
 
     def note_rank0_offset(self, at_ns: int, lo_ns: int, hi_ns: int, same_machine: bool = False) -> None:
         """A measured interval of rank 0's wall clock minus this rank's (``record.clocksync``'s
         thread; ``same_machine``: rank 0 runs on this one): written with the next flush."""
-        self.rank0_offsets.append((at_ns, lo_ns, hi_ns, int(same_machine)))      # one append: atomic under the GIL
+        self.rank0_offsets.append((at_ns, lo_ns, hi_ns, int(same_machine)))  # one append: atomic under the GIL
 
     def forget_groups(self) -> None:
         """Called when process groups are destroyed: group objects may be reused or re-created."""
         with self.lock:
-            self.group_ids.clear()   # the same dict object: wrappers hold a reference
+            self.group_ids.clear()  # the same dict object: wrappers hold a reference
 
     def end_file(self) -> None:
         """The default group is destroyed: flush and close this rank's file; a re-initialised
@@ -231,16 +233,16 @@ class Log:
                     if pairs:
                         other += logfile.frame(kind, _drain_pairs(pairs))
                 n = len(self.buf) // ROW.size * ROW.size
-                chunk = bytes(self.buf[:n])     # whole rows; appends meanwhile stay in buf
+                chunk = bytes(self.buf[:n])  # whole rows; appends meanwhile stay in buf
                 del self.buf[:n]
                 rows = taken = n // ROW.size
                 if chunk:
-                    self.recent = chunk[-_RECENT * ROW.size:]
+                    self.recent = chunk[-_RECENT * ROW.size :]
                     chunk = logfile.frame(logfile.ROWS, chunk)
                 if other or chunk:
                     meta = bytes(other)
                     target.append(meta, chunk, rows)
-                    if self.observed is not None:      # the live metrics' copy (no bytes copied)
+                    if self.observed is not None:  # the live metrics' copy (no bytes copied)
                         self._observe(meta, chunk)
                 self.flushed_rows += rows
                 if target is self.backlog:
@@ -254,7 +256,7 @@ class Log:
 
     def _observe(self, meta: bytes, chunk: bytes) -> None:
         observed = self.observed
-        if len(observed) >= OBSERVED_FRAMES:           # nobody takes them: bounded, counted
+        if len(observed) >= OBSERVED_FRAMES:  # nobody takes them: bounded, counted
             self.unobserved += len(observed)
             del observed[:]
         if meta:
@@ -279,9 +281,14 @@ class Log:
             self.dropped += n
             why = self.failing or "the disk is slower than the calls"
             self.backlog.other += logfile.meta("lost", rows=n, first_seq=first, last_seq=last, why=why)
-            state.fail("export.dropped", OSError(
-                f"more than {bound} rows waited for this rank's log ({why}): the oldest are dropped, counted "
-                "(commpatch.internal_errors()) and noted in the log; the job is never made to wait"), rows=n)
+            state.fail(
+                "export.dropped",
+                OSError(
+                    f"more than {bound} rows waited for this rank's log ({why}): the oldest are dropped, counted "
+                    "(commpatch.internal_errors()) and noted in the log; the job is never made to wait"
+                ),
+                rows=n,
+            )
 
     def drain(self, force: bool = False) -> None:
         """Write the backlog to this rank's file, opening (or re-creating, or replacing) it first
@@ -296,11 +303,11 @@ class Log:
             if sink is not None and sink.removed():
                 self._forget_removed(sink)
                 if self.closing:
-                    return                        # at exit: no new file where the user removed one
+                    return  # at exit: no new file where the user removed one
                 sink = None
             if sink is None or sink.torn:
                 if not self.backlog.rows:
-                    return                        # nothing worth a (new) file yet
+                    return  # nothing worth a (new) file yet
                 sink = self._open_file()
             with self.lock:
                 taken, self.backlog = self.backlog, sinks.MemorySink()
@@ -309,7 +316,7 @@ class Log:
             try:
                 sink.append(taken.payload(), taken.rows)
             except OSError:
-                with self.lock:                   # kept, before what came meanwhile; bounded again
+                with self.lock:  # kept, before what came meanwhile; bounded again
                     taken.extend(self.backlog)
                     self.backlog = taken
                     self._cap_backlog()
@@ -352,7 +359,7 @@ class Log:
         sink, _ = sinks.create_exclusive(stem, (logfile.SUFFIX, export_suffix))
         with self.lock:
             old = self.sink
-            if old is not None and old.path is not None:      # torn: its whole frames stay readable
+            if old is not None and old.path is not None:  # torn: its whole frames stay readable
                 old.close()
                 self.closed.append(old)
             self.sink = sink
@@ -369,9 +376,11 @@ class Log:
             first = not self.failing
             where = sink.path if sink is not None else (self.stem_cache or ("this rank's log",))[0]
             self.failing = f"{where}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
-            message = (f"commpatch: cannot write {self.failing}; the rows are kept in memory (at most "
-                       f"{self.backlog_bound()}; beyond it the oldest are dropped and counted) and the file is tried "
-                       f"again every {sinks.RETRY_S:g} s")
+            message = (
+                f"commpatch: cannot write {self.failing}; the rows are kept in memory (at most "
+                f"{self.backlog_bound()}; beyond it the oldest are dropped and counted) and the file is tried "
+                f"again every {sinks.RETRY_S:g} s"
+            )
         if first and self.on_warn is not None:
             self.on_warn(message)
 
@@ -389,9 +398,13 @@ class Log:
             if self.closing:
                 lost += self._keep_backlog_in_memory()
                 later = "at exit, no new file is made there"
-        state.fail("export.removed", FileNotFoundError(
-            f"{sink.path} was deleted while the job ran (its directory too?): the rows it held are lost; {later}"),
-            rows=lost)
+        state.fail(
+            "export.removed",
+            FileNotFoundError(
+                f"{sink.path} was deleted while the job ran (its directory too?): the rows it held are lost; {later}"
+            ),
+            rows=lost,
+        )
 
     def _keep_backlog_in_memory(self) -> int:
         """Rows the file will not take: kept readable by log() (an in-memory sink), returned."""
@@ -428,8 +441,10 @@ class Log:
         if "{rank}" not in template and "{pid}" not in template and self.world_size > 1:
             stem += f".rank{self.rank}"
             if self.on_warn is not None:
-                self.on_warn(f"commpatch: the output {template!r} has no {{rank}} in a {self.world_size}-rank job: "
-                             f"this rank writes {stem}{suffix}")
+                self.on_warn(
+                    f"commpatch: the output {template!r} has no {{rank}} in a {self.world_size}-rank job: "
+                    f"this rank writes {stem}{suffix}"
+                )
         return stem, suffix
 
     def _new_meta(self, written: dict | None = None, notes: bool = True) -> bytes:
@@ -439,31 +454,63 @@ class Log:
         MODULES, TAGS = state.MODULES, state.TAGS
         w, out = self.written if written is None else written, []
         if not w:
-            out.append(logfile.meta("header", version=logfile.FORMAT_VERSION, schema=SCHEMA_VERSION, rank=self.rank,
-                                     world_size=self.world_size, pid=self.pid, ops=list(OP_NAMES),
-                                     timings=list(TIMINGS), created_ns=time.time_ns()))
+            out.append(
+                logfile.meta(
+                    "header",
+                    version=logfile.FORMAT_VERSION,
+                    schema=SCHEMA_VERSION,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    pid=self.pid,
+                    ops=list(OP_NAMES),
+                    timings=list(TIMINGS),
+                    created_ns=time.time_ns(),
+                )
+            )
         for key, items, make in (
-            ("groups", self.groups, lambda i, g: logfile.meta(
-                "group", gid=i, name=g.name, size=g.size, ranks=g.ranks, backend=g.backend, backends=list(g.backends))),
-            ("dtypes", self.dtype_names, lambda i, name: logfile.meta(
-                "dtype", code=i, name=name, size=self.dtype_sizes[i])),
+            (
+                "groups",
+                self.groups,
+                lambda i, g: logfile.meta(
+                    "group",
+                    gid=i,
+                    name=g.name,
+                    size=g.size,
+                    ranks=g.ranks,
+                    backend=g.backend,
+                    backends=list(g.backends),
+                ),
+            ),
+            (
+                "dtypes",
+                self.dtype_names,
+                lambda i, name: logfile.meta("dtype", code=i, name=name, size=self.dtype_sizes[i]),
+            ),
             ("tags", TAGS, lambda i, name: logfile.meta("tag", code=i, name=name)),
             ("modules", MODULES, lambda i, name: logfile.meta("module", code=i, name=name)),
             ("clock", self.offsets[0], lambda i, seq: logfile.meta("clock", seq=seq, offset=self.offsets[1][i])),
-            ("rank0_offsets", self.rank0_offsets, lambda i, o: logfile.meta("rank0_offset", at=o[0], lo=o[1], hi=o[2],
-                                                                                             same=o[3])),
+            (
+                "rank0_offsets",
+                self.rank0_offsets,
+                lambda i, o: logfile.meta("rank0_offset", at=o[0], lo=o[1], hi=o[2], same=o[3]),
+            ),
             ("device", [self.device] if self.device else [], lambda i, name: logfile.meta("device", name=name)),
-            ("step_sources", state.STEP_SOURCE_MARKS, lambda i, mark: logfile.meta("step_source", seq=mark[0],
-                                                                                    source=mark[1])),
+            (
+                "step_sources",
+                state.STEP_SOURCE_MARKS,
+                lambda i, mark: logfile.meta("step_source", seq=mark[0], source=mark[1]),
+            ),
         ):
             start, stop = w.get(key, 0), len(items)
             out.extend(make(i, items[i]) for i in range(start, stop))
             w[key] = stop
         # notes taken since the last flush, each once (appended to by other threads meanwhile: the
         # first k are taken, the rest wait for the next flush)
-        for kind, taken, fields in (("bucket", self.buckets, ("lo", "hi", "index", "params")),
-                                    ("sync", self.syncs, ("seq", "end")),
-                                    ("pack", self.packs, ("seq", "ns", "alone"))):
+        for kind, taken, fields in (
+            ("bucket", self.buckets, ("lo", "hi", "index", "params")),
+            ("sync", self.syncs, ("seq", "end")),
+            ("pack", self.packs, ("seq", "ns", "alone")),
+        ):
             if taken and notes:
                 k = len(taken)
                 out.extend(logfile.meta(kind, **dict(zip(fields, note))) for note in taken[:k])
@@ -478,7 +525,7 @@ class Log:
         import numpy as np
 
         data = self.recent + bytes(self.buf)
-        return np.frombuffer(data[len(data) % ROW.size:], dtype=row_dtype(np))
+        return np.frombuffer(data[len(data) % ROW.size :], dtype=row_dtype(np))
 
     def clear(self, next_seq: int) -> None:
         """Forget the rows recorded so far (``commpatch.reset()``): files keep them, log() does not."""
@@ -542,7 +589,7 @@ class Log:
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""
-        self.observed = None                 # the parent's live metrics do not follow a forked child
+        self.observed = None  # the parent's live metrics do not follow a forked child
         self.rank = self.world_size = -1
         self.group_ids.clear()
         self.pid = os.getpid()
@@ -581,9 +628,9 @@ class Log:
             for sink in current:
                 try:
                     datas.append(sink.read())
-                except OSError as exc:      # removed under us: its rows are gone
+                except OSError as exc:  # removed under us: its rows are gone
                     state.fail("export.read_back", exc, rows=0)
-            if waiting is not None:         # rows the file could not take yet
+            if waiting is not None:  # rows the file could not take yet
                 datas.append(waiting.read())
         return datas
 
@@ -673,12 +720,10 @@ def _device_backends(backend: str, pg) -> tuple:
 
         c10d = dist.distributed_c10d
         pick = getattr(c10d, "_get_object_coll_device", None)
-        if pick is None:                   # torch < 2.5: the same rule, returning a torch.device
-            pick = lambda group: c10d._get_pg_default_device(group).type   # noqa: E731
+        if pick is None:  # torch < 2.5: the same rule, returning a torch.device
+            pick = lambda group: c10d._get_pg_default_device(group).type  # noqa: E731
         none = by_device.get(pick(pg), backend)
     except Exception:  # noqa: BLE001 - an unusual group: keep the configured string
         none = backend
     accelerator = next((b for device, b in by_device.items() if device != "cpu"), backend)
     return by_device.get("cpu", backend), accelerator, none
-
-

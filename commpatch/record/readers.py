@@ -42,10 +42,15 @@ def reader_lines(target: Target, fn, direct: bool = False) -> list[str]:
     elif rule == "lists":
         lines.append(f"numel = sum([x.numel() for xs in {arg(sparam)} for x in xs])")
     elif rule == "p2p":
-        lines += [f"ops = {arg(sparam)}", "t = ops[0].tensor if ops else None",
-                  "numel = sum([p.tensor.numel() for p in ops])", "group = ops[0].group if ops else None",
-                  # the global rank every op exchanges with; -1 when they name several (no one peer)
-                  "peers = {p.peer for p in ops}", "peer = next(iter(peers)) if len(peers) == 1 else -1"]
+        lines += [
+            f"ops = {arg(sparam)}",
+            "t = ops[0].tensor if ops else None",
+            "numel = sum([p.tensor.numel() for p in ops])",
+            "group = ops[0].group if ops else None",
+            # the global rank every op exchanges with; -1 when they name several (no one peer)
+            "peers = {p.peer for p in ops}",
+            "peer = next(iter(peers)) if len(peers) == 1 else -1",
+        ]
     else:
         lines.append("numel = 0")
     if isinstance(target.asynchronous, bool):

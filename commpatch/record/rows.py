@@ -18,17 +18,18 @@ from ..data.schema import ROW, T_FUTURE, T_HOST, T_SHIFT, pack_flags
 from .state import STATE, fail
 
 try:
-    from . import _hot      # the C row writer (record/_hot.c), built at install when a compiler is there
-except ImportError:         # not built: the pure-Python fast path
+    from . import _hot  # the C row writer (record/_hot.c), built at install when a compiler is there
+except ImportError:  # not built: the pure-Python fast path
     _hot = None
 # It reads CLOCK_MONOTONIC itself: used only where that is what time.perf_counter_ns reads (Linux).
 C_ROWS = _hot is not None and time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
-SEQ = itertools.count()   # per-process sequence shared by all wrappers; next() is atomic
+SEQ = itertools.count()  # per-process sequence shared by all wrappers; next() is atomic
 
 
-def hot_call(log, mask: int, code: int, orig, maintain, coalescing: dict, tensor_type, dtype_code: int,
-             check_devices: bool):
+def hot_call(
+    log, mask: int, code: int, orig, maintain, coalescing: dict, tensor_type, dtype_code: int, check_devices: bool
+):
     """The C recorder's ``call`` for op ``code`` wrapping ``orig``, bound to ``log`` (see
     record/_hot.c), or None when it is not available (not built, another clock).
     ``call(group, t, numel or None, peer, async_op, *args)`` returns ``SLOW`` for any call but the
@@ -38,9 +39,25 @@ def hot_call(log, mask: int, code: int, orig, maintain, coalescing: dict, tensor
     leave every call to Python once ``STATE.devices`` is set (device timing)."""
     if not C_ROWS:
         return None
-    return _hot.Recorder(log.buf, STATE.__dict__, SEQ, log.dtype_ids, log.dtype_id, log.dtype_sizes, mask, code,
-                         T_HOST << T_SHIFT, orig, maintain, fail, log.group_ids, coalescing, tensor_type,
-                         dtype_code, check_devices).call
+    return _hot.Recorder(
+        log.buf,
+        STATE.__dict__,
+        SEQ,
+        log.dtype_ids,
+        log.dtype_id,
+        log.dtype_sizes,
+        mask,
+        code,
+        T_HOST << T_SHIFT,
+        orig,
+        maintain,
+        fail,
+        log.group_ids,
+        coalescing,
+        tensor_type,
+        dtype_code,
+        check_devices,
+    ).call
 
 
 SLOW = _hot.SLOW if _hot is not None else object()
@@ -56,9 +73,26 @@ def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type, packin
     the buckets to the Python hook."""
     if not C_ROWS or not (packing is None or isinstance(packing, _hot.Packing)):
         return None
-    return _hot.BucketHook(fallback, default_hook, STATE.__dict__, SEQ, log.buf, log.dtype_ids, log.dtype_id,
-                           log.group_ids, log.group_id, log.done, log.buckets, where, on_last, fail, tensor_type,
-                           OP_CODE["ddp_bucket_allreduce"], pack_flags(True, False, False, T_FUTURE), packing)
+    return _hot.BucketHook(
+        fallback,
+        default_hook,
+        STATE.__dict__,
+        SEQ,
+        log.buf,
+        log.dtype_ids,
+        log.dtype_id,
+        log.group_ids,
+        log.group_id,
+        log.done,
+        log.buckets,
+        where,
+        on_last,
+        fail,
+        tensor_type,
+        OP_CODE["ddp_bucket_allreduce"],
+        pack_flags(True, False, False, T_FUTURE),
+        packing,
+    )
 
 
 class Packing:
@@ -133,32 +167,48 @@ def packing(log):
 
 def peek_seq(counter=SEQ) -> int:
     """Next value of an itertools.count without consuming it."""
-    text = repr(counter)          # 'count(42)'
-    return int(text[text.index("(") + 1:text.index(")")])
+    text = repr(counter)  # 'count(42)'
+    return int(text[text.index("(") + 1 : text.index(")")])
 
 
 class Pending(NamedTuple):
     """A call in flight: an async one until its timing resolves; a sync one too while the watchdog runs."""
 
-    op: int               # op code (data.ops.OP_NAMES)
-    gid: int              # group code (Log.groups)
+    op: int  # op code (data.ops.OP_NAMES)
+    gid: int  # group code (Log.groups)
     numel: int
-    thread: int           # threading.get_ident() of the caller
-    start: int            # perf_counter_ns at issue
-    stack: tuple | None   # (file, line, function) frames where it was issued, or None
+    thread: int  # threading.get_ident() of the caller
+    start: int  # perf_counter_ns at issue
+    stack: tuple | None  # (file, line, function) frames where it was issued, or None
 
 
-def write_row(log, seq: int, code: int, gid: int, dtype, numel: int, flags: int, start: int, end: int,
-              peer: int) -> None:
+def write_row(
+    log, seq: int, code: int, gid: int, dtype, numel: int, flags: int, start: int, end: int, peer: int
+) -> None:
     """Append one packed row; ``dtype`` is a torch dtype, ``data.ops.OBJECT`` or None (no tensor).
     Step, tag and module/phase are those current now (``record.state.STATE``)."""
     state = STATE
-    log.buf.extend(ROW.pack(seq, code, gid, log.dtype_id(dtype), numel, flags, start, end, peer,
-                            state.step, state.tag, state.where))
+    log.buf.extend(
+        ROW.pack(
+            seq, code, gid, log.dtype_id(dtype), numel, flags, start, end, peer, state.step, state.tag, state.where
+        )
+    )
 
 
-def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_op: bool,
-           tcode: int, err: bool = False, peer: int = -1, seq: int | None = None) -> int:
+def record(
+    log,
+    op: str,
+    group,
+    tensor,
+    numel: int,
+    start: int,
+    end: int,
+    async_op: bool,
+    tcode: int,
+    err: bool = False,
+    peer: int = -1,
+    seq: int | None = None,
+) -> int:
     """One row for a call an integration observed (the op by name, the group object, the tensor
     that gives dtype and device); returns its seq."""
     gid = log.group_ids.get(group)
@@ -166,9 +216,19 @@ def record(log, op: str, group, tensor, numel: int, start: int, end: int, async_
         gid = log.group_id(group)
     if seq is None:
         seq = next(SEQ)
-    dev = tensor is not None and on_device(tensor, log)   # the device column (and its backend) come from it
-    write_row(log, seq, OP_CODE[op], gid, tensor.dtype if tensor is not None else None, numel,
-              pack_flags(async_op, dev, err, tcode), start, end, peer)
+    dev = tensor is not None and on_device(tensor, log)  # the device column (and its backend) come from it
+    write_row(
+        log,
+        seq,
+        OP_CODE[op],
+        gid,
+        tensor.dtype if tensor is not None else None,
+        numel,
+        pack_flags(async_op, dev, err, tcode),
+        start,
+        end,
+        peer,
+    )
     return seq
 
 

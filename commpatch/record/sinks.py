@@ -20,8 +20,8 @@ from ..data.logfile import _FRAME, MAGIC
 from ..data.schema import ROW
 
 FLUSH_S = 0.2
-RETRY_S = 1.0               # a file that could not be opened or written is tried again this often
-BACKLOG_ROWS = 1 << 18      # rows waiting for the disk when COMMPATCH_MAX_ROWS is 0 (~15 MB)
+RETRY_S = 1.0  # a file that could not be opened or written is tried again this often
+BACKLOG_ROWS = 1 << 18  # rows waiting for the disk when COMMPATCH_MAX_ROWS is 0 (~15 MB)
 
 
 class MemorySink:
@@ -31,7 +31,7 @@ class MemorySink:
     path = None
 
     def __init__(self) -> None:
-        self.other = bytearray()             # registry and late-duration frames (never dropped)
+        self.other = bytearray()  # registry and late-duration frames (never dropped)
         self.row_frames: list[bytes] = []
         self.rows = 0
 
@@ -41,7 +41,7 @@ class MemorySink:
             self.row_frames.append(rows)
             self.rows += n_rows
 
-    def extend(self, later: "MemorySink") -> None:
+    def extend(self, later: MemorySink) -> None:
         """``later``'s frames after this one's (a backlog put back after a failed write)."""
         self.other += later.other
         self.row_frames += later.row_frames
@@ -95,16 +95,22 @@ class FileSink:
     def __init__(self, path: str) -> None:
         self.path = path
         self.pid = os.getpid()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) \
+        flags = (
+            os.O_WRONLY
+            | os.O_CREAT
+            | os.O_EXCL
+            | os.O_APPEND
+            | getattr(os, "O_NOFOLLOW", 0)
             | getattr(os, "O_CLOEXEC", 0)
+        )
         self.fd = os.open(path, flags, 0o644)
-        self.size = 0            # bytes of whole frames in the file (MAGIC goes with the first write:
-        self.rows = 0            # opening is all the recording thread does, the flusher writes)
-        self.torn = False        # a failed write could not be cut back: nothing more may be appended
+        self.size = 0  # bytes of whole frames in the file (MAGIC goes with the first write:
+        self.rows = 0  # opening is all the recording thread does, the flusher writes)
+        self.torn = False  # a failed write could not be cut back: nothing more may be appended
 
     def append(self, data: bytes, n_rows: int = 0) -> None:
         """Write ``data`` (whole frames) entirely, or raise OSError with the file as it was before."""
-        if self.fd < 0 or os.getpid() != self.pid:     # closed, or a forked child: never ours to write
+        if self.fd < 0 or os.getpid() != self.pid:  # closed, or a forked child: never ours to write
             return
         if self.torn:
             raise OSError(errno.EIO, f"{self.path} ends in a record cut short: not appended to")
@@ -165,6 +171,7 @@ def create_exclusive(stem: str, suffixes: tuple[str, ...]) -> tuple[FileSink, st
 
 # ---- the run's name, agreed by every rank --------------------------------------------------
 
+
 def run_name(store=None) -> str:
     """``YYYYmmdd-HHMMSS-host-pid`` of the first rank to propose one, agreed through the process
     group's store (``compare_set``: first writer wins, nobody waits); a restart attempt of torchrun
@@ -183,6 +190,7 @@ def run_name(store=None) -> str:
 
 
 # ---- the flusher ----------------------------------------------------------------------------
+
 
 class Flusher:
     """A daemon thread that calls ``flush()`` every ``interval`` seconds (or when woken) until stopped."""

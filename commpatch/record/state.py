@@ -11,27 +11,26 @@ import threading
 import warnings
 
 
-
 class State:
     """Mutable process-wide switches (plain attributes: one read each on the hot path)."""
 
     def __init__(self) -> None:
-        self.enabled = False      # patches installed
-        self.recording = False    # wrappers record (False: pure pass-through)
-        self.step = 0             # step counter: commpatch.step(), else integrations.steps
-        self.step_source = 0      # index into data.schema.STEP_SOURCES of what advances it (set_step_source)
-        self.tag = 0              # index into TAGS; 0 is no tag
-        self.nesting = 0          # nesting ops (object collectives, send, ...) running in any thread
-        self.where = 0            # (index into MODULES) << 2 | index into data.schema.PHASES (data.schema.pack_where)
-        self.devices = False      # an accelerator is present: the wrappers test each tensor's device
+        self.enabled = False  # patches installed
+        self.recording = False  # wrappers record (False: pure pass-through)
+        self.step = 0  # step counter: commpatch.step(), else integrations.steps
+        self.step_source = 0  # index into data.schema.STEP_SOURCES of what advances it (set_step_source)
+        self.tag = 0  # index into TAGS; 0 is no tag
+        self.nesting = 0  # nesting ops (object collectives, send, ...) running in any thread
+        self.where = 0  # (index into MODULES) << 2 | index into data.schema.PHASES (data.schema.pack_where)
+        self.devices = False  # an accelerator is present: the wrappers test each tensor's device
         self.settings: dict = {}
 
 
 class _Local(threading.local):
-    depth = 0       # >0 while inside a recorded call that may issue wrapped calls itself
-    nested = None   # bytes accumulated by inner calls of an object collective, else None
-    python_call = False   # a Python wrapper that records its call runs torch's function: dispatcher kernels skip it
-    waited = None   # the collective result torch waited for inside that function (integrations.functional)
+    depth = 0  # >0 while inside a recorded call that may issue wrapped calls itself
+    nested = None  # bytes accumulated by inner calls of an object collective, else None
+    python_call = False  # a Python wrapper that records its call runs torch's function: dispatcher kernels skip it
+    waited = None  # the collective result torch waited for inside that function (integrations.functional)
 
 
 STATE = State()
@@ -41,7 +40,7 @@ LOCAL = _Local()
 COALESCING: dict = {}
 TAGS: list[str] = [""]
 _TAG_INDEX = {"": 0}
-MODULES: list[str] = [""]          # module FQNs seen by commpatch.integrations.modules
+MODULES: list[str] = [""]  # module FQNs seen by commpatch.integrations.modules
 # (first seq, code into data.schema.STEP_SOURCES): each change of what advances the step counter,
 # written to the rank's log once each (a "step_source" meta record), turned into a column when read
 STEP_SOURCE_MARKS: list[tuple[int, int]] = []
@@ -77,8 +76,10 @@ def fail(kind: str, exc: BaseException | None = None, rows: int = 1) -> None:
 def _consequence(kind: str, rows: int) -> str:
     """What the user lost, in the one warning of a kind."""
     if kind == "export.convert":
-        return "this rank's CSV / Parquet was not written; its rows are in the binary log (.cplog) beside it: " \
-               "`commpatch report` reads it, `commpatch convert` converts it"
+        return (
+            "this rank's CSV / Parquet was not written; its rows are in the binary log (.cplog) beside it: "
+            "`commpatch report` reads it, `commpatch convert` converts it"
+        )
     if kind.startswith("export"):
         return f"{rows} row(s) of this rank's log were NOT written"
     if kind.startswith("watchdog"):

@@ -30,12 +30,12 @@ class Timing:
     def __init__(self, log) -> None:
         self.log = log
         self.lock = threading.Lock()
-        self.apis: dict = {}             # (device type, index) -> _DeviceApi
-        self.pools: dict = {}            # (device type, index) -> free events
-        self.created = 0                 # events ever created (pools keep it flat)
-        self.dev_pending: list = []      # (seq, device key, gid, start_event, end_event)
-        self.nccl_pending: list = []     # (seq, work, device key, start_event)
-        self.last_end: dict = {}         # (device key, gid) -> end event of the group's last resolved call
+        self.apis: dict = {}  # (device type, index) -> _DeviceApi
+        self.pools: dict = {}  # (device type, index) -> free events
+        self.created = 0  # events ever created (pools keep it flat)
+        self.dev_pending: list = []  # (seq, device key, gid, start_event, end_event)
+        self.nccl_pending: list = []  # (seq, work, device key, start_event)
+        self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
         self.nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
@@ -66,10 +66,10 @@ class Timing:
         works = work if isinstance(work, list) else [work]
         try:
             futures = [w.get_future() for w in works]
-        except RuntimeError:          # e.g. gloo send/recv works: no future exists
+        except RuntimeError:  # e.g. gloo send/recv works: no future exists
             self.no_future.add(op)
             return None
-        except (TypeError, ValueError):   # _IllegalWork inside _coalescing_manager
+        except (TypeError, ValueError):  # _IllegalWork inside _coalescing_manager
             return None
         if any(f is None for f in futures):
             return None
@@ -129,7 +129,7 @@ class Timing:
         pending = self.dev_pending
 
         def record_end(_fut, seq=seq, start_ev=start_ev, end_ev=end_ev):
-            end_ev.record(api.current_stream())   # this callback's current stream waits for the collective
+            end_ev.record(api.current_stream())  # this callback's current stream waits for the collective
             pending.append((seq, key, gid, start_ev, end_ev))
 
         fut.then(record_end)
@@ -163,7 +163,7 @@ class Timing:
         if pool:
             return pool.pop()
         if len(self.dev_pending) >= _EARLY and not self.lock.locked():
-            self.resolve()                     # completed measurements give their events back
+            self.resolve()  # completed measurements give their events back
             pool = self.pools.get(key)
             if pool:
                 return pool.pop()
@@ -209,11 +209,11 @@ class Timing:
                 keep.append(item)
                 stalled.add((key, gid))
                 continue
-            duration = ev0.elapsed_time(ev1)          # ms
+            duration = ev0.elapsed_time(ev1)  # ms
             prev = last.get((key, gid))
             mine = duration
             if prev is not None:
-                gap = prev.elapsed_time(ev1)          # this call's completion after the previous one's
+                gap = prev.elapsed_time(ev1)  # this call's completion after the previous one's
                 if 0 < gap < duration:
                     mine = gap
                 self._free(key, prev)
@@ -255,7 +255,7 @@ def _take(items: list) -> list:
     return out
 
 
-_EARLY = 64      # measurements in flight before a new event is created rather than resolving first
+_EARLY = 64  # measurements in flight before a new event is created rather than resolving first
 
 
 class _DeviceApi:

@@ -26,7 +26,7 @@ from .readers import group_peer, make_reader, reader_lines
 from .rows import SEQ, SLOW, Pending, hot_call, on_device, write_row
 from .state import COALESCING
 
-MARK = "__commpatch_original__"   # attribute of every wrapper commpatch installs: the original
+MARK = "__commpatch_original__"  # attribute of every wrapper commpatch installs: the original
 
 
 # The per-op wrapper: argument reading and the synchronous-CPU record inlined; everything
@@ -86,11 +86,52 @@ _C_TRY = """
         return result"""
 # Names the generated code uses itself: a torch parameter with one of these names makes the
 # generator fall back to the generic (*args, **kwargs) form.
-_RESERVED = {"state", "orig", "local", "inner", "group_ids", "gid", "log", "go_slow", "dc", "seq", "exc",
-             "fail", "slow", "t", "numel", "peer", "start", "pc", "result", "error_row",
-             "end", "extend", "pack", "code", "HOST", "maintain", "CHUNK_MASK", "next_seq", "dtype_ids",
-             "coalescing", "group_peer", "n", "args", "kwargs", "ops", "x", "xs", "p", "Tensor", "Pending",
-             "pending", "get_ident", "call", "SLOW"}
+_RESERVED = {
+    "state",
+    "orig",
+    "local",
+    "inner",
+    "group_ids",
+    "gid",
+    "log",
+    "go_slow",
+    "dc",
+    "seq",
+    "exc",
+    "fail",
+    "slow",
+    "t",
+    "numel",
+    "peer",
+    "start",
+    "pc",
+    "result",
+    "error_row",
+    "end",
+    "extend",
+    "pack",
+    "code",
+    "HOST",
+    "maintain",
+    "CHUNK_MASK",
+    "next_seq",
+    "dtype_ids",
+    "coalescing",
+    "group_peer",
+    "n",
+    "args",
+    "kwargs",
+    "ops",
+    "x",
+    "xs",
+    "p",
+    "Tensor",
+    "Pending",
+    "pending",
+    "get_ident",
+    "call",
+    "SLOW",
+}
 
 
 def signature_source(fn):
@@ -173,7 +214,7 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             pending[seq] = Pending(code, gid, numel, get_ident(), start, _issue_stack() if watch else None)
         try:
             if queued:
-                tcode = T_NONE         # only queued: the coalesced op runs when the manager exits
+                tcode = T_NONE  # only queued: the coalesced op runs when the manager exits
             elif dev and not err:
                 tcode = timing.device_end(seq, gid, ev0, result, async_op)
             elif async_op and not err:
@@ -185,8 +226,18 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             tcode = T_NONE
         if tcode not in PENDING_TIMINGS:
             pending.pop(seq, None)
-        write_row(log, seq, code, gid, t.dtype if t is not None else no_tensor_dtype, numel,
-                  pack_flags(async_op, dev, err, tcode), start, end, peer)
+        write_row(
+            log,
+            seq,
+            code,
+            gid,
+            t.dtype if t is not None else no_tensor_dtype,
+            numel,
+            pack_flags(async_op, dev, err, tcode),
+            start,
+            end,
+            peer,
+        )
         if not seq & CHUNK_MASK:
             maintain(seq)
 
@@ -212,9 +263,9 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     def slow(args, kwargs, t, numel, group, gid, async_op, peer):
         try:
             dev = not host_only and t is not None and on_device(t, log)
-            guard = not leaf or (t is not None and t.__class__ is not Tensor)   # see slow_test
+            guard = not leaf or (t is not None and t.__class__ is not Tensor)  # see slow_test
             seq = next_seq()
-            pg = _coalesce_group(group) if coalescing else None   # a _coalescing_manager is open
+            pg = _coalesce_group(group) if coalescing else None  # a _coalescing_manager is open
             queue = coalescing.get(pg) if pg is not None else None
             before = len(queue) if queue is not None else 0
         except Exception as exc:  # noqa: BLE001
@@ -254,10 +305,10 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
             if nested_op:
                 numel, local.nested = local.nested, None
         queued = queue is not None and len(queue) > before
-        if queued and pg in COALESCING:   # the wrapped manager records the coalesced op once
+        if queued and pg in COALESCING:  # the wrapped manager records the coalesced op once
             span = COALESCING[pg]
             if not span:
-                span.append(start)        # the coalesced row is timed from the first queued call
+                span.append(start)  # the coalesced row is timed from the first queued call
             pending.pop(seq, None)
             return result
         try:
@@ -275,8 +326,11 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
         # (~30 ns) runs only once a process group exists in a process that has an accelerator.
         device_test = "" if host_only else " or (state.devices and not t.is_cpu)"
         slow_test += f" or (t is not None and (t.__class__ is not Tensor{device_test}))"
-    dtype_code = "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)" if target.tensor is not None \
+    dtype_code = (
+        "dtype_ids.get(t.dtype) or log.dtype_id(t.dtype)"
+        if target.tensor is not None
         else str(log.dtype_id(no_tensor_dtype))
+    )
     watch_enter = "\n    pending[seq] = Pending(code, gid, numel, get_ident(), start, None)" if watch else ""
     watch_exit = "\n    pending.pop(seq, None)" if watch else ""
     sig = signature_source(orig)
@@ -286,34 +340,76 @@ def make_wrapper(target: Target, orig, log, timing, host_only: bool = False):
     else:
         params, call, args, kwargs, defaults = "*args, **kwargs", "*args, **kwargs", "args", "kwargs", {}
         read_lines = reader_lines(target, orig)
+
     def indented(lines):
         return "\n".join(" " * 8 + ln for ln in lines)
 
     def body(lines):
-        return _BODY.format(slow_test=slow_test, dtype_code=dtype_code, watch_enter=watch_enter, watch_exit=watch_exit,
-                            watch_exit_err=watch_exit.replace("\n", "\n    "), call=call, args=args, kwargs=kwargs,
-                            read=indented(lines))
+        return _BODY.format(
+            slow_test=slow_test,
+            dtype_code=dtype_code,
+            watch_enter=watch_enter,
+            watch_exit=watch_exit,
+            watch_exit_err=watch_exit.replace("\n", "\n    "),
+            call=call,
+            args=args,
+            kwargs=kwargs,
+            read=indented(lines),
+        )
 
     head = _HEAD.format(name=target.name, params=params, call=call, args=args, kwargs=kwargs)
     c_call = None
     if sig is not None and leaf and not watch:
-        c_call = hot_call(log, CHUNK_MASK, code, orig, maintain, coalescing, Tensor,
-                          -1 if target.tensor is not None else log.dtype_id(no_tensor_dtype),
-                          not host_only and target.tensor is not None)
+        c_call = hot_call(
+            log,
+            CHUNK_MASK,
+            code,
+            orig,
+            maintain,
+            coalescing,
+            Tensor,
+            -1 if target.tensor is not None else log.dtype_id(no_tensor_dtype),
+            not host_only and target.tensor is not None,
+        )
     if c_call is None:
         source = head + body(read_lines)
     else:
-        lazy = "numel = t.numel()" in read_lines      # one tensor: the C recorder reads its count
+        lazy = "numel = t.numel()" in read_lines  # one tensor: the C recorder reads its count
         c_read = [ln for ln in read_lines if not (lazy and ln == "numel = t.numel()")]
-        source = head + _C_TRY.format(read=indented(c_read), call=call,
-                                      numel_c="None" if lazy else "numel") + \
-            body(["numel = t.numel()" if lazy else "pass"])
-    ns = dict(state=state, local=local, orig=orig, inner=inner, slow=slow, group_ids=log.group_ids, log=log,
-              next_seq=next_seq, fail=fail, pc=pc, error_row=error_row, code=code,
-              extend=log.buf.extend, pack=ROW.pack, dtype_ids=log.dtype_ids,
-              HOST=T_HOST << T_SHIFT, CHUNK_MASK=CHUNK_MASK, maintain=maintain, coalescing=coalescing,
-              group_peer=group_peer, pending=pending, get_ident=get_ident, Pending=Pending, Tensor=Tensor, call=c_call, SLOW=SLOW,
-              **defaults)
+        source = (
+            head
+            + _C_TRY.format(read=indented(c_read), call=call, numel_c="None" if lazy else "numel")
+            + body(["numel = t.numel()" if lazy else "pass"])
+        )
+    ns = dict(
+        state=state,
+        local=local,
+        orig=orig,
+        inner=inner,
+        slow=slow,
+        group_ids=log.group_ids,
+        log=log,
+        next_seq=next_seq,
+        fail=fail,
+        pc=pc,
+        error_row=error_row,
+        code=code,
+        extend=log.buf.extend,
+        pack=ROW.pack,
+        dtype_ids=log.dtype_ids,
+        HOST=T_HOST << T_SHIFT,
+        CHUNK_MASK=CHUNK_MASK,
+        maintain=maintain,
+        coalescing=coalescing,
+        group_peer=group_peer,
+        pending=pending,
+        get_ident=get_ident,
+        Pending=Pending,
+        Tensor=Tensor,
+        call=c_call,
+        SLOW=SLOW,
+        **defaults,
+    )
     exec(compile(source, f"<commpatch wrapper {target.name}>", "exec"), ns)  # noqa: S102 - from the table
     wrapper = ns[target.name]
     functools.update_wrapper(wrapper, orig)
@@ -328,7 +424,7 @@ def _issue_stack(limit: int = 24) -> tuple:
     """Where an async call was issued (the watchdog's dump needs it after the thread moved on):
     (file, line, function) per frame, outermost first, from the wrapper out. Source lines are
     read only if the call gets stuck (``traceback.format_stack`` here cost ~60 us a call)."""
-    frame, out = sys._getframe(3), []        # skip this function, record() and slow()
+    frame, out = sys._getframe(3), []  # skip this function, record() and slow()
     while frame is not None and len(out) < limit:
         code = frame.f_code
         out.append((code.co_filename, frame.f_lineno, code.co_name))

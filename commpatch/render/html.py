@@ -25,7 +25,7 @@ from . import people
 from .text import SECTIONS, terminal_safe
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "html_assets")
-MAX_TABLE_ROWS = 2000       # rows of one table in the page (the per-step table of a long run); JSON has all
+MAX_TABLE_ROWS = 2000  # rows of one table in the page (the per-step table of a long run); JSON has all
 EXCERPT_RANKS = 16
 EXCERPT_CALLS = 5000
 TABLE_KEYS = ("mismatches", "summary", "steps", "ranks", "skew", "p2p")
@@ -67,8 +67,14 @@ def bandwidth_data(by_op) -> list:
     out = []
     for name, part in s.groupby(s[key].astype(str), sort=True):
         part = part.sort_values("size_bucket")
-        out.append(dict(name=name, x=[int(v) for v in part["size_bucket"]], y=[_value(v) for v in part["busbw_gbps"]],
-                        calls=[int(v) for v in part["count"]]))
+        out.append(
+            dict(
+                name=name,
+                x=[int(v) for v in part["size_bucket"]],
+                y=[_value(v) for v in part["busbw_gbps"]],
+                calls=[int(v) for v in part["count"]],
+            )
+        )
     return out
 
 
@@ -76,7 +82,16 @@ def steps_data(steps, max_rows: int = MAX_TABLE_ROWS) -> dict | None:
     if steps is None or not len(steps):
         return None
     s = steps.head(max_rows)
-    cols = ("step", "stage", "exposed_us", "overlapped_us", "overlap_unknown_us", "comm_share", "exposed_share", "step_us")
+    cols = (
+        "step",
+        "stage",
+        "exposed_us",
+        "overlapped_us",
+        "overlap_unknown_us",
+        "comm_share",
+        "exposed_share",
+        "step_us",
+    )
     return {c: [_value(v) for v in s[c]] for c in cols if c in s.columns}
 
 
@@ -104,16 +119,29 @@ def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_R
     t0 = int(rows["start_ns"].min())
     dur = rows["duration_us"].to_numpy(np.float64)
     dur = np.where(np.isnan(dur), rows["host_us"].to_numpy(np.float64), dur)
-    calls = [[int(r), str(g), str(op), float(f"{(s - t0) / 1e6:.6g}"), _value(d / 1e3), int(b)]
-             for r, g, op, s, d, b in zip(rows["rank"], rows["group"].astype(str), rows["op"].astype(str),
-                                          rows["start_ns"].tolist(), np.nan_to_num(dur), rows["bytes"])]
+    calls = [
+        [int(r), str(g), str(op), float(f"{(s - t0) / 1e6:.6g}"), _value(d / 1e3), int(b)]
+        for r, g, op, s, d, b in zip(
+            rows["rank"],
+            rows["group"].astype(str),
+            rows["op"].astype(str),
+            rows["start_ns"].tolist(),
+            np.nan_to_num(dur),
+            rows["bytes"],
+        )
+    ]
     starts = rows.groupby("rank")["start_ns"].min()
     of_ranks = int(df["rank"].nunique()) if of_ranks is None else int(of_ranks)
     stage = steps_table.loc[steps_table["step"] == step, "stage"] if step is not None else ()
-    return dict(step=None if step is None else int(step), stage=str(stage.iloc[0]) if len(stage) else None,
-                ranks=chosen, of_ranks=of_ranks,
-                calls=calls, step_starts={str(r): float(f"{(s - t0) / 1e6:.6g}") for r, s in starts.items()},
-                cut=bool(len(rows) >= EXCERPT_CALLS))
+    return dict(
+        step=None if step is None else int(step),
+        stage=str(stage.iloc[0]) if len(stage) else None,
+        ranks=chosen,
+        of_ranks=of_ranks,
+        calls=calls,
+        step_starts={str(r): float(f"{(s - t0) / 1e6:.6g}") for r, s in starts.items()},
+        cut=bool(len(rows) >= EXCERPT_CALLS),
+    )
 
 
 def excerpt_ranks(ranks, straggler=None, max_ranks: int = EXCERPT_RANKS) -> list:
@@ -155,31 +183,62 @@ def _advice(rep):
 
 def report_data(rep, by_op=None, arrivals=None, excerpt=None) -> dict:
     findings = [dict(kind="error", text=terminal_safe(e), section="mismatches") for e in rep.errors]
-    findings += [dict(kind=f.kind, text=f.text, section=f.section) for f in rep.findings
-                 if f.kind != "mismatch" or not rep.errors]
+    findings += [
+        dict(kind=f.kind, text=f.text, section=f.section)
+        for f in rep.findings
+        if f.kind != "mismatch" or not rep.errors
+    ]
     tables = {key: table_data(rep.sections[key], SECTIONS[key]) for key in TABLE_KEYS if key in rep.sections}
-    return dict(title=rep.title, headline=rep.headline,
-                headline_text=[[k, v] for k, v in people.headline_lines(rep.headline)] if rep.headline else [],
-                findings=findings, advice=_items(_advice(rep)), tables=tables,
-                plots=dict(bandwidth=bandwidth_data(by_op), steps=steps_data(rep.sections.get("steps")),
-                           heatmap=heatmap_data(arrivals), timeline=excerpt),
-                notes=list(rep.notes))
+    return dict(
+        title=rep.title,
+        headline=rep.headline,
+        headline_text=[[k, v] for k, v in people.headline_lines(rep.headline)] if rep.headline else [],
+        findings=findings,
+        advice=_items(_advice(rep)),
+        tables=tables,
+        plots=dict(
+            bandwidth=bandwidth_data(by_op),
+            steps=steps_data(rep.sections.get("steps")),
+            heatmap=heatmap_data(arrivals),
+            timeline=excerpt,
+        ),
+        notes=list(rep.notes),
+    )
 
 
 def compare_data(table, by_op, title: str) -> dict:
     runs = table.sort_values("world_size")
-    series = {c: [_value(v) for v in runs[c]] for c in ("world_size", "step_us", "efficiency", "speedup",
-                                                      "comm_share", "exposed_share") if c in runs.columns}
+    series = {
+        c: [_value(v) for v in runs[c]]
+        for c in ("world_size", "step_us", "efficiency", "speedup", "comm_share", "exposed_share")
+        if c in runs.columns
+    }
     bw = []
     steady = by_op[by_op["busbw_gbps"].notna()]
     for (coll, size), part in steady.groupby(["collective", "size_bucket"], sort=True):
         part = part.sort_values("world_size")
-        bw.append(dict(name=f"{coll} <= {int(size)} B", collective=str(coll), size=int(size),
-                       x=[int(v) for v in part["world_size"]], y=[_value(v) for v in part["busbw_gbps"]]))
-    return dict(title=title, headline=None, headline_text=[], findings=[], advice=[],
-                tables=dict(scaling=table_data(table, "Runs by world size"),
-                            by_op=table_data(by_op, "Steady-state collectives per message size and world size")),
-                plots=dict(scaling=dict(series, busbw=bw)), notes=[])
+        bw.append(
+            dict(
+                name=f"{coll} <= {int(size)} B",
+                collective=str(coll),
+                size=int(size),
+                x=[int(v) for v in part["world_size"]],
+                y=[_value(v) for v in part["busbw_gbps"]],
+            )
+        )
+    return dict(
+        title=title,
+        headline=None,
+        headline_text=[],
+        findings=[],
+        advice=[],
+        tables=dict(
+            scaling=table_data(table, "Runs by world size"),
+            by_op=table_data(by_op, "Steady-state collectives per message size and world size"),
+        ),
+        plots=dict(scaling=dict(series, busbw=bw)),
+        notes=[],
+    )
 
 
 def render(data: dict) -> str:
@@ -187,17 +246,19 @@ def render(data: dict) -> str:
     sheet and the script inline."""
     blob = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     title = _html.escape(data["title"])
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            # nothing may load from elsewhere: the page is whole as it is
-            "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
-            "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
-            "<link rel=\"icon\" href=\"data:,\">"
-            f"<title>{title}</title><style>{_asset('report.css')}</style></head>\n"
-            f"<body><main id=\"app\"><h1>{title}</h1><noscript>This report draws its tables and plots with "
-            "JavaScript: enable it, or read commpatch report --format json.</noscript></main>\n"
-            f"<script type=\"application/json\" id=\"data\">{blob}</script>\n"
-            f"<script>{_asset('report.js')}</script></body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        # nothing may load from elsewhere: the page is whole as it is
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
+        "style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:\">"
+        '<link rel="icon" href="data:,">'
+        f"<title>{title}</title><style>{_asset('report.css')}</style></head>\n"
+        f'<body><main id="app"><h1>{title}</h1><noscript>This report draws its tables and plots with '
+        "JavaScript: enable it, or read commpatch report --format json.</noscript></main>\n"
+        f'<script type="application/json" id="data">{blob}</script>\n'
+        f"<script>{_asset('report.js')}</script></body></html>\n"
+    )
 
 
 def page(rep, by_op=None, arrivals=None, excerpt=None) -> str:

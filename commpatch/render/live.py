@@ -23,8 +23,15 @@ def screen(snapshot: dict):
     from rich.text import Text
 
     table = Table(title=snapshot.get("title", "commpatch watch"), title_justify="left", expand=False)
-    for name, justify in (("rank", "right"), ("step", "right"), ("calls", "right"), ("step time", "right"),
-                          ("comm", "right"), ("exposed", "right"), ("last call", "right")):
+    for name, justify in (
+        ("rank", "right"),
+        ("step", "right"),
+        ("calls", "right"),
+        ("step time", "right"),
+        ("comm", "right"),
+        ("exposed", "right"),
+        ("last call", "right"),
+    ):
         table.add_column(name, justify=justify)
     now_ns = snapshot.get("now_ns", 0)
     slow = snapshot.get("slowest") or {}
@@ -33,20 +40,29 @@ def screen(snapshot: dict):
             continue
         age = (now_ns - r["last_start_ns"]) / 1e9 if now_ns else math.nan
         style = "bold red" if slow and r["rank"] == slow.get("rank") else None
-        table.add_row(str(r["rank"]), str(r["current_step"]) if r["current_step"] >= 0 else "?",
-                      str(r["calls"]) if r["calls"] >= 0 else "?",
-                      _ms(r["step_us"]) + (f" (step {r['last_step']})" if r["last_step"] >= 0 else ""),
-                      _share(r["comm_share"]), _share(r["exposed_share"]),
-                      "?" if math.isnan(age) else f"{age:.1f} s ago", style=style)
+        table.add_row(
+            str(r["rank"]),
+            str(r["current_step"]) if r["current_step"] >= 0 else "?",
+            str(r["calls"]) if r["calls"] >= 0 else "?",
+            _ms(r["step_us"]) + (f" (step {r['last_step']})" if r["last_step"] >= 0 else ""),
+            _share(r["comm_share"]),
+            _share(r["exposed_share"]),
+            "?" if math.isnan(age) else f"{age:.1f} s ago",
+            style=style,
+        )
     lines = []
     if slow:
-        lines.append(f"slowest now: rank {slow['rank']}, step {slow['step']} took {_ms(slow['step_us'])} "
-                     f"(the other ranks' median {_ms(slow['others_median_us'])})")
+        lines.append(
+            f"slowest now: rank {slow['rank']}, step {slow['step']} took {_ms(slow['step_us'])} "
+            f"(the other ranks' median {_ms(slow['others_median_us'])})"
+        )
     stuck = snapshot.get("stuck")
     if stuck is not None and len(stuck):
         worst = stuck.sort_values("age_s", ascending=False).head(5)
         for row in worst.itertuples():
-            lines.append(f"in flight for {row.age_s:.1f} s: rank {row.rank} {row.op} on group {row.group} (seq {row.seq})")
+            lines.append(
+                f"in flight for {row.age_s:.1f} s: rank {row.rank} {row.op} on group {row.group} (seq {row.seq})"
+            )
     idle = snapshot.get("idle_s")
     if idle is not None and idle >= 2:
         lines.append(f"no rank's log grew for {idle:.0f} s")

@@ -21,16 +21,30 @@ WIDTH = 120
 # grouping columns (before "count") are always shown first
 COMPACT = {
     "summary": ("per_rank", "total_us", "p50_us", "p95_us", "bytes", "busbw_gbps", "time_share"),
-    "steps": ("step", "stage", "calls", "comm_us", "busy_us", "exposed_us", "step_us", "comm_share",
-              "exposed_share", "max_rank"),
+    "steps": (
+        "step",
+        "stage",
+        "calls",
+        "comm_us",
+        "busy_us",
+        "exposed_us",
+        "step_us",
+        "comm_share",
+        "exposed_share",
+        "max_rank",
+    ),
     "ranks": ("rank", "collectives", "last_count", "last_share", "late_us", "wait_us", "measured_us", "wait_share"),
     "skew": ("group", "coll_seq", "step", "op", "bytes", "ranks", "skew_us", "straggler", "max_duration_us"),
     "p2p": ("group", "channel", "src", "dst", "pairs", "matched", "bytes_mismatch", "mean_skew_us", "max_skew_us"),
 }
-MAX_CELL = 28       # a longer name (group, op, tag) is cut, ending in '~'
+MAX_CELL = 28  # a longer name (group, op, tag) is cut, ending in '~'
 
-STRAGGLER_WHY = {"significance": "not more than chance explains", "consistency": "not late in most steps",
-                 "effect": "too little to matter", "steps": "too few steady-state steps"}
+STRAGGLER_WHY = {
+    "significance": "not more than chance explains",
+    "consistency": "not late in most steps",
+    "effect": "too little to matter",
+    "steps": "too few steady-state steps",
+}
 
 
 # What a terminal may act on: C0 and C1 controls (ESC starts a sequence, CSI is U+009B), DEL, the
@@ -67,40 +81,68 @@ def human_bytes(n) -> str:
 def wrap(text: str, first: str = "", rest: str = "  ", width: int = WIDTH) -> list:
     """``text`` as lines of at most ``width`` characters; a word longer than a line (a path) is kept
     whole, on a line of its own."""
-    return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=rest,
-                         break_long_words=False, break_on_hyphens=False) or [first.rstrip()]
+    return textwrap.wrap(
+        text, width=width, initial_indent=first, subsequent_indent=rest, break_long_words=False, break_on_hyphens=False
+    ) or [first.rstrip()]
 
 
 def headline_lines(h: dict) -> list:
     """(label, sentence) pairs of the headline; unknown figures are said to be unknown."""
     out = []
     if h.get("step_us") is not None:
-        out.append(("step time", f"{_ms(h['step_us'])} median, p95 {_ms(h['step_p95_us'])} "
-                                 f"({h['steady_steps']} steady-state steps of {h['steps']})"))
+        out.append(
+            (
+                "step time",
+                f"{_ms(h['step_us'])} median, p95 {_ms(h['step_p95_us'])} "
+                f"({h['steady_steps']} steady-state steps of {h['steps']})",
+            )
+        )
     else:
         out.append(("step time", f"unknown ({h['steps']} step(s), {h['steady_steps']} steady-state)"))
     if h.get("comm_share") is not None:
         least = "at least " if h.get("shares_at_least") else ""
-        out.append(("communication", f"in flight {least}{_pct(h['comm_share'])} of the step; exposed "
-                                     f"{least}{_pct(h['exposed_share'])} (the training thread waits: the overhead)"))
+        out.append(
+            (
+                "communication",
+                f"in flight {least}{_pct(h['comm_share'])} of the step; exposed "
+                f"{least}{_pct(h['exposed_share'])} (the training thread waits: the overhead)",
+            )
+        )
     else:
         out.append(("communication", "share of the step unknown (no step time, or no measured call)"))
     top = h.get("top_collective")
     if top:
-        name = " ".join(terminal_safe(top[c]) if c != "size_bucket" else "<= " + human_bytes(top[c])
-                        for c in ("collective", "op", "api", "group", "dtype", "size_bucket") if c in top)
+        name = " ".join(
+            terminal_safe(top[c]) if c != "size_bucket" else "<= " + human_bytes(top[c])
+            for c in ("collective", "op", "api", "group", "dtype", "size_bucket")
+            if c in top
+        )
         bw = f", busbw {top['busbw_gbps']:.3g} GB/s" if top.get("busbw_gbps") is not None else ""
-        out.append(("top collective", f"{name}: {_pct(top['time_share'])} of communication time "
-                                      f"({_ms(top['total_us'])} over all ranks){bw}"))
+        out.append(
+            (
+                "top collective",
+                f"{name}: {_pct(top['time_share'])} of communication time ({_ms(top['total_us'])} over all ranks){bw}",
+            )
+        )
     s = h.get("straggler") or {}
     if s.get("verdict") == "straggler":
-        out.append(("straggler", f"rank {s['rank']}: last in {s['last_steps']} of {s['steps']} steady-state steps, "
-                                 f"{_ms(s['late_median_us'])} late (median; {_pct(s['share_of_step'])} of the step; "
-                                 f"p = {s['p_value']:.2g})"))
+        out.append(
+            (
+                "straggler",
+                f"rank {s['rank']}: last in {s['last_steps']} of {s['steps']} steady-state steps, "
+                f"{_ms(s['late_median_us'])} late (median; {_pct(s['share_of_step'])} of the step; "
+                f"p = {s['p_value']:.2g})",
+            )
+        )
     elif s.get("verdict") == "none":
-        out.append(("straggler", f"none. Latest: rank {s['rank']}, last in {s['last_steps']} of {s['steps']} steps, "
-                                 f"{_signed(s['late_median_us'])} late (median); "
-                                 f"{STRAGGLER_WHY.get(s.get('reason'), s.get('reason'))} (p = {s['p_value']:.2g})"))
+        out.append(
+            (
+                "straggler",
+                f"none. Latest: rank {s['rank']}, last in {s['last_steps']} of {s['steps']} steps, "
+                f"{_signed(s['late_median_us'])} late (median); "
+                f"{STRAGGLER_WHY.get(s.get('reason'), s.get('reason'))} (p = {s['p_value']:.2g})",
+            )
+        )
     else:
         why = s.get("reason")
         out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(why, why)})" if why else "")))
@@ -114,8 +156,13 @@ def headline_lines(h: dict) -> list:
         out.append(("mismatches", "none: every rank issued the same collectives"))
     else:
         m = h["first_mismatch"]
-        out.append(("mismatches", f"{n}: first a {m['kind']} mismatch in group {terminal_safe(m['group'])} at "
-                                  f"collective #{m['coll_seq']} (step {m['step']}, {terminal_safe(m['op'])})"))
+        out.append(
+            (
+                "mismatches",
+                f"{n}: first a {m['kind']} mismatch in group {terminal_safe(m['group'])} at "
+                f"collective #{m['coll_seq']} (step {m['step']}, {terminal_safe(m['op'])})",
+            )
+        )
     return out
 
 
@@ -137,7 +184,9 @@ def compact(frame, key: str):
     long names cut to MAX_CELL characters."""
     cols = COMPACT.get(key)
     if cols is not None:
-        lead = list(frame.columns[:list(frame.columns).index("count")]) if key == "summary" and "count" in frame else []
+        lead = (
+            list(frame.columns[: list(frame.columns).index("count")]) if key == "summary" and "count" in frame else []
+        )
         frame = frame[lead + [c for c in cols if c in frame.columns and c not in lead]]
     text = [c for c in frame.columns if frame[c].dtype.kind not in "iufbmM"]
     if not text:
@@ -146,7 +195,7 @@ def compact(frame, key: str):
 
 
 def _cut(value):
-    return value[:MAX_CELL - 1] + "~" if isinstance(value, str) and len(value) > MAX_CELL else value
+    return value[: MAX_CELL - 1] + "~" if isinstance(value, str) and len(value) > MAX_CELL else value
 
 
 def fitted(frame, render, width: int = WIDTH):

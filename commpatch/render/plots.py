@@ -16,8 +16,9 @@ def _figure(*size):
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("commpatch plots need matplotlib: pip install 'commpatch[plots]' "
-                          "(or pip install matplotlib)") from None
+        raise ImportError(
+            "commpatch plots need matplotlib: pip install 'commpatch[plots]' (or pip install matplotlib)"
+        ) from None
     return Figure(figsize=size or (8, 4.5), layout="constrained")
 
 
@@ -32,7 +33,7 @@ def bandwidth_vs_size(summary_by_op_size):
         part = part.sort_values("size_bucket")
         ax.plot(part["size_bucket"], part["busbw_gbps"], marker="o", label=op)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")            # small messages reach a small fraction of the large ones' bandwidth
+    ax.set_yscale("log")  # small messages reach a small fraction of the large ones' bandwidth
     ax.set_xlabel("message size bucket (bytes, upper bound)")
     ax.set_ylabel("busbw (GB/s, log scale)")
     ax.set_title("Bus bandwidth vs message size")
@@ -50,9 +51,11 @@ def comm_per_step(steps):
     ax = fig.add_subplot()
     x = steps["step"].to_numpy()
     bottom = np.zeros(len(steps))
-    parts = (("exposed_us", "exposed (the training thread's)", "tab:red"),
-             ("overlapped_us", "overlapped with compute", "tab:green"),
-             ("overlap_unknown_us", "async / device-timed (overlap unknown)", "tab:orange"))
+    parts = (
+        ("exposed_us", "exposed (the training thread's)", "tab:red"),
+        ("overlapped_us", "overlapped with compute", "tab:green"),
+        ("overlap_unknown_us", "async / device-timed (overlap unknown)", "tab:orange"),
+    )
     for col, label, color in parts:
         if col in steps:
             values = steps[col].to_numpy(np.float64) / 1e3
@@ -60,11 +63,15 @@ def comm_per_step(steps):
             bottom = bottom + values
     steady = bottom[(steps["stage"] == "steady").to_numpy()] if "stage" in steps else bottom
     top = float(steady.max()) if len(steady) and steady.max() > 0 else float(bottom.max()) if len(bottom) else 0.0
-    ax.set_ylim(0, top * 1.6 if top > 0 else 1)        # room for the legend
+    ax.set_ylim(0, top * 1.6 if top > 0 else 1)  # room for the legend
     for xi, total in zip(x, bottom):
         if top > 0 and total > top * 1.6:
-            ax.annotate(f"{total:.0f} ms (set-up)" if xi == x[0] else f"{total:.0f} ms", (xi, top * 1.5),
-                        fontsize="x-small", ha="left")
+            ax.annotate(
+                f"{total:.0f} ms (set-up)" if xi == x[0] else f"{total:.0f} ms",
+                (xi, top * 1.5),
+                fontsize="x-small",
+                ha="left",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("communication per rank (ms, mean over ranks)")
     ax.set_title("Communication time per step")
@@ -72,8 +79,14 @@ def comm_per_step(steps):
     if steps["comm_share"].notna().any():
         ax2 = ax.twinx()
         ax2.plot(x, 100 * steps["comm_share"], color="k", marker=".", label="communication share of step (%)")
-        ax2.plot(x, 100 * steps["exposed_share"], color="tab:red", linestyle="--", marker=".",
-                 label="exposed share of step (%)")
+        ax2.plot(
+            x,
+            100 * steps["exposed_share"],
+            color="tab:red",
+            linestyle="--",
+            marker=".",
+            label="exposed share of step (%)",
+        )
         ax2.set_ylabel("share of step time (%)")
         ax2.set_ylim(0, 100)
         more_handles, more_labels = ax2.get_legend_handles_labels()
@@ -87,8 +100,13 @@ def skew_heatmap(arrivals):
     fig = _figure(9, max(3.0, min(12.0, 0.25 * len(arrivals) + 2)))
     ax = fig.add_subplot()
     data = arrivals.to_numpy(np.float64) / 1e3
-    image = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="magma",
-                      extent=(-0.5, data.shape[1] - 0.5, len(arrivals) - 0.5, -0.5))
+    image = ax.imshow(
+        data,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="magma",
+        extent=(-0.5, data.shape[1] - 0.5, len(arrivals) - 0.5, -0.5),
+    )
     ax.set_yticks(range(len(arrivals)))
     ax.set_yticklabels([str(r) for r in arrivals.index], fontsize="small" if len(arrivals) <= 32 else 4)
     ticks = np.linspace(0, data.shape[1] - 1, num=min(8, data.shape[1])).astype(int) if data.shape[1] else []
@@ -132,7 +150,7 @@ def scaling(table, by_op):
     for ax in (a, b, c, d):
         ax.set_xlabel("world size")
         if len(set(sizes.tolist())) <= 12:
-            ax.set_xticks(sorted(set(sizes.tolist())))       # the world sizes themselves: 1, 2, 4
+            ax.set_xticks(sorted(set(sizes.tolist())))  # the world sizes themselves: 1, 2, 4
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)

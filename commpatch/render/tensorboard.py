@@ -16,9 +16,13 @@ from ..analysis.summaries import summary
 
 EVENTS = "events.out.tfevents.*"
 # tag -> column of per_step
-STEP_TAGS = (("step/time_ms", "step_us", 1e-3), ("step/comm_share", "comm_share", 1.0),
-             ("step/exposed_share", "exposed_share", 1.0), ("step/comm_ms", "busy_us", 1e-3),
-             ("step/exposed_ms", "exposed_us", 1e-3))
+STEP_TAGS = (
+    ("step/time_ms", "step_us", 1e-3),
+    ("step/comm_share", "comm_share", 1.0),
+    ("step/exposed_share", "exposed_share", 1.0),
+    ("step/comm_ms", "busy_us", 1e-3),
+    ("step/exposed_ms", "exposed_us", 1e-3),
+)
 
 
 def rank_dirs(outdir: str, ranks) -> dict:
@@ -36,7 +40,7 @@ def write_tensorboard(df, outdir: str, steps=None) -> list[str]:
     caller added it, as the report does) under ``outdir``; returns the directories written.
     Unknown values (NaN: a step without a known time, a collective never measured) are left out,
     never written as 0."""
-    from torch.utils.tensorboard import SummaryWriter   # needs the tensorboard package
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
     table = per_step(df, steps=steps)
     starts = df.groupby(["rank", "step"], observed=True)["start_ns"].min()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import analysis as _analysis
-from ..analysis import advice as _advice, findings as _findings
+from ..analysis import advice as _advice
+from ..analysis import findings as _findings
+from ..analysis import hangs, matching, pattern, summaries
+from ..analysis import steps as _steps
 from ..analysis.headline import headline as _headline
-from ..analysis import hangs, matching, pattern, steps as _steps, summaries
 from ..data.clock import MEASURED, SAME_MACHINE
 from . import people
 from .people import human_bytes, terminal_safe
@@ -20,6 +21,7 @@ from .people import human_bytes, terminal_safe
 
 def render_csv(df) -> str:
     """A table as CSV text, its strings made ``terminal_safe`` (``commpatch report --format csv``)."""
+
     def safe(value):
         return terminal_safe(value) if isinstance(value, str) else value
 
@@ -30,7 +32,7 @@ def render_csv(df) -> str:
 def _fmt(value, col: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if col == "size_bucket":        # an upper bound, in the units of the bytes column (decimal)
+    if col == "size_bucket":  # an upper bound, in the units of the bytes column (decimal)
         return "<= " + human_bytes(value)
     if col == "bytes" or col.endswith("_bytes"):
         return human_bytes(value)
@@ -38,7 +40,7 @@ def _fmt(value, col: str) -> str:
         return f"{100 * value:.1f}%"
     if col.endswith("_us"):
         return f"{value:,.1f}"
-    if col.endswith("_gbps"):       # 3 significant digits: an 8-byte call is 0.000123, not 0.000
+    if col.endswith("_gbps"):  # 3 significant digits: an 8-byte call is 0.000123, not 0.000
         return f"{value:.3g}" if abs(value) < 1 else f"{value:.3f}"
     if col.endswith("_per_s") or col in ("efficiency", "speedup"):
         return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
@@ -62,31 +64,29 @@ def render_text(df, title: str = "commpatch summary") -> str:
     return "\n".join(out)
 
 
-
-
 def render_markdown(df) -> str:
     cols = list(df.columns)
-    out = ["| " + " | ".join(map(terminal_safe, cols)) + " |",
-           "|" + "|".join("---:" if df[c].dtype.kind in "iuf" else "---" for c in cols) + "|"]
+    out = [
+        "| " + " | ".join(map(terminal_safe, cols)) + " |",
+        "|" + "|".join("---:" if df[c].dtype.kind in "iuf" else "---" for c in cols) + "|",
+    ]
     out += ["| " + " | ".join(_fmt(v, c) for v, c in zip(row, cols)) + " |" for row in df.itertuples(index=False)]
     return "\n".join(out)
 
 
-
-
 # ---- the full report ----------------------------------------------------------------------
-SECTIONS = {   # key -> title, in the order they are rendered
+SECTIONS = {  # key -> title, in the order they are rendered
     "hangs": "Calls in flight at the end of the logs (hangs first; who never joined them: in the findings)",
     "mismatches": "Mismatches (the same collective differs across ranks: jobs hang here)",
     "summary": "Per collective and message size (count, total_us, own_us, bytes: summed over all ranks' calls; "
-               "per_rank: count per rank; mean, p50, p95, max: per call)",
+    "per_rank: count per rank; mean, p50, p95, max: per call)",
     "steps": "Per step (mean over ranks; stage setup / steady / end)",
     "ranks": "Ranks by how long and how often they arrived last (stragglers first; per rank: sums over its "
-             "collectives)",
+    "collectives)",
     "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
     "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
     "clock": "Clocks (per rank: its wall clock's offset to rank 0's, as measured during the run; rank 0's clock "
-             "minus the rank's, added to its issue times)",
+    "minus the rank's, added to its issue times)",
 }
 
 
@@ -108,16 +108,17 @@ class Report:
     """Data of a full report: named DataFrames, error lines and notes. Renderers turn it into text."""
 
     title: str
-    sections: dict = field(default_factory=dict)   # key of SECTIONS -> DataFrame
+    sections: dict = field(default_factory=dict)  # key of SECTIONS -> DataFrame
     errors: list = field(default_factory=list)
     notes: list = field(default_factory=list)
-    findings: list = field(default_factory=list)   # analysis.findings.Finding, rendered first
-    headline: dict = field(default_factory=dict)   # analysis.headline.headline: the key figures, shown first
-    advice: list = field(default_factory=list)     # analysis.advice.Advice, rendered after the findings
+    findings: list = field(default_factory=list)  # analysis.findings.Finding, rendered first
+    headline: dict = field(default_factory=dict)  # analysis.headline.headline: the key figures, shown first
+    advice: list = field(default_factory=list)  # analysis.advice.Advice, rendered after the findings
 
 
-def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None,
-                 precomputed=None, run=None) -> Report:
+def build_report(
+    df, by=("collective", "size_bucket"), steps=None, top: int = 10, cross=None, precomputed=None, run=None
+) -> Report:
     """Run every analysis that applies to ``df`` and collect the results (nothing is printed).
 
     ``steps``: optional user step times (see ``summaries.per_step``). ``cross``: a precomputed
@@ -128,12 +129,12 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
 
     pre = precomputed
     if df is not None:
-        df = pattern.with_pattern_steps(df)      # a log without step boundaries: steps from its calls' pattern
+        df = pattern.with_pattern_steps(df)  # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
     calls = pre.calls if pre is not None else len(df)
-    run = run if run is not None or df is None else df.attrs.get("run")     # (run read, runs in its directory)
+    run = run if run is not None or df is None else df.attrs.get("run")  # (run read, runs in its directory)
     rep = Report(title=f"commpatch report: {_run_text(run)}{calls} calls, {len(ranks)} rank(s) {_span(ranks)}")
-    if pre is None and len(ranks) > 1:      # the bandwidth from the arrival-free transfer time
+    if pre is None and len(ranks) > 1:  # the bandwidth from the arrival-free transfer time
         cross = cross if cross is not None else matching.cross_rank(df)
         df = matching.with_transfer(df, cross)
     table = pre.summary if pre is not None else summaries.summary(df, by=by)
@@ -141,8 +142,9 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     rep.sections["summary"] = table
     unmeasured = pre.unmeasured if pre is not None else int(np.isnan(summaries.durations(df)).sum())
     if unmeasured:
-        rep.notes.append(f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, "
-                         "not in times or bandwidth.")
+        rep.notes.append(
+            f"{unmeasured} call(s) have no duration (timing 'none', or not known): counted, not in times or bandwidth."
+        )
     per_step = pre.per_step if pre is not None else _steps.per_step(df, steps=steps, by_rank=False)
     rep.sections["steps"] = per_step
     rep.notes += _step_notes(per_step)
@@ -150,8 +152,11 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
     if len(ranks) > 1:
         cr = pre if pre is not None else cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
-        rep.errors += [f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
-                       f"{m.detail}; {m.affected} collective(s) affected" for m in cr.mismatches.itertuples()]
+        rep.errors += [
+            f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
+            f"{m.detail}; {m.affected} collective(s) affected"
+            for m in cr.mismatches.itertuples()
+        ]
         rep.sections["ranks"] = cr.ranks
         rep.sections["skew"] = pre.skew if pre is not None else matching.top_skew(cr.collectives, top)
         if pre is not None and pre.p2p is not None and len(pre.p2p):
@@ -161,43 +166,62 @@ def build_report(df, by=("collective", "size_bucket"), steps=None, top: int = 10
         excluded = pre.p2p_calls if pre is not None else int(df["op"].isin(matching.P2P_OPS).sum())
         if excluded:
             batch = pre.batch_calls if pre is not None else int((df["op"] == "batch_isend_irecv").sum())
-            rep.notes.append(f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
-                             + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else "."))
-        for e in (cr.log_ends.itertuples() if getattr(cr, "log_ends", None) is not None else ()):
-            rep.notes.append(f"group {e.group}: the log of rank(s) {e.ranks} ends before the others' last collective "
-                             f"#{e.group_last}: the {e.unmatched} collective(s) after the first end are matched "
-                             "over the ranks whose log reaches them, not reported as missing (a log cut short, a write "
-                             "failure, or a rank that stopped).")
+            rep.notes.append(
+                f"{excluded} point-to-point call(s) are matched pairwise, not across all ranks"
+                + (f"; {batch} batch_isend_irecv call(s) carry no peer and are not matched." if batch else ".")
+            )
+        for e in cr.log_ends.itertuples() if getattr(cr, "log_ends", None) is not None else ():
+            rep.notes.append(
+                f"group {e.group}: the log of rank(s) {e.ranks} ends before the others' last collective "
+                f"#{e.group_last}: the {e.unmatched} collective(s) after the first end are matched "
+                "over the ranks whose log reaches them, not reported as missing (a log cut short, a write "
+                "failure, or a rank that stopped)."
+            )
         if cr.missing_logs:
-            rep.notes.append(f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): "
-                             "their collectives are not checked.")
-        rep.notes.append("bandwidth (algbw, busbw): bytes over transfer_us, from the last rank's issue to completion "
-                         "(where every member of the group has a log; else own_us); busbw_with_wait_gbps: over "
-                         "own_us, which counts each rank's wait for the ranks that issued later.")
+            rep.notes.append(
+                f"no log for rank(s) {_span(cr.missing_logs)} (members of a group): their collectives are not checked."
+            )
+        rep.notes.append(
+            "bandwidth (algbw, busbw): bytes over transfer_us, from the last rank's issue to completion "
+            "(where every member of the group has a log; else own_us); busbw_with_wait_gbps: over "
+            "own_us, which counts each rank's wait for the ranks that issued later."
+        )
         clock = getattr(cr, "clock", None) or {}
         if clock:
             rep.sections["clock"] = _clock_table(clock)
-        rep.notes.append("skew = latest minus earliest issue time (start_ns) of the same collective; "
-                         + ("issue times are on rank 0's wall clock, each rank's aligned by its measured offset "
-                            "(table: Clocks; a skew within the offsets' uncertainty is not a straggler)"
-                            if any(c.get("status") in (MEASURED, SAME_MACHINE) for c in clock.values()) else
-                            "no clock offset was measured in these logs (older logs, CSV or Parquet input): the "
-                            "issue times are compared as each host's wall clock gave them, which includes clock "
-                            "differences between hosts")
-                         + ". wait = time a rank's call spent until the last rank issued it (bounded by its measured "
-                           "duration).")
+        rep.notes.append(
+            "skew = latest minus earliest issue time (start_ns) of the same collective; "
+            + (
+                "issue times are on rank 0's wall clock, each rank's aligned by its measured offset "
+                "(table: Clocks; a skew within the offsets' uncertainty is not a straggler)"
+                if any(c.get("status") in (MEASURED, SAME_MACHINE) for c in clock.values())
+                else "no clock offset was measured in these logs (older logs, CSV or Parquet input): the "
+                "issue times are compared as each host's wall clock gave them, which includes clock "
+                "differences between hosts"
+            )
+            + ". wait = time a rank's call spent until the last rank issued it (bounded by its measured "
+            "duration)."
+        )
     else:
-        rep.notes.append("one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches).")
+        rep.notes.append(
+            "one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches)."
+        )
     rep.findings = _findings.findings(df, per_step, cr)
-    if df is not None:          # first: what the ranks wait in at the end of the logs (analysis.hangs)
+    if df is not None:  # first: what the ranks wait in at the end of the logs (analysis.hangs)
         waits = hangs.hangs(df)
         if len(waits):
             rep.sections["hangs"] = waits
             rep.findings[:0] = _findings.hang_findings(waits)
-    elif getattr(pre, "in_flight", 0):     # the engine's count (the hang finding needs every row in one frame)
-        rep.findings.insert(0, _findings.Finding(
-            "hang", f"{pre.in_flight} call(s) were in flight at the end of the logs (a hang?): the DuckDB engine does "
-                    "not tell who waits for whom; `commpatch report --engine pandas` does (docs/hangs.md).", "summary"))
+    elif getattr(pre, "in_flight", 0):  # the engine's count (the hang finding needs every row in one frame)
+        rep.findings.insert(
+            0,
+            _findings.Finding(
+                "hang",
+                f"{pre.in_flight} call(s) were in flight at the end of the logs (a hang?): the DuckDB engine does "
+                "not tell who waits for whom; `commpatch report --engine pandas` does (docs/hangs.md).",
+                "summary",
+            ),
+        )
     rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
     rep.advice = _advice.advice(df, per_step, cr)
     return rep
@@ -208,8 +232,10 @@ def _clock_table(clock):
     unmeasured), offset_us, uncertainty_us, measurements (rounds of the exchange in the log)."""
     import pandas as pd
 
-    return pd.DataFrame([dict(rank=r, **c) for r, c in sorted(clock.items())],
-                        columns=["rank", "status", "offset_us", "uncertainty_us", "measurements"])
+    return pd.DataFrame(
+        [dict(rank=r, **c) for r, c in sorted(clock.items())],
+        columns=["rank", "status", "offset_us", "uncertainty_us", "measurements"],
+    )
 
 
 def _run_text(run) -> str:
@@ -220,15 +246,18 @@ def _run_text(run) -> str:
 
     path, n = run[:2]
     where = os.path.dirname(os.path.normpath(path)) or "."
-    if len(run) > 2 and run[2] > 1:        # one directory of runs per host
+    if len(run) > 2 and run[2] > 1:  # one directory of runs per host
         return f"run {os.path.basename(os.path.normpath(path))} (from {run[2]} directories, one per host): "
-    return (f"run {os.path.basename(os.path.normpath(path))} (the latest of {n} in {where}; {n - 1} other(s)): "
-            if n > 1 else f"run {os.path.basename(os.path.normpath(path))} (the only one in {where}): ")
+    return (
+        f"run {os.path.basename(os.path.normpath(path))} (the latest of {n} in {where}; {n - 1} other(s)): "
+        if n > 1
+        else f"run {os.path.basename(os.path.normpath(path))} (the only one in {where}): "
+    )
 
 
 def _span(ranks) -> str:
     ranks = list(ranks)
-    if len(ranks) > 2 and all(b - a == 1 for a, b in zip(ranks, ranks[1:])):     # no list as long as the span
+    if len(ranks) > 2 and all(b - a == 1 for a, b in zip(ranks, ranks[1:])):  # no list as long as the span
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
 
@@ -239,23 +268,32 @@ def _step_notes(per_step) -> list:
     if "user" in source:
         notes.append("step time: given by the user.")
     elif "log" in source:
-        notes.append("step time: from the first call of a step to the first call of the next on the same rank "
-                     "(the last step has none); steady-state figures are medians over the steady steps.")
+        notes.append(
+            "step time: from the first call of a step to the first call of the next on the same rank "
+            "(the last step has none); steady-state figures are medians over the steady steps."
+        )
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
-    notes.append("comm_share: communication under way (busy_us, DDP's finalize and packing included) / step time. "
-                 "exposed_share: time the training thread spent on communication or waited for it / step time (the "
-                 "overhead): blocking calls for their whole duration, DDP gradient buckets from the issue of the last "
-                 "bucket to the end of DDP's finalize (its wait for the buckets and copy into .grad), DDP's packing "
-                 "of gradients into its buckets (ddp_pack_us, CPU models). overlap_unknown_us: "
-                 "other async or device-timed calls, whose wait the log does not show.")
+    notes.append(
+        "comm_share: communication under way (busy_us, DDP's finalize and packing included) / step time. "
+        "exposed_share: time the training thread spent on communication or waited for it / step time (the "
+        "overhead): blocking calls for their whole duration, DDP gradient buckets from the issue of the last "
+        "bucket to the end of DDP's finalize (its wait for the buckets and copy into .grad), DDP's packing "
+        "of gradients into its buckets (ddp_pack_us, CPU models). overlap_unknown_us: "
+        "other async or device-timed calls, whose wait the log does not show."
+    )
     return notes
 
 
 def _p2p_channels(pairs):
     g = pairs.groupby(["group", "channel", "src", "dst"], sort=True)
-    out = g.agg(pairs=("k", "size"), matched=("matched", "sum"), bytes_mismatch=("bytes_mismatch", "sum"),
-                mean_skew_us=("skew_us", "mean"), max_skew_us=("skew_us", "max"))
+    out = g.agg(
+        pairs=("k", "size"),
+        matched=("matched", "sum"),
+        bytes_mismatch=("bytes_mismatch", "sum"),
+        mean_skew_us=("skew_us", "mean"),
+        max_skew_us=("skew_us", "max"),
+    )
     return out.reset_index()
 
 
@@ -298,20 +336,21 @@ def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> s
     return "\n".join(out)
 
 
-
-
 def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     out = [f"# {terminal_safe(rep.title)}"]
     if rep.headline:
         out += ["", "## Headline", ""] + [f"- **{k}**: {v}" for k, v in people.headline_lines(rep.headline)]
     shown = _shown_findings(rep)
     if shown:
-        out += ["", "## Findings", ""] + [f"- {text} (table: {SECTIONS[section].split(' (')[0]})"
-                                          for text, section in shown]
+        out += ["", "## Findings", ""] + [
+            f"- {text} (table: {SECTIONS[section].split(' (')[0]})" for text, section in shown
+        ]
     if rep.advice:
-        out += ["", "## Advice", ""] + [f"- **{terminal_safe(a.title)}**: {terminal_safe(a.text)} Change: "
-                                        f"`{terminal_safe(a.change)}`; expected gain: {_gain(a)} (rule `{a.rule}`)."
-                                        for a in rep.advice]
+        out += ["", "## Advice", ""] + [
+            f"- **{terminal_safe(a.title)}**: {terminal_safe(a.text)} Change: "
+            f"`{terminal_safe(a.change)}`; expected gain: {_gain(a)} (rule `{a.rule}`)."
+            for a in rep.advice
+        ]
     for key, title in SECTIONS.items():
         frame = rep.sections.get(key)
         if frame is None or key == "mismatches":
@@ -322,13 +361,20 @@ def render_report_markdown(rep: Report, max_rows: int = 50) -> str:
     return "\n".join(out)
 
 
-
-
 def render_report_json(rep: Report) -> str:
     sections = {key: json.loads(frame.to_json(orient="records")) for key, frame in rep.sections.items()}
-    return json.dumps({"title": rep.title, "findings": [f._asdict() for f in rep.findings],
-                       "advice": [a.as_dict() for a in rep.advice], "errors": rep.errors,
-                       "notes": rep.notes, "headline": rep.headline, "sections": sections}, indent=1)
+    return json.dumps(
+        {
+            "title": rep.title,
+            "findings": [f._asdict() for f in rep.findings],
+            "advice": [a.as_dict() for a in rep.advice],
+            "errors": rep.errors,
+            "notes": rep.notes,
+            "headline": rep.headline,
+            "sections": sections,
+        },
+        indent=1,
+    )
 
 
 def advice_lines(rep: Report, para=lambda text, first="", rest="  ": [first + text]) -> list:
@@ -346,12 +392,10 @@ def advice_lines(rep: Report, para=lambda text, first="", rest="  ": [first + te
 
 def _gain(a) -> str:
     """'up to 3.2 ms per step (12% of the step)' for an advice item; 'unknown' without an estimate."""
-    if not a.gain_us == a.gain_us:      # NaN
+    if not a.gain_us == a.gain_us:  # NaN
         return "unknown"
     ms = f"{a.gain_us / 1e3:.3g} ms" if a.gain_us >= 100 else f"{a.gain_us:.3g} us"
     return f"up to {ms} per step ({100 * a.gain_share:.0f}% of the step)"
-
-
 
 
 def _shown_findings(rep: Report) -> list:

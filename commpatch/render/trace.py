@@ -14,8 +14,23 @@ import math
 import numpy as np
 
 # per-event details copied into the trace's "args" (when the column exists)
-TRACE_ARGS = ("bytes", "dtype", "group_seq", "step", "timing", "duration_us", "host_us", "busbw_gbps",
-              "async_op", "status", "peer", "tag", "module", "phase", "seq")
+TRACE_ARGS = (
+    "bytes",
+    "dtype",
+    "group_seq",
+    "step",
+    "timing",
+    "duration_us",
+    "host_us",
+    "busbw_gbps",
+    "async_op",
+    "status",
+    "peer",
+    "tag",
+    "module",
+    "phase",
+    "seq",
+)
 
 
 def chrome_trace(df) -> dict:
@@ -42,7 +57,7 @@ def chrome_trace(df) -> dict:
     gindex = {g: i for i, g in enumerate(group_names)}
     gcode = np.array([gindex[g] for g in groups], np.int64) if n else np.zeros(0, np.int64)
     lanes = _lanes(rank, gcode, ts, dur)
-    tid = gcode * 64 + np.minimum(lanes, 63) + 1      # tid 0 is reserved by some viewers
+    tid = gcode * 64 + np.minimum(lanes, 63) + 1  # tid 0 is reserved by some viewers
     ranks_of = dict(zip(groups, df["group_ranks"].astype(str))) if n else {}
 
     events = []
@@ -63,13 +78,15 @@ def chrome_trace(df) -> dict:
         args = {c: v[i] for c, v in zip(columns, values) if v[i] is not None and v[i] != ""}
         if unknown[i]:
             args["duration_unknown"] = True
-        events.append({"ph": "X", "name": op, "cat": "commpatch", "pid": r, "tid": t, "ts": s, "dur": d,
-                       "args": args})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"producer": "commpatch", "origin_unix_ns": origin, "rows": n}}
+        events.append({"ph": "X", "name": op, "cat": "commpatch", "pid": r, "tid": t, "ts": s, "dur": d, "args": args})
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"producer": "commpatch", "origin_unix_ns": origin, "rows": n},
+    }
 
 
-STEPS_TID = 0x7FFF0000      # the "steps" track of each rank, above its groups' tracks
+STEPS_TID = 0x7FFF0000  # the "steps" track of each rank, above its groups' tracks
 
 
 def _step_markers(df, rank, ts) -> list:
@@ -87,8 +104,19 @@ def _step_markers(df, rank, ts) -> list:
     for r in first["rank"].unique().tolist():
         out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": STEPS_TID, "args": {"name": "steps"}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": STEPS_TID, "args": {"sort_index": -1}})
-    out += [{"ph": "i", "s": "t", "name": f"step {s}", "cat": "step", "pid": r, "tid": STEPS_TID, "ts": t,
-             "args": {"step": s}} for r, s, t in zip(first["rank"].tolist(), first["step"].tolist(), first["ts"].tolist())]
+    out += [
+        {
+            "ph": "i",
+            "s": "t",
+            "name": f"step {s}",
+            "cat": "step",
+            "pid": r,
+            "tid": STEPS_TID,
+            "ts": t,
+            "args": {"step": s},
+        }
+        for r, s, t in zip(first["rank"].tolist(), first["step"].tolist(), first["ts"].tolist())
+    ]
     return out
 
 
@@ -128,9 +156,9 @@ def _lanes(rank, group, ts, dur):
     prev = np.concatenate(([-np.inf], furthest[:-1]))
     prev[new_track] = -np.inf
     busy_tracks = np.unique(track_id[s < prev])
-    for t in busy_tracks.tolist():      # greedy interval colouring, only where calls overlap
+    for t in busy_tracks.tolist():  # greedy interval colouring, only where calls overlap
         idx = np.flatnonzero(track_id == t)
-        free: list[tuple[float, int]] = []   # (end, lane) of the lanes in use
+        free: list[tuple[float, int]] = []  # (end, lane) of the lanes in use
         used = 0
         for i in idx.tolist():
             if free and free[0][0] <= s[i]:
@@ -157,20 +185,36 @@ def module_tree(df) -> dict:
     import pandas as pd
 
     phase = df["phase"].astype(str) if "phase" in df.columns else pd.Series("forward", index=df.index)
-    work = pd.DataFrame({"module": df["module"].astype(str).to_numpy(),
-                         "direction": np.where(phase.to_numpy() == "backward", "backward", "forward"),
-                         "op": df["op"].astype(str).to_numpy(), "duration_us": df["duration_us"].to_numpy(),
-                         "bytes": df["bytes"].to_numpy()})
-    per = work.groupby(["module", "direction", "op"], sort=True).agg(
-        count=("op", "size"), total_us=("duration_us", "sum"), bytes=("bytes", "sum")).reset_index()
+    work = pd.DataFrame(
+        {
+            "module": df["module"].astype(str).to_numpy(),
+            "direction": np.where(phase.to_numpy() == "backward", "backward", "forward"),
+            "op": df["op"].astype(str).to_numpy(),
+            "duration_us": df["duration_us"].to_numpy(),
+            "bytes": df["bytes"].to_numpy(),
+        }
+    )
+    per = (
+        work.groupby(["module", "direction", "op"], sort=True)
+        .agg(count=("op", "size"), total_us=("duration_us", "sum"), bytes=("bytes", "sum"))
+        .reset_index()
+    )
     nodes: dict[str, dict] = {}
 
     def node(fqn: str) -> dict:
         if fqn not in nodes:
-            nodes[fqn] = {"fqn": fqn, "module_type": "", "parameters": [], "children": [],
-                          "collectives_forward": [], "collectives_backward": [],
-                          "operations_forward": [], "operations_backward": [],
-                          "operations_checkpointing": [], "_acc": {}}
+            nodes[fqn] = {
+                "fqn": fqn,
+                "module_type": "",
+                "parameters": [],
+                "children": [],
+                "collectives_forward": [],
+                "collectives_backward": [],
+                "operations_forward": [],
+                "operations_backward": [],
+                "operations_checkpointing": [],
+                "_acc": {},
+            }
             if fqn != "Global":
                 parent = fqn.rsplit(".", 1)[0] if "." in fqn else "Global"
                 node(parent)["children"].append(nodes[fqn])
@@ -179,8 +223,8 @@ def module_tree(df) -> dict:
     node("Global")
     for row in per.itertuples(index=False):
         parts = row.module.split(".") if row.module else []
-        chain = ["Global"] + [".".join(parts[:i + 1]) for i in range(len(parts))]
-        for fqn in chain:                       # inclusive, like CommDebugMode's counts
+        chain = ["Global"] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+        for fqn in chain:  # inclusive, like CommDebugMode's counts
             acc = node(fqn)["_acc"].setdefault((row.direction, row.op), [0, 0.0, 0])
             acc[0] += int(row.count)
             acc[1] += float(row.total_us)
@@ -191,9 +235,12 @@ def module_tree(df) -> dict:
         for (direction, op), (count, total_us, nbytes) in sorted(acc.items()):
             n[f"collectives_{direction}"].append([op, count])
             details.append({"phase": direction, "op": op, "count": count, "total_us": total_us, "bytes": nbytes})
-        n["commpatch"] = {"collectives": details, "count": sum(d["count"] for d in details),
-                          "total_us": sum(d["total_us"] for d in details),
-                          "bytes": sum(d["bytes"] for d in details)}
+        n["commpatch"] = {
+            "collectives": details,
+            "count": sum(d["count"] for d in details),
+            "total_us": sum(d["total_us"] for d in details),
+            "bytes": sum(d["bytes"] for d in details),
+        }
     return nodes["Global"]
 
 

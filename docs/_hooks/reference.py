@@ -57,8 +57,10 @@ def schema_versions() -> str:
     by_version: dict = {}
     for c in SCHEMA:
         by_version.setdefault(ADDED_IN.get(c.name, 1), []).append(f"`{c.name}`")
-    lines = [f"- version {v}{' (written now)' if v == SCHEMA_VERSION else ''}: {', '.join(by_version[v])}"
-             for v in sorted(by_version)]
+    lines = [
+        f"- version {v}{' (written now)' if v == SCHEMA_VERSION else ''}: {', '.join(by_version[v])}"
+        for v in sorted(by_version)
+    ]
     return "\n".join(lines)
 
 
@@ -94,20 +96,19 @@ def _option_rows(p: argparse.ArgumentParser) -> list[str]:
             continue
         if action.option_strings:
             name = ", ".join(action.option_strings)
-            if action.nargs != 0:                       # the option takes a value
+            if action.nargs != 0:  # the option takes a value
                 name += " " + (action.metavar or action.dest.upper())
         else:
             name = action.metavar or action.dest
         default = action.default
-        if action.nargs == 0 or default in (None, argparse.SUPPRESS):      # a flag: its default is "not given"
+        if action.nargs == 0 or default in (None, argparse.SUPPRESS):  # a flag: its default is "not given"
             default = ""
         help_text = action.help
         if not help_text and isinstance(action, argparse._StoreFalseAction):
             opposite = [o for a in p._actions if a is not action and a.dest == action.dest for o in a.option_strings]
             help_text = f"the opposite of `{opposite[0]}`" if opposite else ""
         choices = ", ".join(f"`{c}`" for c in action.choices) if action.choices else ""
-        rows.append(f"| `{name.strip()}` | {choices} | {_code(default)} | "
-                    f"{_cell(help_text or '')} |")
+        rows.append(f"| `{name.strip()}` | {choices} | {_code(default)} | {_cell(help_text or '')} |")
     return rows
 
 
@@ -125,12 +126,18 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
-GENERATORS = {"settings": settings_table, "columns": columns_table, "timings": timings_list, "cli": cli_reference,
-              "schema_versions": schema_versions}
+GENERATORS = {
+    "settings": settings_table,
+    "columns": columns_table,
+    "timings": timings_list,
+    "cli": cli_reference,
+    "schema_versions": schema_versions,
+}
 
 
 def render(markdown: str) -> str:
     """``markdown`` with every marker replaced by its generated text (an unknown name fails)."""
+
     def replace(match):
         name = match.group(1)
         if name not in GENERATORS:
@@ -141,7 +148,7 @@ def render(markdown: str) -> str:
 
 
 def on_config(config, **kwargs):
-    if ROOT not in sys.path:           # the checkout's commpatch, as the tests import it
+    if ROOT not in sys.path:  # the checkout's commpatch, as the tests import it
         sys.path.insert(0, ROOT)
     return config
 

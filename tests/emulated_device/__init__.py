@@ -29,17 +29,18 @@ BACKEND = "emu"
 EXT_NAME = "commpatch_emudev"
 
 _ext = None
-build_seconds: float | None = None     # time the last load() spent in cpp_extension.load
+build_seconds: float | None = None  # time the last load() spent in cpp_extension.load
 
 
 def cache_dir() -> str:
-    return os.environ.get("COMMPATCH_EMUDEV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                     "commpatch-emudev")
+    return os.environ.get("COMMPATCH_EMUDEV_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "commpatch-emudev"
+    )
 
 
 def missing_toolchain() -> str | None:
     """Why the extension cannot be built here (None when it can)."""
-    cxx = os.environ.get("CXX", "c++")      # what torch.utils.cpp_extension will invoke
+    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension will invoke
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} not on PATH): the emulated device cannot be built"
     if shutil.which("ninja") is None:
@@ -57,9 +58,11 @@ def unsupported_torch() -> str | None:
 
     acc = getattr(torch, "accelerator", None)
     if acc is None or not hasattr(acc, "current_stream") or not hasattr(torch, "Event"):
-        return (f"torch {torch.__version__} has no device-generic stream / event API (torch.accelerator, "
-                "torch.Event: torch >= 2.6), which the emulated device is driven through; commpatch times "
-                "CUDA there with torch.cuda.Event, and other accelerators not at all")
+        return (
+            f"torch {torch.__version__} has no device-generic stream / event API (torch.accelerator, "
+            "torch.Event: torch >= 2.6), which the emulated device is driven through; commpatch times "
+            "CUDA there with torch.cuda.Event, and other accelerators not at all"
+        )
     return None
 
 
@@ -80,15 +83,20 @@ def load(verbose: bool = False):
     build_dir = os.path.join(cache_dir(), f"torch-{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}")
     os.makedirs(build_dir, exist_ok=True)
     t0 = time.perf_counter()
-    ext = cpp_extension.load(name=EXT_NAME, sources=[SOURCE], build_directory=build_dir,
-                             # no -std: torch's own flags name the standard its headers need (C++20 from 2.15)
-                             extra_cflags=["-O1"], verbose=verbose)
+    ext = cpp_extension.load(
+        name=EXT_NAME,
+        sources=[SOURCE],
+        build_directory=build_dir,
+        # no -std: torch's own flags name the standard its headers need (C++20 from 2.15)
+        extra_cflags=["-O1"],
+        verbose=verbose,
+    )
     build_seconds = time.perf_counter() - t0
     if torch._C._get_privateuse1_backend_name() != BACKEND:
         torch.utils.rename_privateuse1_backend(BACKEND)
     torch._register_device_module(BACKEND, _device_module(ext))
     torch.utils.generate_methods_for_privateuse1_backend(for_storage=True)
-    atexit.register(drain)   # a Python job still queued at exit would touch a dying interpreter
+    atexit.register(drain)  # a Python job still queued at exit would touch a dying interpreter
     _ext = ext
     return ext
 
@@ -112,7 +120,7 @@ def _device_module(ext) -> types.ModuleType:
     # what FSDP2 asks of a device module (torch.distributed.fsdp's device handle)
     mod.Stream = lambda device=None, priority=0, **kw: torch.Stream(device=device or BACKEND, priority=priority)
     mod.Event = lambda enable_timing=False, **kw: torch.Event(device=BACKEND, enable_timing=enable_timing)
-    mod.stream = lambda s: s if s is not None else contextlib.nullcontext()   # torch.Stream is a context manager
+    mod.stream = lambda s: s if s is not None else contextlib.nullcontext()  # torch.Stream is a context manager
     mod.device = lambda d: contextlib.nullcontext()
     return mod
 

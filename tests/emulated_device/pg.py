@@ -94,16 +94,16 @@ class StreamCollectives:
         self.gloo = gloo
         self.rank = rank
         self.size = size
-        self.comm_streams = {} if comm_stream else None     # device -> the group's own stream
+        self.comm_streams = {} if comm_stream else None  # device -> the group's own stream
         self.nccl_like = nccl_like
-        self._issued = 0                            # tickets handed out at issue time ...
-        self._ran = 0                               # ... and the next one allowed to run
+        self._issued = 0  # tickets handed out at issue time ...
+        self._ran = 0  # ... and the next one allowed to run
         self._turn = threading.Condition()
 
     def _launch(self, device, job, result, blocking=False):
         device = torch.device(BACKEND, device.index if device.index is not None else ext().current_device())
         stream = torch.accelerator.current_stream(device)
-        if self.comm_streams is not None:           # the group's stream waits for the caller's
+        if self.comm_streams is not None:  # the group's stream waits for the caller's
             comm = self.comm_streams.get(device)
             if comm is None:
                 comm = self.comm_streams[device] = torch.Stream(device=device)
@@ -128,8 +128,7 @@ class StreamCollectives:
             except BaseException as e:  # noqa: BLE001 - a failed collective must not kill the worker
                 if "work" in holder:
                     holder["work"].error = e
-                print(f"emustream: collective failed on rank {self.rank}:\n{traceback.format_exc()}",
-                      file=sys.stderr)
+                print(f"emustream: collective failed on rank {self.rank}:\n{traceback.format_exc()}", file=sys.stderr)
                 raise
             finally:
                 with self._turn:
@@ -138,9 +137,12 @@ class StreamCollectives:
 
         enqueue(run, stream)
         event.record(stream)
-        with stream:                                # the future's then() callbacks wait on this stream
-            work = NcclLikeWork(result, event, device, blocking, start) if self.nccl_like else \
-                EmuWork(result, event, device, blocking)
+        with stream:  # the future's then() callbacks wait on this stream
+            work = (
+                NcclLikeWork(result, event, device, blocking, start)
+                if self.nccl_like
+                else EmuWork(result, event, device, blocking)
+            )
         holder["work"] = work
         return work
 
@@ -182,17 +184,22 @@ class StreamCollectives:
     def reduce_scatter(self, outputs, inputs, op):
         out_view = ext().cpu_view(outputs[0])
         in_views = [ext().cpu_view(t) for t in inputs[0]]
-        return self._launch(outputs[0].device, lambda: self._reduce_scatter_flat(
-            torch.cat([v.reshape(-1) for v in in_views]), out_view, op), outputs)
+        return self._launch(
+            outputs[0].device,
+            lambda: self._reduce_scatter_flat(torch.cat([v.reshape(-1) for v in in_views]), out_view, op),
+            outputs,
+        )
 
     def reduce_scatter_tensor(self, output, input, op):
         out_view, in_view = ext().cpu_view(output), ext().cpu_view(input)
-        return self._launch(output.device, lambda: self._reduce_scatter_flat(in_view.reshape(-1), out_view, op),
-                            [output])
+        return self._launch(
+            output.device, lambda: self._reduce_scatter_flat(in_view.reshape(-1), out_view, op), [output]
+        )
 
     def barrier(self):
-        return self._launch(torch.device(BACKEND, ext().current_device()), lambda: self.gloo.barrier().wait(), [],
-                            blocking=True)
+        return self._launch(
+            torch.device(BACKEND, ext().current_device()), lambda: self.gloo.barrier().wait(), [], blocking=True
+        )
 
     def send(self, tensors, dst, tag):
         views = [ext().cpu_view(t) for t in tensors]

@@ -27,13 +27,18 @@ def _emu_entry(rank, world_size, target, store_path, emu_pg_timeout, kwargs):
 
     emu.load()
     pg.register()
-    dist.destroy_process_group()          # the plain gloo group tests.multiproc made
-    dist.init_process_group(f"cpu:gloo,{emu.BACKEND}:{pg.NAME}", init_method=f"file://{store_path}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=emu_pg_timeout))
+    dist.destroy_process_group()  # the plain gloo group tests.multiproc made
+    dist.init_process_group(
+        f"cpu:gloo,{emu.BACKEND}:{pg.NAME}",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=emu_pg_timeout),
+    )
     try:
         return target(rank, world_size, **kwargs)
     finally:
-        torch.accelerator.synchronize()   # nothing left queued when the group goes away
+        torch.accelerator.synchronize()  # nothing left queued when the group goes away
         dist.destroy_process_group()
 
 
@@ -41,8 +46,16 @@ def run_emu_ranks(fn, world_size=2, timeout=60, pg_timeout=30, **kwargs):
     """``fn(rank, world_size, **kwargs)`` in ``world_size`` spawned ranks on cpu:gloo,emu:emustream;
     a hang fails after ``timeout`` seconds (tests.multiproc kills the ranks)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return run_ranks(_emu_entry, world_size, timeout=timeout, pg_timeout=pg_timeout, target=fn,
-                         store_path=os.path.join(tmp, "emu_store"), emu_pg_timeout=pg_timeout, kwargs=kwargs)
+        return run_ranks(
+            _emu_entry,
+            world_size,
+            timeout=timeout,
+            pg_timeout=pg_timeout,
+            target=fn,
+            store_path=os.path.join(tmp, "emu_store"),
+            emu_pg_timeout=pg_timeout,
+            kwargs=kwargs,
+        )
 
 
 def _timed_events(torch, n=2):
@@ -118,8 +131,12 @@ def device_checks(rank, world_size):
     emu.enqueue(lambda: view.fill_(7.0))
     out["op_after_job"] = (y + 1).cpu().tolist()
     out["op_waits"] = emu.host_wait_counts()["op_wait"]
-    out["matmul_ok"] = bool(torch.allclose((torch.arange(6.0).view(2, 3).to("emu") @ torch.ones(3, 2, device="emu")).cpu(),
-                                           torch.arange(6.0).view(2, 3) @ torch.ones(3, 2)))
+    out["matmul_ok"] = bool(
+        torch.allclose(
+            (torch.arange(6.0).view(2, 3).to("emu") @ torch.ones(3, 2, device="emu")).cpu(),
+            torch.arange(6.0).view(2, 3) @ torch.ones(3, 2),
+        )
+    )
 
     # 4. the capture switch
     out["capturing"] = [main.is_capturing()]
@@ -143,7 +160,7 @@ def collective_timing(rank, world_size, busy_ms=150):
     from tests import emulated_device as emu
 
     x = torch.full((256,), float(rank + 1), device="emu")
-    dist.all_reduce(x)                          # warm-up: connections, first-call costs
+    dist.all_reduce(x)  # warm-up: connections, first-call costs
     torch.accelerator.synchronize()
     dist.barrier()
     x.fill_(float(rank + 1))
@@ -161,7 +178,7 @@ def collective_timing(rank, world_size, busy_ms=150):
     end.record()
 
     def cb(fut):
-        after_cb.record()                       # on the callback's current stream
+        after_cb.record()  # on the callback's current stream
         return fut.value()
 
     chained = work.get_future().then(cb)
@@ -174,7 +191,7 @@ def collective_timing(rank, world_size, busy_ms=150):
         "host_call_ms": host_call_ms,
         "host_wait_ms": host_wait_ms,
         "device_ms": start.elapsed_time(end),
-        "cb_ms_from_start": start.elapsed_time(after_cb),   # the then() callback's device work
+        "cb_ms_from_start": start.elapsed_time(after_cb),  # the then() callback's device work
         "waits_before_sync": waits_before,
         "waits_after_sync": emu.host_wait_counts(),
         "correct": bool((x.cpu() == expected).all()),
@@ -211,7 +228,7 @@ def collective_coverage(rank, world_size):
     out = torch.empty(2, device="emu")
     dist.reduce_scatter_tensor(out, inp)
     base = torch.arange(2.0 * n) * n + sum(range(n))
-    ok["reduce_scatter_tensor"] = out.cpu().tolist() == base[2 * rank:2 * rank + 2].tolist()
+    ok["reduce_scatter_tensor"] = out.cpu().tolist() == base[2 * rank : 2 * rank + 2].tolist()
 
     out = torch.empty(2, device="emu")
     dist.reduce_scatter(out, [torch.full((2,), float(rank + r), device="emu") for r in range(n)])
@@ -302,7 +319,7 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
     dist.all_reduce(x)
     torch.accelerator.synchronize()
     os.environ[pg.COMM_STREAM_ENV] = "1"
-    comm_group = dist.new_group(backend=f"cpu:gloo,{emu.BACKEND}:{pg.NAME}")   # NCCL-like: a stream of its own
+    comm_group = dist.new_group(backend=f"cpu:gloo,{emu.BACKEND}:{pg.NAME}")  # NCCL-like: a stream of its own
     del os.environ[pg.COMM_STREAM_ENV]
     dist.all_reduce(x, group=comm_group)
     torch.accelerator.synchronize()
@@ -321,30 +338,33 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
         t0 = time.perf_counter()
         work = dist.all_reduce(x, async_op=True)
         out["async_host_ms"] = (time.perf_counter() - t0) * 1e3
-        work.wait()                                      # the stream waits, not the host
+        work.wait()  # the stream waits, not the host
         # 2. queued: a long collective then a small one on the group's own stream
         if rank == 0:
-            emu.sleep(x, busy_ms)                        # the comm stream waits for it: so do the peers
+            emu.sleep(x, busy_ms)  # the comm stream waits for it: so do the peers
         w1 = dist.all_reduce(x, group=comm_group, async_op=True)
         w2 = dist.all_reduce(small, group=comm_group, async_op=True)
         w1.wait()
         w2.wait()
         out["waits_in_calls"] = emu.host_wait_counts()
-        df = commpatch.log()                             # resolves: the first host wait allowed
+        df = commpatch.log()  # resolves: the first host wait allowed
         out["rows"] = _rows(df)
         # 3. capture: no event recorded, queried or synchronized; rows say timing=none
         torch.accelerator.synchronize()
         commpatch.reset()
         emu.sleep(x, 50)
-        dist.all_reduce(x)                               # pending across the capture
+        dist.all_reduce(x)  # pending across the capture
         created, pending = timing.created, len(timing.dev_pending)
         emu.reset_host_waits()
         with emu.capturing():
             dist.all_reduce(x)
             dist.all_reduce(x, async_op=True).wait()
-            timing.resolve(block=True)                   # must not touch the pending measurement
-            out["capture"] = {"created": timing.created - created, "pending": len(timing.dev_pending) - pending,
-                              "waits": emu.host_waits()}
+            timing.resolve(block=True)  # must not touch the pending measurement
+            out["capture"] = {
+                "created": timing.created - created,
+                "pending": len(timing.dev_pending) - pending,
+                "waits": emu.host_waits(),
+            }
         out["capture_rows"] = _rows(commpatch.log())
         # 4. the pool over many calls (the user's code reads a value now and then, like loss.item())
         commpatch.reset()
@@ -354,7 +374,7 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
             dist.all_reduce(small)
             if i % 100 == 99:
                 small.cpu()
-            if i in (calls // 2 - 1, calls - 1):          # right after a read
+            if i in (calls // 2 - 1, calls - 1):  # right after a read
                 created.append(timing.created)
         out["pool"] = created
         out["pool_rows"] = len(commpatch.log())
@@ -380,7 +400,7 @@ def commpatch_frameworks(rank, world_size):
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).to("emu")
-        ddp = DDP(model, bucket_cap_mb=0.0001)           # several buckets
+        ddp = DDP(model, bucket_cap_mb=0.0001)  # several buckets
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for _ in range(2):
             opt.zero_grad()
@@ -388,7 +408,7 @@ def commpatch_frameworks(rank, world_size):
             opt.step()
         df = commpatch.log()
         out["ddp_rows"] = _rows(df[df["bucket"] >= 0], ("op", "device", "backend", "timing", "duration_us"))
-        out["ddp_internal_rows"] = _rows(df[df["bucket"] < 0], ("op", "device", "timing"))   # constructor, rebuild
+        out["ddp_internal_rows"] = _rows(df[df["bucket"] < 0], ("op", "device", "timing"))  # constructor, rebuild
         commpatch.reset()
         try:
             from tests.torch_compat import fully_shard as _fully_shard
@@ -421,7 +441,7 @@ def commpatch_frameworks(rank, world_size):
             def is_completed(self):
                 return kernel[1].query()
 
-            def wait(self):                                # as NCCL's: the stream waits, not the host
+            def wait(self):  # as NCCL's: the stream waits, not the host
                 torch.accelerator.current_stream(x.device).wait_event(kernel[1])
 
             def _get_duration(self):
@@ -429,15 +449,19 @@ def commpatch_frameworks(rank, world_size):
 
         timing.nccl_timing = True
         started = timing.device_start(x)
-        emu.sleep(x, 20)                                   # queued work before the "kernel"
+        emu.sleep(x, 20)  # queued work before the "kernel"
         kernel[0].record()
-        emu.sleep(x, 40)                                   # the "kernel"
+        emu.sleep(x, 40)  # the "kernel"
         kernel[1].record()
         code = timing.device_end(10**9, gid, started, StandInWork(), async_op=True)
         pending_before = len(timing.nccl_pending)
         timing.resolve(block=True)
-        out["nccl"] = {"code_is_nccl": code == T_NCCL, "pending_before": pending_before,
-                       "pending_after": len(timing.nccl_pending), "duration_ms": log.done.pop(10**9, None) / 1e6}
+        out["nccl"] = {
+            "code_is_nccl": code == T_NCCL,
+            "pending_before": pending_before,
+            "pending_after": len(timing.nccl_pending),
+            "duration_ms": log.done.pop(10**9, None) / 1e6,
+        }
         log.groups.pop()
     finally:
         default().timing.nccl_timing = False
@@ -450,5 +474,8 @@ def commpatch_frameworks(rank, world_size):
 def collectives(rank, world_size):
     """collective_timing, collective_coverage and commpatch_device in one set of ranks (one spawn
     per world size)."""
-    return {"timing": collective_timing(rank, world_size), "coverage": collective_coverage(rank, world_size),
-            "commpatch": commpatch_device(rank, world_size, calls=10_000 if world_size == 2 else 1_000)}
+    return {
+        "timing": collective_timing(rank, world_size),
+        "coverage": collective_coverage(rank, world_size),
+        "commpatch": commpatch_device(rank, world_size, calls=10_000 if world_size == 2 else 1_000),
+    }

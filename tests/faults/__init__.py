@@ -15,8 +15,11 @@ def build_shim(name: str, out_dir) -> str:
     if shutil.which("gcc") is None:
         pytest.skip(f"needs gcc to build the LD_PRELOAD shim {name}.c")
     out = os.path.join(str(out_dir), f"{name}.so")
-    res = subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", out, os.path.join(HERE, f"{name}.c"), "-ldl"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O2", "-o", out, os.path.join(HERE, f"{name}.c"), "-ldl"],
+        capture_output=True,
+        text=True,
+    )
     if res.returncode:
         pytest.skip(f"the shim {name}.c does not build here: {res.stderr[-500:]}")
     return out

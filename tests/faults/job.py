@@ -28,7 +28,7 @@ def fill(directory: str, leave: int) -> str:
                 f.write(block)
             except OSError:
                 break
-        while True:                       # the last partial block
+        while True:  # the last partial block
             try:
                 f.write(b"\0" * 512)
             except OSError:
@@ -76,20 +76,20 @@ def main() -> None:
         return os.path.join(a.out, dirs[0]) if dirs else a.out
 
     calls(a.calls)
-    if a.mode == "diskfull":               # full (one page left: a write is cut short), then freed
+    if a.mode == "diskfull":  # full (one page left: a write is cut short), then freed
         time.sleep(0.5)
         dist.barrier()
         filler = fill(a.out, 4096) if a.rank == 0 else None
         dist.barrier()
         calls(a.calls)
-        time.sleep(1.0)                    # the flusher meets the full disk
+        time.sleep(1.0)  # the flusher meets the full disk
         dist.barrier()
         if filler:
             os.unlink(filler)
         dist.barrier()
         calls(a.calls)
-        time.sleep(1.5)                    # past the retry interval
-    elif a.mode == "rmdir":                # the run directory removed while the job runs
+        time.sleep(1.5)  # past the retry interval
+    elif a.mode == "rmdir":  # the run directory removed while the job runs
         time.sleep(0.5)
         dist.barrier()
         if a.rank == 0 and cp is not None:
@@ -97,7 +97,7 @@ def main() -> None:
         dist.barrier()
         calls(a.calls)
         time.sleep(0.5)
-    elif a.mode in ("reenable", "capture"):   # then SIGKILL: what the flusher wrote is all there is
+    elif a.mode in ("reenable", "capture"):  # then SIGKILL: what the flusher wrote is all there is
         if cp is not None:
             cp.disable()
             if a.mode == "reenable":
@@ -106,7 +106,7 @@ def main() -> None:
             else:
                 with cp.capture(output=output):
                     calls(a.calls)
-                with cp.capture(output=output):       # killed inside the block: no exit flush
+                with cp.capture(output=output):  # killed inside the block: no exit flush
                     calls(a.calls)
                     time.sleep(1.0)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -116,13 +116,13 @@ def main() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif a.mode == "slow":
         pass
-    if os.environ.get("SHIM_LOG"):         # what the shim notes from here on: log() and the exit
+    if os.environ.get("SHIM_LOG"):  # what the shim notes from here on: log() and the exit
         with open(os.environ["SHIM_LOG"], "a") as f:
             f.write(f"END {threading.get_native_id()}\n")
-    dropped = cp.log().attrs["dropped_rows"] if cp else 0      # log() writes what waited (or drops it)
+    dropped = cp.log().attrs["dropped_rows"] if cp else 0  # log() writes what waited (or drops it)
     result = {"errors": cp.internal_errors() if cp else {}, "dropped": dropped}
     print(json.dumps(result), flush=True)
-    dist.destroy_process_group()           # else gloo may abort one rank at exit (torch, with or without commpatch)
+    dist.destroy_process_group()  # else gloo may abort one rank at exit (torch, with or without commpatch)
 
 
 if __name__ == "__main__":
