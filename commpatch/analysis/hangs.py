@@ -194,7 +194,7 @@ class _View:
             self.end = self.start + np.nan_to_num(dur) * 1e3
             self.cseq = collective_seq(df)
             self.is_p2p = np.isin(self.op, P2P_OPS)
-            members = {}
+            members: dict = {}
             for g, gr in zip(df["group"].astype(str), df["group_ranks"].astype(str)):
                 members.setdefault(g, gr)
             self.members = members

@@ -44,18 +44,20 @@ def dumps_beside(paths) -> list[dict]:
 
 def parse_dump(text: str) -> dict | None:
     """The last dump of a watchdog file: {rank, pid, alive_ns (the dump's time), calls}, or None."""
-    last = None
+    last: dict | None = None
+    calls: list = []
     for line in text.splitlines():
         head = _HEAD.match(line)
         if head:
             rank, pid, at = map(int, head.groups())
-            last = {"rank": rank, "pid": pid, "alive_ns": at, "calls": []}
+            calls = []
+            last = {"rank": rank, "pid": pid, "alive_ns": at, "calls": calls}
             continue
         call = _CALL.match(line) if last is not None else None
         if call:
             op, seq, group, ranks, numel, age, thread = call.groups()
-            start = last["alive_ns"] - int(float(age) * 1e9)
-            last["calls"].append(
+            start = at - int(float(age) * 1e9)
+            calls.append(
                 {
                     "op": op,
                     "group": group,

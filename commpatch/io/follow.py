@@ -95,7 +95,7 @@ class RunFollower:
     def by_rank(self) -> dict:
         """rank -> the FileFollower of its latest file (created last, as its header says; the rank from
         the header, else from the file's name)."""
-        out = {}
+        out: dict = {}
         for path, f in self.files.items():
             rank = f.follower.parsed.header.get("rank")
             if not isinstance(rank, int) or rank < 0:

@@ -529,7 +529,7 @@ def one_run(directories, notes=None) -> dict:
     common = [r for r in found[directories[0]] if all(os.path.basename(r) in n for n in names)]
     if common:
         name = os.path.basename(common[-1])
-        out = {d: os.path.join(d, name) for d in directories}
+        out: dict = {d: os.path.join(d, name) for d in directories}
         if notes is not None:
             counts = sorted({len(rs) for rs in found.values()})
             notes.add(

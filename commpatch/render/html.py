@@ -132,10 +132,10 @@ def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_R
     ]
     starts = rows.groupby("rank")["start_ns"].min()
     of_ranks = int(df["rank"].nunique()) if of_ranks is None else int(of_ranks)
-    stage = steps_table.loc[steps_table["step"] == step, "stage"] if step is not None else ()
+    stage = steps_table.loc[steps_table["step"] == step, "stage"] if step is not None else None
     return dict(
         step=None if step is None else int(step),
-        stage=str(stage.iloc[0]) if len(stage) else None,
+        stage=str(stage.iloc[0]) if stage is not None and len(stage) else None,
         ranks=chosen,
         of_ranks=of_ranks,
         calls=calls,

@@ -32,7 +32,7 @@ def screen(snapshot: dict):
         ("exposed", "right"),
         ("last call", "right"),
     ):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify="right" if justify == "right" else "left")
     now_ns = snapshot.get("now_ns", 0)
     slow = snapshot.get("slowest") or {}
     for r in snapshot.get("ranks", []):

@@ -140,14 +140,16 @@ def headline_lines(h: dict) -> list:
                 "straggler",
                 f"none. Latest: rank {s['rank']}, last in {s['last_steps']} of {s['steps']} steps, "
                 f"{_signed(s['late_median_us'])} late (median); "
-                f"{STRAGGLER_WHY.get(s.get('reason'), s.get('reason'))} (p = {s['p_value']:.2g})",
+                f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
             )
         )
     else:
         why = s.get("reason")
-        out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(why, why)})" if why else "")))
+        out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(str(why), why)})" if why else "")))
     hang = h.get("hang") or {}
-    word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(hang.get("verdict"), "unknown")
+    word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
+        str(hang.get("verdict")), "unknown"
+    )
     out.append(("hang", f"{word}: {terminal_safe(hang['text'])}" if hang.get("text") else word))
     n = h.get("mismatches")
     if n is None:

@@ -325,7 +325,7 @@ def render_report_text(rep: Report, max_rows: int = 20, wide: bool = False) -> s
         if wide:
             out += ["", render_text(head, title=title) + _more(frame, max_rows)]
             continue
-        table = people.fitted(people.compact(head, key), lambda f: render_text(f, title=""), width)
+        table = people.fitted(people.compact(head, key), lambda f: render_text(f, title=""), width or people.WIDTH)
         more = "" if head.shape[1] == people.compact(head, key).shape[1] else " (key columns; --wide for all)"
         out += [""] + para(title + more, rest="") + table.splitlines()[1:]
         out += _more(frame, max_rows).splitlines()[1:]
