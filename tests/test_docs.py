@@ -206,7 +206,7 @@ def _check_watchdog_settings(rows):
 def _check_gpu_kit_options(rows):
     with open(os.path.join(ROOT, "benchmarks", "gpu", "validate.py")) as f:
         source = f.read()
-    options = set(re.findall(r'add_argument\("(--[\w-]+)"', source))
+    options = set(re.findall(r'add_argument\(\s*"(--[\w-]+)"', source))
     documented = {_names(r[0])[0].split()[0] for r in rows}
     assert documented == options, (documented, options)
 
@@ -222,8 +222,38 @@ def _check_matrix_cells(rows):
     assert set(cells) <= {r[0].split()[0] for r in rows}
 
 
+def _check_advice_keys(rows):
+    from commpatch.analysis import advice
+
+    assert {_names(r[0])[0] for r in rows} == set(advice.KEYS)
+
+
+def _check_headline_keys(rows):
+    from commpatch.render import text
+    from commpatch.testing import make_log
+
+    headline = text.build_report(make_log(4, 6, straggler=1)).headline
+    for r in rows:
+        for key in _names(r[1]):
+            assert key in headline, f"docs/html-report.md: the headline has no {key}"
+
+
+def _check_metric_names(rows):
+    from commpatch.metrics import METRICS, PREFIX
+
+    documented = {n for r in rows for n in _names(r[0])}
+    served = {PREFIX + name + ("_total" if kind == "counter" else "") for name, (kind, _) in METRICS.items()}
+    assert documented == served, (documented ^ served)
+    for r in rows:
+        kinds = {METRICS[n.removeprefix(PREFIX).removesuffix("_total")][0] for n in _names(r[0])}
+        assert kinds == {r[1]}, (r[0], r[1], kinds)
+
+
 # (page, first header cell) -> check of the rows
 CHECKED = {
+    ("advice.md", "key"): _check_advice_keys,
+    ("html-report.md", "label"): _check_headline_keys,
+    ("live.md", "metric"): _check_metric_names,
     ("guide/usage.md", "function"): _check_api,
     ("guide/usage.md", "variable"): lambda rows: None,  # generated (commpatch:settings)
     ("reference/settings.md", "variable"): lambda rows: None,  # generated
