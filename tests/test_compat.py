@@ -151,3 +151,33 @@ def test_checking_at_enable_imports_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_zero_code_activation_inside_import_torch_says_nothing_is_missing(tmp_path):
+    """`commpatch run` enables commpatch from a hook on torch.distributed's import, which runs
+    inside `import torch`: torch.nn and torch.ops are not there yet, and must not be reported
+    missing (they were: "torch 2.13.0 has no torch.nn.Module._call_impl", in every demo run)."""
+    import subprocess
+    import sys
+
+    script = "import torch, torch.distributed as dist, commpatch\nprint('ok', commpatch.is_enabled())\n"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "commpatch",
+            "run",
+            "--output",
+            str(tmp_path / "rank{rank}.csv"),
+            "--",
+            sys.executable,
+            "-c",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
+    assert res.stdout == "ok True\n"  # activated by the hook, inside `import torch`
+    assert "has no" not in res.stderr and "not recorded" not in res.stderr, res.stderr[-2000:]

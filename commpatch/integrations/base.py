@@ -90,13 +90,21 @@ def resolve(name: str, load: bool = True):
             return _MISSING
         raise LookupError(f"no module {parts[0]}")
     for j, attr in enumerate(parts[i:], start=i):
-        if not load and isinstance(obj, types.ModuleType) and attr not in vars(obj) and _not_loaded(obj, attr):
-            return _MISSING
+        if not load and isinstance(obj, types.ModuleType) and attr not in vars(obj):
+            if _initializing(obj) or _not_loaded(obj, attr):
+                return _MISSING
         try:
             obj = getattr(obj, attr)
         except Exception:  # noqa: BLE001 - torch.ops namespaces raise AttributeError or RuntimeError
             raise LookupError(f"{'.'.join(parts[:j])} has no {attr}") from None
     return obj
+
+
+def _initializing(module) -> bool:
+    """``module`` is still executing (in ``sys.modules`` while its import runs): its attributes are
+    not all there yet. ``commpatch run`` enables commpatch from a hook on torch.distributed's import,
+    which runs inside ``import torch``, before ``torch.nn.Module`` or ``torch.ops`` exist."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _not_loaded(module, attr: str) -> bool:
