@@ -243,7 +243,7 @@ def _check_metric_names(rows):
 
     documented = {n for r in rows for n in _names(r[0])}
     served = {PREFIX + name + ("_total" if kind == "counter" else "") for name, (kind, _) in METRICS.items()}
-    assert documented == served, (documented ^ served)
+    assert documented == served, documented ^ served
     for r in rows:
         kinds = {METRICS[n.removeprefix(PREFIX).removesuffix("_total")][0] for n in _names(r[0])}
         assert kinds == {r[1]}, (r[0], r[1], kinds)

@@ -1,5 +1,5 @@
-"""The code stays lint-clean and the offline layers type-check (settings in pyproject.toml; `make lint`
-also checks the formatting)."""
+"""The code stays lint-clean and formatted, and the offline layers type-check (settings in
+pyproject.toml; `make lint` runs the same three checks)."""
 
 import importlib.util
 import os
@@ -20,6 +20,18 @@ def test_ruff_check_passes():
     _need("ruff")
     res = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-5000:] + res.stderr[-2000:]
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    _need("ruff")
+    res = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
         cwd=ROOT,
         capture_output=True,
         text=True,
