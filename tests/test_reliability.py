@@ -272,7 +272,7 @@ def test_a_tensor_subclass_is_one_row_per_call():
 # ---- faults at exit: a fresh interpreter each ---------------------------------------------
 
 EXIT_SCRIPT = """
-import os, shutil, sys
+import atexit, os, shutil, sys
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import commpatch
@@ -282,7 +282,13 @@ dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
 for _ in range(5):
     dist.all_reduce(torch.ones(2))
-FAULT
+
+
+def fault():  # at exit, right before commpatch's own exit handler (atexit runs the last registered first)
+    FAULT
+
+
+atexit.register(fault)
 print("job done")
 """
 EXIT_FAULTS = {
