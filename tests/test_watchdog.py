@@ -52,7 +52,7 @@ def test_hung_barrier_is_dumped_with_its_group_and_the_calling_line(tmp_path):
     stuck = [ln for ln in dump.splitlines() if ln.startswith("[STUCK]")]
     assert len(stuck) == 1 and " barrier " in stuck[0]
     assert "group=0 (ranks 0 1; size 2; gloo)" in stuck[0]
-    assert "dist.barrier()                                  # THE HUNG CALL" in dump
+    assert "dist.barrier()  # THE HUNG CALL" in dump
     assert f"{__file__}" in dump and "in _hang_worker" in dump
     # the completed all_reduce before it, decoded from the log
     assert "all_reduce" in dump.split("recorded call(s)")[1]
@@ -123,7 +123,7 @@ def test_dump_lists_the_call_its_stack_and_the_last_rows_once_per_stuck_call(tmp
     # numbered in its group as on every rank (the report's coll_seq): after the 31 calls above
     assert "  collective #31 of group 0  " in stuck[0]
     assert "numel=6" in stuck[0] and "thread 'trainer'" in stuck[0]
-    assert "self.release.wait(30)                  # the line the dump must show" in dump
+    assert "self.release.wait(30)  # the line the dump must show" in dump
     tail = dump.split("recorded call(s) on this rank")[1].splitlines()[2:-1]
     assert len(tail) == watchdog.LAST_ROWS
     assert "all_gather_into_tensor" in tail[-1] and " 16 " in tail[-1] and " 64 " in tail[-1]
@@ -145,7 +145,7 @@ def test_async_call_shows_where_it_was_issued_and_output_none_writes_to_cwd(tmp_
     dump = _dog("").check(now_ns=time.perf_counter_ns() + 10**10)
     assert "[STUCK] all_reduce" in dump and "issued from (async call" in dump
     assert "in test_async_call_shows_where_it_was_issued" in dump
-    assert "work = dist.all_reduce(torch.ones(3), async_op=True)      # ISSUED HERE" in dump
+    assert "work = dist.all_reduce(torch.ones(3), async_op=True)  # ISSUED HERE" in dump
     assert (tmp_path / "hang_rank0.txt").read_text() == dump
     _session.default().log.pending.clear()
     capsys.readouterr()
