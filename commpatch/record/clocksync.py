@@ -51,6 +51,7 @@ class ClockSync:
         self.rounds = 0  # rounds completed (served on rank 0, measured elsewhere)
         self.error = ""  # why the thread ended early ('' : it did not)
         self.gone: set = set()  # rank 0: ranks that stopped or never answered, not asked again
+        self.late: set = set()  # rank 0: ranks whose thread had not started within WAIT_S of the first round
         self.thread = threading.Thread(target=self._run, name="commpatch-clock", daemon=True)
         self.thread.start()
 
@@ -128,9 +129,19 @@ class ClockSync:
             if i in self.gone or store.check([f"{self.prefix}/bye/{i}"]):
                 self.gone.add(i)
                 continue
-            if not store.check([f"{self.prefix}/ready/{i}"]):
-                pending = True
-                continue
+            ready = f"{self.prefix}/ready/{i}"
+            if not store.check([ready]):
+                if served[i] or i in self.late:  # waited for once already: a later round
+                    pending = True
+                    continue
+                try:  # its thread starts at its first collective too: in a moment (a short job ends soon)
+                    if not self._wait(store, ready, WAIT_S):
+                        return False
+                except Exception:  # noqa: BLE001 - not within WAIT_S: served in a later round
+                    self.waiting = ""
+                    self.late.add(i)
+                    pending = True
+                    continue
             key = f"{self.prefix}/{i}/{served[i]}"
             store.set(f"{key}/go", b"")
             for j in range(PINGS):

@@ -70,9 +70,8 @@ class Log:
         # flight (async ones until their timing resolves; sync ones too when the watchdog is on)
         self.pending: dict[int, tuple] = {}
         self.offsets = ([0], [time.time_ns() - time.perf_counter_ns()])  # (from seq, perf->Unix ns)
-        self.rank0_offsets: list[
-            tuple
-        ] = []  # (at, lo, hi ns, same machine): rank 0's wall clock minus ours (record.clocksync)
+        # (at, lo, hi ns, same machine): rank 0's wall clock minus ours (record.clocksync)
+        self.rank0_offsets: list[tuple] = []
         self.groups: list[GroupInfo] = []
         self.group_ids: dict = {}  # group object (None: default group) -> gid
         self.dtype_names: list[str] = ["none", OBJECT]
