@@ -21,9 +21,12 @@ from commpatch.io import read
 from commpatch.io.reader import one_run
 from commpatch.render import text as report
 from commpatch.testing import make_log
+from tests.torch_compat import store_clone_unsupported
 
 from .clock_workers import exchange_job, tcp_exchange
 from .multiproc import free_port, run_ranks
+
+NEEDS_CLONE = pytest.mark.skipif(store_clone_unsupported() is not None, reason=str(store_clone_unsupported()))
 
 
 def test_rank_clock_bounds_interpolates_and_says_unknown():
@@ -150,6 +153,7 @@ def test_one_run_is_read_from_every_host_directory(tmp_path):
 
 
 @pytest.mark.slow
+@NEEDS_CLONE
 def test_the_exchange_in_real_ranks_bounds_a_shared_clock(tmp_path):
     """4 gloo ranks on one machine (one wall clock: the true offset is 0): every rank but 0 writes
     intervals that hold 0, measured beside the job's collectives (through a clone of the process
@@ -172,6 +176,7 @@ def test_the_exchange_in_real_ranks_bounds_a_shared_clock(tmp_path):
 
 
 @pytest.mark.slow
+@NEEDS_CLONE
 def test_the_exchange_over_a_tcp_store():
     """Rank 0's thread serves 3 ranks through a TCPStore (rank 0 holds the server): two rounds each,
     every interval holding 0 (one machine)."""
@@ -183,6 +188,7 @@ def test_the_exchange_over_a_tcp_store():
             assert lo <= 0 <= hi and same
 
 
+@NEEDS_CLONE
 def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads():
     """Rank 1's first collective (and so its thread) comes 1 s after rank 0's: rank 0 serves it in a
     later round instead of waiting for it (and marking it gone); stop() ends both threads at once,

@@ -16,10 +16,14 @@ import pytest
 
 from .faults import build_shim
 from .multiproc import free_port
+from .torch_compat import store_clone_unsupported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(store_clone_unsupported() is not None, reason=str(store_clone_unsupported())),
+]
 
 
 @pytest.fixture(scope="module")

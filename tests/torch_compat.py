@@ -104,3 +104,13 @@ def selective_checkpoint_context(saved_ops):
         return op in saved_ops
 
     return functools.partial(ckpt._pt2_selective_checkpoint_context_fn_gen, old_policy)
+
+
+def store_clone_unsupported() -> str | None:
+    """Why the clock exchange cannot run on this torch (None when it can): it talks to rank 0
+    through its own connection to the process group's store, ``Store.clone()``, which torch < 2.5
+    does not have (there, offsets are not measured and the report says the times are not aligned)."""
+    import torch
+    import torch.distributed as dist
+
+    return None if hasattr(dist.TCPStore, "clone") else f"torch {torch.__version__} has no Store.clone()"
