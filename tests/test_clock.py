@@ -21,12 +21,14 @@ from commpatch.io import read
 from commpatch.io.reader import one_run
 from commpatch.render import text as report
 from commpatch.testing import make_log
-from tests.torch_compat import store_clone_unsupported
+from tests.torch_compat import file_store_exchange_unsupported
 
 from .clock_workers import exchange_job, tcp_exchange
 from .multiproc import free_port, run_ranks
 
-NEEDS_CLONE = pytest.mark.skipif(store_clone_unsupported() is not None, reason=str(store_clone_unsupported()))
+FILE_STORE = pytest.mark.skipif(
+    file_store_exchange_unsupported() is not None, reason=str(file_store_exchange_unsupported())
+)
 
 
 def test_rank_clock_bounds_interpolates_and_says_unknown():
@@ -153,7 +155,7 @@ def test_one_run_is_read_from_every_host_directory(tmp_path):
 
 
 @pytest.mark.slow
-@NEEDS_CLONE
+@FILE_STORE
 def test_the_exchange_in_real_ranks_bounds_a_shared_clock(tmp_path):
     """4 gloo ranks on one machine (one wall clock: the true offset is 0): every rank but 0 writes
     intervals that hold 0, measured beside the job's collectives (through a clone of the process
@@ -176,7 +178,6 @@ def test_the_exchange_in_real_ranks_bounds_a_shared_clock(tmp_path):
 
 
 @pytest.mark.slow
-@NEEDS_CLONE
 def test_the_exchange_over_a_tcp_store():
     """Rank 0's thread serves 3 ranks through a TCPStore (rank 0 holds the server): two rounds each,
     every interval holding 0 (one machine)."""
@@ -188,24 +189,35 @@ def test_the_exchange_over_a_tcp_store():
             assert lo <= 0 <= hi and same
 
 
-@NEEDS_CLONE
-def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads():
+@pytest.mark.parametrize("clone", [True, False], ids=["store_clone", "new_tcp_client"])
+def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads(clone):
     """Rank 1's first collective (and so its thread) comes 1 s after rank 0's: rank 0 serves it in a
     later round instead of waiting for it (and marking it gone); stop() ends both threads at once,
-    though each is blocked in the store (rank 1 waiting for its next turn, minutes away)."""
+    though each is blocked in the store (rank 1 waiting for its next turn, minutes away). Through
+    ``Store.clone()`` and through a new client of the TCPStore under the process group's prefixed
+    store (torch < 2.5 has no clone(): what it uses there)."""
     import time
 
     import torch.distributed as dist
 
-    from commpatch.record.clocksync import ClockSync
+    from commpatch.record.clocksync import ClockSync, connection
 
+    if clone and not hasattr(dist.TCPStore, "clone"):
+        pytest.skip("this torch has no Store.clone(): the new TCP client is what it uses (the other case)")
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, False)
+    stores = [server, client] if clone else [dist.PrefixStore("default_pg", s) for s in (server, client)]
     noted = []
-    first = ClockSync(server, 0, 2, lambda *a: None, generation="late")
+
+    def sync(rank, note):
+        store, connect = connection(stores[rank], clone)
+        assert (store is stores[rank]) == clone  # the new client: keys in the TCPStore under the prefix
+        return ClockSync(store, rank, 2, note, generation="late", connect=connect)
+
+    first = sync(0, lambda *a: None)
     time.sleep(1.0)
-    second = ClockSync(client, 1, 2, lambda *a: noted.append(a), generation="late")
+    second = sync(1, lambda *a: noted.append(a))
     deadline = time.monotonic() + 20
     while not noted and time.monotonic() < deadline:
         time.sleep(0.05)

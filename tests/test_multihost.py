@@ -16,14 +16,10 @@ import pytest
 
 from .faults import build_shim
 from .multiproc import free_port
-from .torch_compat import store_clone_unsupported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(store_clone_unsupported() is not None, reason=str(store_clone_unsupported())),
-]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -106,11 +106,14 @@ def selective_checkpoint_context(saved_ops):
     return functools.partial(ckpt._pt2_selective_checkpoint_context_fn_gen, old_policy)
 
 
-def store_clone_unsupported() -> str | None:
-    """Why the clock exchange cannot run on this torch (None when it can): it talks to rank 0
-    through its own connection to the process group's store, ``Store.clone()``, which torch < 2.5
-    does not have (there, offsets are not measured and the report says the times are not aligned)."""
+def file_store_exchange_unsupported() -> str | None:
+    """Why the clock exchange cannot run over a FileStore on this torch (None when it can): it talks
+    to rank 0 through its own connection to the process group's store, ``Store.clone()``, which
+    torch < 2.5 does not have; there it opens a new client of a TCPStore (torchrun's, ``tcp://``,
+    ``env://``), which a FileStore has no equivalent of (offsets not measured, the report says so)."""
     import torch
     import torch.distributed as dist
 
-    return None if hasattr(dist.TCPStore, "clone") else f"torch {torch.__version__} has no Store.clone()"
+    return (
+        None if hasattr(dist.FileStore, "clone") else f"torch {torch.__version__} has no Store.clone() for a FileStore"
+    )

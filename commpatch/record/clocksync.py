@@ -3,8 +3,9 @@
 Rows carry ``start_ns`` on their own host's wall clock (CLOCK_REALTIME). Hosts differ by micro- to
 milliseconds (NTP, PTP), or by seconds when one is not synchronised: the same order as, or far
 more than, the arrival skews the cross-rank report ranks. So every rank measures the offset of
-rank 0's wall clock to its own, NTP-style, through a clone of the process group's store (its own
-connection: never the store object torch uses, never a collective, nothing on the user's groups):
+rank 0's wall clock to its own, NTP-style, through its own connection to the process group's store
+(``Store.clone()``; on torch < 2.5, which has none, a new client of the same TCPStore: never the
+store object torch uses, never a collective, nothing on the user's groups):
 
     rank i: t1 = now; set(q)       rank 0: wait(q); t2 = now; t3 = now; set(a, "t2 t3")
     rank i: get(a); t4 = now
@@ -42,8 +43,16 @@ class ClockSync:
     prints a warning on each); ``stop()`` sets the key it is blocked on, so it returns at once, and
     a rank that stops says so (``bye``) and answers its pending requests, so rank 0 never waits for it."""
 
-    def __init__(self, store, rank: int, world_size: int, note, generation: str = "0") -> None:
+    def __init__(self, store, rank: int, world_size: int, note, generation: str = "0", connect=None) -> None:
+        # store: where stop() sets keys (a quick set from the caller's thread); connect(): the
+        # thread's own connection to the same keys (default: connection(store))
+        if connect is None:
+            found = connection(store)
+            if found is None:
+                raise TypeError(f"no connection of its own to a {type(store).__name__}")
+            store, connect = found
         self.store, self.rank, self.world_size, self.note = store, rank, world_size, note
+        self.connect = connect
         self.prefix = f"{PREFIX}/{generation}"
         self.stop_event = threading.Event()
         self.waiting = ""  # the key the thread blocks on ('' : none)
@@ -81,7 +90,7 @@ class ClockSync:
         import datetime
 
         try:
-            store = self.store.clone()  # its own connection: the user's store object is never waited on
+            store = self.connect()  # its own connection: the user's store object is never waited on
             store.set_timeout(datetime.timedelta(seconds=TURN_S))
             if self.rank > 0:
                 store.set(f"{self.prefix}/ready/{self.rank}", b"")
@@ -202,9 +211,35 @@ def _boot_id() -> str:
 BOOT_ID = _boot_id()
 
 
+def connection(store, clone: bool = True):
+    """(the store stop() sets keys in, a function opening the thread's own connection to the same
+    keys): ``store.clone`` where torch has it (>= 2.5); else a new client of the TCPStore under
+    ``store``'s prefixes (keys unprefixed in it, for both); None when neither exists (a FileStore
+    on torch < 2.5: not measured). ``clone=False``: the new client even where clone exists."""
+    if clone and hasattr(store, "clone"):
+        return store, store.clone
+    import datetime
+
+    import torch.distributed as dist
+
+    base, hops = store, 0
+    while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store") and hops < 8:
+        base, hops = base.underlying_store, hops + 1
+    if not isinstance(base, dist.TCPStore):
+        return None
+    host, port = base.host, base.port
+
+    def connect():
+        return dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=TURN_S)
+        )
+
+    return base, connect
+
+
 def start(log, note=None) -> ClockSync | None:
     """A ClockSync for ``log``'s rank through the default process group's store, or None (one
-    rank, no default group, no store that can be cloned)."""
+    rank, no default group, no store to reach through a connection of its own)."""
     if log.world_size < 2 or log.rank < 0:
         return None
     try:
@@ -213,14 +248,18 @@ def start(log, note=None) -> ClockSync | None:
         store = dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no default group, or a torch without it: not measured
         return None
-    if not hasattr(store, "clone"):
+    try:
+        found = connection(store)
+    except Exception:  # noqa: BLE001 - a store of another kind: not measured
+        found = None
+    if found is None:
         return None
     import os
 
     # every rank starts one per process group it joins, in the same order: the same key prefix
     _STARTED[0] += 1
     generation = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{_STARTED[0]}"
-    return ClockSync(store, log.rank, log.world_size, note or log.note_rank0_offset, generation)
+    return ClockSync(found[0], log.rank, log.world_size, note or log.note_rank0_offset, generation, found[1])
 
 
 _STARTED = [0]
