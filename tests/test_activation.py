@@ -83,6 +83,38 @@ def test_env_var_activation_with_no_code_change(tmp_path, pth_hook):
     _check_rank_files(tmp_path)
 
 
+@pytest.mark.slow
+def test_zero_code_ddp_job_is_bit_identical_and_gets_a_report(tmp_path, pth_hook):
+    """``COMMPATCH=1 torchrun`` on the DDP example: the trained parameters' bytes equal a plain run's,
+    and ``commpatch report`` reads the rows of both ranks (the issue's check on every matrix cell)."""
+    import json
+
+    ddp = os.path.join(ROOT, "examples", "train_ddp.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ddp]
+    cmd += ["--steps", "6", "--hidden", "64"]
+    digests = []
+    for env in (_env(), _env(COMMPATCH="1", COMMPATCH_OUTPUT="logs/rank{rank}.csv")):
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+        assert res.returncode == 0, res.stderr[-3000:]
+        digests += [line for line in res.stdout.splitlines() if line.startswith("parameters sha256 ")]
+    assert len(digests) == 2 and digests[0] == digests[1], digests
+    rep = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", "logs", "--format", "json", "--no-progress"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    headline = json.loads(rep.stdout)["headline"]
+    df = commpatch.read_csv(str(tmp_path / "logs"))
+    assert headline["ranks"] == 2 and headline["calls"] == len(df) and set(df["rank"]) == {0, 1}
+    assert (
+        df["op"].astype(str) == "ddp_bucket_allreduce"
+    ).sum() >= 2 * 6  # DDP seen: a bucket per rank and step at least
+
+
 def test_hook_is_inert_without_the_variable(tmp_path, pth_hook):
     code = "import sys; import torch.distributed; print('commpatch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60)
