@@ -46,7 +46,9 @@ def main() -> None:
     with open(os.path.join(a.out, f"ready{a.rank}"), "w") as f:
         f.write(str(time.time()))
     if a.mode == "exit":
-        dist.destroy_process_group()
+        from tests.torch_compat import destroy_process_group
+
+        destroy_process_group()
         return
     if a.mode == "exception":
         raise RuntimeError("the job failed")

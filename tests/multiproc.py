@@ -26,7 +26,9 @@ def _entry(fn, rank, world_size, store_path, q, kwargs, pg_timeout=None):
             result = fn(rank, world_size, **kwargs)
         finally:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                from tests.torch_compat import destroy_process_group
+
+                destroy_process_group()
         q.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))

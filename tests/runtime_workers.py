@@ -7,6 +7,7 @@ import warnings
 from collections import Counter
 
 from tests.integration_workers import claimed_bytes, claimed_counts, witness_bytes, witness_counts
+from tests.torch_compat import destroy_process_group
 
 WIDTH = 8
 STEPS = 3
@@ -124,7 +125,7 @@ def funcol_after_reinit(rank, world_size):
     with profile() as prof:
         for attempt in range(2):
             if attempt:
-                dist.destroy_process_group()
+                destroy_process_group()
                 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
             name = dist.group.WORLD.group_name
             funcol.all_reduce(torch.ones(4), "sum", name).wait()

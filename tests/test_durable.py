@@ -15,6 +15,7 @@ import pytest
 import commpatch
 from commpatch.data.schema import compact_ranks, printable_name
 from tests.durable_worker import CALLS
+from tests.torch_compat import destroy_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,7 +170,7 @@ def _spawned_rank(rank, world_size, out):
     dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size)
     for _ in range(5):
         dist.all_reduce(torch.ones(2))
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 @pytest.mark.slow
@@ -211,7 +212,7 @@ def test_reinitialising_with_another_rank_starts_a_new_file(tmp_path):
         _session.default().log.rank = -1 if rank == 0 else _session.default().log.rank
         dist.all_reduce(torch.ones(2))
         first = _session.default().log.sink.path
-        dist.destroy_process_group()
+        destroy_process_group()
         if rank == 0:
             assert first == str(tmp_path / "rank0.cplog")
     names = sorted(os.listdir(tmp_path))
@@ -256,7 +257,7 @@ def test_group_members_cost_the_same_at_1024_ranks(tmp_path):
             dist.all_reduce(torch.ones(2), group=sub)
         df = commpatch.log()
         commpatch.disable()
-        dist.destroy_process_group()
+        destroy_process_group()
         path = commpatch.export_csv(str(tmp_path / f"w{world}.csv"), df=df)
         sizes[world] = os.path.getsize(path) / len(df)
         assert set(df["group_ranks"].astype(str)) == {compact_ranks(range(world)), compact_ranks(range(0, world, 2))}
@@ -279,7 +280,7 @@ def test_any_tag_string_round_trips_or_is_escaped(tmp_path, name):
         df = commpatch.log()
     finally:
         commpatch.disable()
-        dist.destroy_process_group()
+        destroy_process_group()
     expected = printable_name(name)
     assert expected == name or "\\" in expected
     assert df["tag"].astype(str).tolist() == [expected, ""]
@@ -302,5 +303,5 @@ def test_reinitialising_without_a_file_keeps_each_rows_rank():
     for rank in (0, 1):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
         dist.all_reduce(torch.ones(2))
-        dist.destroy_process_group()
+        destroy_process_group()
     assert commpatch.log()["rank"].tolist() == [0, 1]

@@ -122,7 +122,9 @@ def main() -> None:
     dropped = cp.log().attrs["dropped_rows"] if cp else 0  # log() writes what waited (or drops it)
     result = {"errors": cp.internal_errors() if cp else {}, "dropped": dropped}
     print(json.dumps(result), flush=True)
-    dist.destroy_process_group()  # else gloo may abort one rank at exit (torch, with or without commpatch)
+    from tests.torch_compat import destroy_process_group
+
+    destroy_process_group()  # else gloo may abort one rank at exit (torch, with or without commpatch)
 
 
 if __name__ == "__main__":
