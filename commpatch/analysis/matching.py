@@ -57,9 +57,6 @@ P2P_SIDES = {
 }
 
 
-# ---- reading ----------------------------------------------------------------------------
-
-
 # ---- matching ---------------------------------------------------------------------------
 def _runs(*sorted_keys):
     """First/last positions of runs of equal values in already sorted key arrays."""

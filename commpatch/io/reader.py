@@ -363,9 +363,3 @@ def _pandas_frame(frames, schema):
         else:
             df[c.name] = df[c.name].astype(c.dtype)
     return df[[c.name for c in schema]]
-
-
-def _read_pandas(path: str):
-    """One CSV file read by pandas, every column as the SCHEMA's dtype (no pyarrow needed)."""
-    part = read_file(None, path, SCHEMA, Notes())
-    return _pandas_frame([part[0]] if part is not None else [], SCHEMA)
