@@ -290,6 +290,18 @@ def _pages():
         yield os.path.relpath(path, DOCS)
 
 
+def test_every_decision_record_names_what_reproduces_it():
+    """A decision record's figures and claims name the benchmark or test that measures them."""
+    unnamed = []
+    for name in _pages():
+        if name.startswith("decisions/") and name != "decisions/index.md":
+            text = page(name)
+            found = re.findall(r"\b(?:benchmarks|tests)/[\w/]+\.py", text)
+            if not [f for f in found if os.path.exists(os.path.join(ROOT, f))]:
+                unnamed.append(name)
+    assert not unnamed, f"decision records naming no benchmark or test that reproduces them: {unnamed}"
+
+
 def test_every_table_in_the_docs_is_generated_or_checked():
     unchecked = []
     for name in _pages():
