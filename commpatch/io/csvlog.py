@@ -11,9 +11,6 @@ from .validation import (
     NEUTRAL_BY_COLUMN,
     arrow_type,
     bad_value,
-    damaged_line,
-    fields_on_line,
-    first_damaged_line,
     short,
 )
 
@@ -69,7 +66,7 @@ def read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
             table = _fix_utf8(pa, parse(False), path, notes)
     except pa.ArrowInvalid as exc:
         if re.search(r"Expected \d+ columns, got \d+", str(exc)):
-            raise first_damaged_line(path, len(names)) from None
+            raise _first_damaged_line(path, len(names)) from None
         m = re.search(
             r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'", str(exc), re.S
         )
@@ -154,7 +151,7 @@ def read_csv_pandas(path, names, schema, fill, size, end, notes):
 
         m = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(exc))
         if m is not None:
-            raise damaged_line(path, f"line {m.group(2)}", int(m.group(3)), int(m.group(1))) from None
+            raise _damaged_line(path, f"line {m.group(2)}", int(m.group(3)), int(m.group(1))) from None
         raise LogFileError(path, f"not a valid CSV log ({short(exc)})") from None
     except OSError as exc:
         raise LogFileError(path, f"cannot be read: {exc.strerror or exc}") from None
@@ -212,8 +209,43 @@ def _typed_pandas(path, name, s, dtype, fields):
     if not ok.all():
         first = int(np.flatnonzero(~ok)[0])
         if text.iloc[first] == "":  # pandas gives "" for the fields a short line lacks
-            found = fields_on_line(path, first + 2)
+            found = _fields_on_line(path, first + 2)
             if found < fields:
-                raise damaged_line(path, f"line {first + 2}", found, fields)
+                raise _damaged_line(path, f"line {first + 2}", found, fields)
         raise bad_value(path, name, text.iloc[first], f"line {first + 2}", dtype)
     return values().reset_index(drop=True)
+
+
+def _damaged_line(path, where, fields, expected) -> LogFileError:
+    return LogFileError(
+        path,
+        f"{where} has {fields} field(s) where the header has {expected}: the file is "
+        "damaged (or two files were joined)",
+    )
+
+
+def _fields_on_line(path, number) -> int:
+    """How many fields line ``number`` has (the error path only)."""
+    import csv
+    import itertools
+
+    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+        line = next(itertools.islice(f, number - 1, None), "")
+    return len(next(csv.reader([line.rstrip("\r\n")]), []))
+
+
+def _first_damaged_line(path, expected) -> LogFileError:
+    """The error for the first line whose number of fields is not the header's (the error path only)."""
+    import csv
+
+    try:
+        with open(path, encoding="utf-8", errors="replace", newline="") as f:
+            reader = csv.reader(f)
+            for fields in reader:
+                if len(fields) != expected and reader.line_num > 1:
+                    return _damaged_line(path, f"line {reader.line_num}", len(fields), expected)
+    except (OSError, csv.Error):
+        pass
+    return LogFileError(
+        path, "a line has a number of fields other than the header's: the file is damaged (or two files were joined)"
+    )

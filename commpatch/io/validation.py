@@ -1,7 +1,7 @@
 """Checking what was read, per file and across files: the columns a file must have and those
 filled for an older file (``columns_to_fill``), the SCHEMA's types (``conform``), values that size
 what the analysis builds (``check_sizes``), impossible durations turned into unmeasured
-(``sanitize_arrow`` / ``sanitize_pandas``), one-line errors for bad values and damaged lines, and
+(``sanitize_arrow`` / ``sanitize_pandas``), one-line errors for bad values (``bad_value``), and
 the job checks across files (``Jobs``: one world size, one process per rank, rows given once)."""
 
 from __future__ import annotations
@@ -264,41 +264,6 @@ def arrow_type(pa, dtype):
         "float64": pa.float64(),
         "bool": pa.bool_(),
     }[dtype]
-
-
-def damaged_line(path, where, fields, expected) -> LogFileError:
-    return LogFileError(
-        path,
-        f"{where} has {fields} field(s) where the header has {expected}: the file is "
-        "damaged (or two files were joined)",
-    )
-
-
-def fields_on_line(path, number) -> int:
-    """How many fields line ``number`` has (the error path only)."""
-    import csv
-    import itertools
-
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
-        line = next(itertools.islice(f, number - 1, None), "")
-    return len(next(csv.reader([line.rstrip("\r\n")]), []))
-
-
-def first_damaged_line(path, expected) -> LogFileError:
-    """The error for the first line whose number of fields is not the header's (the error path only)."""
-    import csv
-
-    try:
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
-            reader = csv.reader(f)
-            for fields in reader:
-                if len(fields) != expected and reader.line_num > 1:
-                    return damaged_line(path, f"line {reader.line_num}", len(fields), expected)
-    except (OSError, csv.Error):
-        pass
-    return LogFileError(
-        path, "a line has a number of fields other than the header's: the file is damaged (or two files were joined)"
-    )
 
 
 class Jobs:
