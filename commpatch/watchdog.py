@@ -75,7 +75,6 @@ class Watchdog(threading.Thread):
         self.interval_s = min(1.0, threshold_s / 4)
         self.output_template = output_template
         self.reported: set[int] = set()  # seqs already dumped (each stuck call once)
-        self.files_written = 0
         self.dump_file = None  # (path, (st_dev, st_ino)) of this process's dump file
         self._stopped = threading.Event()
 
@@ -113,7 +112,6 @@ class Watchdog(threading.Thread):
             pass
         try:
             self._to_file(text)
-            self.files_written += 1
         except OSError as exc:
             _runtime.fail("watchdog.file", exc)
 

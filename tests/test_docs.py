@@ -158,15 +158,13 @@ def _check_report_flags(rows):
 
 
 def _check_mismatch_kinds(rows):
-    import inspect
+    """The kinds listed are the enum's (tests/test_mismatch_kinds.py: the kinds both engines
+    produce are its members)."""
+    from commpatch.analysis import MismatchKind
 
-    from commpatch.analysis import matching
-
-    source = inspect.getsource(matching)
-    kinds = {_names(r[0])[0] for r in rows}
-    assert kinds == {"op", "dtype", "bytes", "missing", "p2p_unmatched", "p2p_bytes"}
-    for kind in kinds:
-        assert f'"{kind}"' in source, f"mismatch kind {kind} is not produced by analysis.matching"
+    kinds = [_names(r[0])[0] for r in rows]
+    assert len(kinds) == len(set(kinds)), f"a mismatch kind listed twice: {kinds}"
+    assert set(kinds) == {k.value for k in MismatchKind}, "docs/reporting.md's kinds are not MismatchKind's"
 
 
 def _report_columns(section: str) -> set:
@@ -276,7 +274,8 @@ MEASURED = {
     "reliability.md": ("benchmarks/durable.py", "tests/test_faults.py"),
     "reporting.md": ("tests/test_bad_input.py",),
     "decisions/ddp-cost.md": ("benchmarks/ddp_hook_cost.py", "benchmarks/ddp_step.py"),
-    "decisions/durable-log.md": ("benchmarks/durable.py", "benchmarks/overhead.py"),
+    "decisions/c-recorder.md": ("benchmarks/overhead.py",),
+    "decisions/module-attribution.md": ("benchmarks/module_attribution.py",),
     "decisions/fsdp.md": ("tests/test_integrations_fsdp.py",),
     "decisions/hidden-collectives.md": ("benchmarks/compiled_collectives.py",),
     "decisions/interception.md": ("benchmarks/dispatch_interception.py",),
@@ -289,6 +288,18 @@ MEASURED = {
 def _pages():
     for path in sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True)):
         yield os.path.relpath(path, DOCS)
+
+
+def test_every_decision_record_names_what_reproduces_it():
+    """A decision record's figures and claims name the benchmark or test that measures them."""
+    unnamed = []
+    for name in _pages():
+        if name.startswith("decisions/") and name != "decisions/index.md":
+            text = page(name)
+            found = re.findall(r"\b(?:benchmarks|tests)/[\w/]+\.py", text)
+            if not [f for f in found if os.path.exists(os.path.join(ROOT, f))]:
+                unnamed.append(name)
+    assert not unnamed, f"decision records naming no benchmark or test that reproduces them: {unnamed}"
 
 
 def test_every_table_in_the_docs_is_generated_or_checked():
@@ -375,6 +386,55 @@ def test_no_dated_history_in_readme():
         text = f.read()
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text)
     assert not re.search(r"[Ee]arlier on|[Uu]ntil today|previous release|\bissue \d+", text)
+
+
+# what dates a sentence: the history belongs in CHANGELOG.md; README and docs say what is true now
+DATED = re.compile(
+    r"\b20\d\d-[01]\d-[0-3]\d\b"  # a date
+    r"|\b(?:earlier|later) (?:today|tonight|on\b)|\buntil today\b|\byesterday\b|\btonight\b"
+    r"|\b(?:this|that) (?:morning|afternoon|evening)\b"
+    r"|\bissues? #?\d+|\bissue-\d+\b"  # the project's internal issue numbers
+    r"|\b(?:the )?(?:previous|last) release\b"
+    r"|\b(?:before|after|until) (?:this|that|the) (?:change|fix)\b|\bfinding, fixed\b|\(before\)",
+    re.IGNORECASE,
+)
+
+
+def dated_lines(text: str) -> list[str]:
+    """The lines of a markdown page that date what they say, outside code (fenced blocks and
+    indented sample output)."""
+    out, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced and not line.startswith("    ") and DATED.search(line):
+            out.append(line.strip())
+    return out
+
+
+def test_the_dated_history_check_can_fail():
+    planted = (
+        "Earlier on 2026-11-22 it took 3 s.\n"
+        "Measured tonight.\n"
+        "Since issue 25 the log says so.\n"
+        "The figures below are the previous release's.\n"
+        "Before this change a build paid 30 ns.\n"
+        "```\nrank 0 at 2026-11-21 20:22:52\n```\n"
+        "    sample output at 2026-11-21 20:22:52\n"
+        "The reader keeps whole ranks with no step boundary.\n"
+    )
+    assert len(dated_lines(planted)) == 5
+
+
+def test_no_dated_history_outside_the_changelog():
+    pages = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))
+    found = []
+    for path in pages:
+        with open(path, encoding="utf-8") as f:
+            found += [f"{os.path.relpath(path, ROOT)}: {line}" for line in dated_lines(f.read())]
+    where = "\n".join(found)
+    assert not found, f"dated history outside CHANGELOG.md (move it there, or say what is true now):\n{where}"
 
 
 # ---- the site builds ----------------------------------------------------------------------------

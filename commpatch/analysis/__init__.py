@@ -7,6 +7,7 @@ from . import findings  # noqa: F401 - the module: findings.findings(df, steps_t
 from .matching import (
     P2P_OPS,
     CrossRank,
+    MismatchKind,
     arrival_matrix,
     collective_seq,
     cross_rank,
@@ -58,6 +59,7 @@ REPORT_COLUMNS = (
 __all__ = [
     "BLOCKING_TIMINGS",
     "CrossRank",
+    "MismatchKind",
     "P2P_OPS",
     "REPORT_COLUMNS",
     "SETUP_OPS",

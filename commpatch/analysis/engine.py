@@ -30,7 +30,16 @@ from ..data.clock import CLOCK_ATTR
 from ..data.logfile import IN_FLIGHT_ATTR
 from ..data.schema import expand_ranks
 from .hangs import merge_flights
-from .matching import MISMATCH_FLAGS, P2P_OPS, P2P_SIDES, collective_seq, log_end_rows, mismatch_table, reach_steps
+from .matching import (
+    MISMATCH_FLAGS,
+    P2P_OPS,
+    P2P_SIDES,
+    MismatchKind,
+    collective_seq,
+    log_end_rows,
+    mismatch_table,
+    reach_steps,
+)
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import warn_refused, with_pattern_steps
 from .steps import per_step
@@ -673,8 +682,8 @@ class Engine:
         ops = self.names.get("op", {})
         self.p2p_firsts = []
         for kind, column, count in (
-            ("p2p_unmatched", "_unmatched", "_n_unmatched"),
-            ("p2p_bytes", "_bytes", "bytes_mismatch"),
+            (MismatchKind.P2P_UNMATCHED, "_unmatched", "_n_unmatched"),
+            (MismatchKind.P2P_BYTES, "_bytes", "bytes_mismatch"),
         ):
             for group, part in out.groupby("group", sort=True):
                 part = part[part[count] > 0]  # channels in (channel, src, dst) order: the first is the group's first

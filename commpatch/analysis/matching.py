@@ -15,6 +15,7 @@ Everything here is DataFrame -> DataFrame (or a small bundle of DataFrames); not
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,25 @@ from ..data.schema import expand_ranks
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
+
+class MismatchKind(str, enum.Enum):
+    """What differs in a mismatch (the ``kind`` column of ``mismatches``; docs/reporting.md lists
+    them). A ``str``: a kind is written, compared and hashed as its value."""
+
+    OP = "op"  # the same collective is a different op on some ranks
+    DTYPE = "dtype"  # same op, different element type
+    BYTES = "bytes"  # same op, different message size
+    MISSING = "missing"  # a member rank with a log never recorded the collective
+    P2P_UNMATCHED = "p2p_unmatched"  # a send without its receive, or the reverse
+    P2P_BYTES = "p2p_bytes"  # a send and its receive disagree on the size
+
+    def __str__(self) -> str:  # the value, on every Python (not "MismatchKind.OP")
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
 # p2p op -> (direction, channel): sends pair with receives of the same channel
 P2P_SIDES = {
     "send": ("send", "tensor"),
@@ -35,9 +55,6 @@ P2P_SIDES = {
     "send_object_list": ("send", "object"),
     "recv_object_list": ("recv", "object"),
 }
-
-
-# ---- reading ----------------------------------------------------------------------------
 
 
 # ---- matching ---------------------------------------------------------------------------
@@ -422,7 +439,8 @@ def mismatches(df, matched=None, p2p=None):
         last_ns = df.groupby("rank")["start_ns"].max()
         unmatched = unmatched[last_ns.reindex(missing_rank).to_numpy(np.float64) >= issued]
     p2p_firsts = []
-    for kind, bad in (("p2p_unmatched", unmatched), ("p2p_bytes", p2p[p2p["bytes_mismatch"].astype(bool)])):
+    p2p_bad = p2p[p2p["bytes_mismatch"].astype(bool)]
+    for kind, bad in ((MismatchKind.P2P_UNMATCHED, unmatched), (MismatchKind.P2P_BYTES, p2p_bad)):
         for group, part in bad.groupby("group", sort=True):
             p2p_firsts.append((kind, str(group), part.iloc[0], len(part)))
     return mismatch_table(
@@ -430,11 +448,12 @@ def mismatches(df, matched=None, p2p=None):
     )
 
 
+# the kinds found per collective, each with its flag column of match_collectives
 MISMATCH_FLAGS = (
-    ("op", "op_mismatch"),
-    ("dtype", "dtype_mismatch"),
-    ("bytes", "bytes_mismatch"),
-    ("missing", "missing"),
+    (MismatchKind.OP, "op_mismatch"),
+    (MismatchKind.DTYPE, "dtype_mismatch"),
+    (MismatchKind.BYTES, "bytes_mismatch"),
+    (MismatchKind.MISSING, "missing"),
 )
 
 
@@ -449,7 +468,7 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
 
     rows = [
         dict(
-            kind=kind,
+            kind=MismatchKind(kind).value,
             group=group,
             coll_seq=coll_seq,
             step=step,
@@ -460,7 +479,7 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
         for kind, group, coll_seq, step, op, affected in firsts
     ]
     for kind, group, first, affected in p2p_firsts:
-        if kind == "p2p_unmatched":
+        if kind == MismatchKind.P2P_UNMATCHED:
             missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
             op = first["send_op"] if missing_side == "receive" else first["recv_op"]
             detail = f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
@@ -470,19 +489,29 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
                 f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
                 f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}"
             )
-        rows.append(dict(kind=kind, group=group, coll_seq=-1, step=-1, op=str(op), detail=detail, affected=affected))
+        rows.append(
+            dict(
+                kind=MismatchKind(kind).value,
+                group=group,
+                coll_seq=-1,
+                step=-1,
+                op=str(op),
+                detail=detail,
+                affected=affected,
+            )
+        )
     out = pd.DataFrame(rows, columns=["kind", "group", "coll_seq", "step", "op", "detail", "affected"])
     return out.sort_values(["group", "coll_seq"], kind="stable").reset_index(drop=True)
 
 
 def _detail(rows, kind, present) -> str:
     """Which ranks had which value for one collective's rows (only for first occurrences)."""
-    if kind == "missing":
+    if kind == MismatchKind.MISSING:
         group_ranks = str(rows["group_ranks"].iloc[0])
         expected = set(expand_ranks(group_ranks)) & present
         lacking = sorted(expected - set(rows["rank"].tolist()))
         return f"no record on rank(s) {_ranks(lacking)} (recorded by {_ranks(sorted(rows['rank']))})"
-    values = rows.groupby(rows[kind].astype(str), observed=True)["rank"].apply(sorted)
+    values = rows.groupby(rows[MismatchKind(kind).value].astype(str), observed=True)["rank"].apply(sorted)
     values = sorted(values.items(), key=lambda kv: -len(kv[1]))
     return "; ".join(f"{v} on rank(s) {_ranks(r)}" for v, r in values)
 

@@ -52,7 +52,6 @@ class Follower:
         self.bad_rows = 0
         self.bad_records = 0
         self.dropped_unsettled = 0  # rows pushed out of the window before they settled
-        self.headers = 0  # header records seen (a new file of the rank: more than one)
 
     # ---- decoding ------------------------------------------------------------------------
     def feed(self, data: bytes) -> int:
@@ -107,8 +106,6 @@ class Follower:
             if type(m) is dict and m.get("k") == "header" and self.parsed.header:
                 # a new file of this rank (a re-initialised process group): its registries anew
                 self.parsed = Parsed()
-            if type(m) is dict and m.get("k") == "header":
-                self.headers += 1
             _meta(self.parsed, m, 1 << 30)
         except (ValueError, KeyError, TypeError, RecursionError, _Bad):
             self.bad_records += 1

@@ -1,18 +1,12 @@
-"""Files, with no runtime state: path templates (``paths``), writing and conversion (``write``),
-reading with validation (``read``). Imports ``data`` and ``config`` only."""
+"""Files, with no runtime state: path templates (``paths``), writing and conversion (``writer``),
+reading (``reader``: ``read``, ``read_ranks``) built on finding the files (``discovery``), one
+reader per format (``formats``, ``csvlog``), validation (``validation``) and the problems said
+(``problems``). Imports ``data`` and ``config`` only."""
 
+from .discovery import expand, file_rank, latest_run, runs
 from .paths import check_writable, export_path, rank_path
-from .reader import (
-    LogFileError,
-    LogFileNotFoundError,
-    LogFileWarning,
-    expand,
-    file_rank,
-    latest_run,
-    read,
-    read_ranks,
-    runs,
-)
+from .problems import LogFileError, LogFileNotFoundError, LogFileWarning
+from .reader import read, read_ranks
 from .writer import convert, convert_to_dataset, with_schema_version, write, write_bytes
 
 __all__ = [

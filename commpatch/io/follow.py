@@ -8,7 +8,7 @@ import os
 
 from ..data.follow import Follower
 from ..data.logfile import SUFFIX
-from .reader import file_rank, latest_run, runs
+from .discovery import file_rank, latest_run, runs
 
 READ_MOST = 64 << 20  # bytes read from one file per look (the rest at the next look)
 CHUNK = 4 << 20

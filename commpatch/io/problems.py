@@ -39,3 +39,24 @@ def warn_damage(path, parsed) -> None:
     """A LogFileWarning per kind of damage a parsed binary log had (``data.logfile.Parsed.damage``)."""
     for problem in parsed.damage():
         warnings.warn(f"{path}: {problem}", LogFileWarning, stacklevel=3)
+
+
+class Notes:
+    """Warnings collected while reading, one per problem: the same problem in many files (64
+    ranks written by an older commpatch) is one warning naming the first file and a count."""
+
+    def __init__(self) -> None:
+        self.problems: dict[str, list[str]] = {}
+        self.run = None  # (the run directory read, how many runs its parent holds): latest_run
+        self.flight: list[dict] = []  # per binary log read: data.logfile.in_flight (its calls in flight at the end)
+
+    def add(self, path, problem: str) -> None:
+        self.problems.setdefault(problem, []).append(str(path))
+
+    def emit(self) -> None:
+        import warnings
+
+        problems, self.problems = self.problems, {}
+        for problem, where in problems.items():
+            more = f" (and {len(where) - 1} other file(s))" if len(where) > 1 else ""
+            warnings.warn(f"{where[0]}{more}: {problem}", LogFileWarning, stacklevel=4)
