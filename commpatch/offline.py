@@ -469,7 +469,7 @@ class Run:
         except EngineError as exc:  # out of memory or disk space: say so on one line
             raise EngineError(
                 f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
-                "engine pandas (--engine pandas) computes the same report in memory"
+                'engine="pandas" (--engine pandas) computes the same report in memory'
             ) from None
 
     def summary(self, by=None):

@@ -309,3 +309,25 @@ def test_the_cli_reaches_the_offline_side_only_through_run():
 def test_the_cli_rule_can_fail(line):
     assert cli_rule_violations(f"def f():\n    {line}\n"), line
     assert not cli_rule_violations("def f():\n    from . import offline\n    from .io.paths import check_writable\n")
+
+
+def test_a_duckdb_failure_is_one_line_and_cleans_up(logs, capsys, monkeypatch):
+    if not engine.available():
+        pytest.skip("needs duckdb (commpatch[scale])")
+    made = []
+
+    def out_of_memory(self, *args):
+        made.append(self.directory)
+        raise engine.EngineError("Out of Memory Error: failed to allocate data of size 2.0 GiB\n(2.0 GiB/2.0 GiB used)")
+
+    monkeypatch.setattr(engine.Engine, "results", out_of_memory)
+    code, out, err = run_cli(capsys, logs, "--engine", "duckdb")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert (
+        err.startswith("commpatch report: the DuckDB engine failed (Out of Memory Error") and "--engine pandas" in err
+    )
+    run = commpatch.open(logs, engine="duckdb")
+    with pytest.raises(engine.EngineError, match="computes the same report in memory") as raised:
+        run.report()
+    assert "\n" not in str(raised.value)
+    assert made and not any(os.path.exists(d) for d in made)  # the staged tables are removed
