@@ -480,9 +480,14 @@ class Run:
         by = check_by(by)
         if self.engine == "duckdb":
             self.report()
-            return self._engine_call(self._engine.summary, by)
-        cross = self.cross_rank()
+            try:
+                return self._engine_call(self._engine.summary, by)
+            except ValueError as exc:  # a column the engine does not stage (e.g. api)
+                raise ConfigError(f"by {by}: {exc}") from None
         df = self._read(full=False)
+        if not set(by) - {"size_bucket"} <= set(df.columns):  # a column the report does not read
+            df = self._read(full=True)
+        cross = self.cross_rank()
         return analysis.summary(analysis.with_transfer(df, cross) if cross is not None else df, by=by)
 
     def steps(self):

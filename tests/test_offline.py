@@ -82,6 +82,9 @@ def test_the_engines_agree_through_the_run(logs):
         sa, sb = a.summary(by=["op"]), b.summary(by=["op"])
         assert sa["count"].tolist() == sb["count"].tolist()
         assert sa["total_us"].round(3).tolist() == sb["total_us"].round(3).tolist()
+        with pytest.raises(commpatch.ConfigError, match="the engine's summary is by"):
+            b.summary(by=["api"])  # a column the engine does not stage: one line
+        assert a.summary(by=["api"])["count"].sum() == sa["count"].sum()
         assert b._engine is not None  # the staged tables stay until close()
         directory = b._engine.directory
     assert not os.path.exists(directory)
