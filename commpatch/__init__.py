@@ -6,6 +6,9 @@
     df = commpatch.log()        # one row per collective call (pandas DataFrame)
     commpatch.export_csv("commpatch_logs/rank{rank}.csv")
 
+    run = commpatch.open("commpatch_logs/")   # offline: every rank's log, as a Run
+    print(run.text())                         # the report `commpatch report` prints
+
 Or with no code change: ``COMMPATCH=1 torchrun ...`` (after ``commpatch install-hook`` or a
 regular ``pip install``) or ``commpatch run -- torchrun ...``.
 
@@ -29,6 +32,10 @@ _SESSION_API = (
     "tag",
 )
 
+# the offline entry point: ``commpatch.open(path)`` -> ``commpatch.offline.Run``. ``open`` is not in
+# ``__all__``: ``from commpatch import *`` must not hide the builtin ``open``
+_OFFLINE_API = ("open", "Run", "compare")
+
 
 def __getattr__(name):
     """The public functions, imported on first use: ``commpatch.pth`` imports this package in
@@ -37,6 +44,10 @@ def __getattr__(name):
         from . import session  # lazy: importing commpatch must cost (almost) nothing
 
         value = getattr(session, name)
+    elif name in _OFFLINE_API:
+        from . import offline  # lazy: importing commpatch must cost (almost) nothing
+
+        value = getattr(offline, name)
     elif name == "ConfigError":
         from .config import ConfigError as value  # lazy: importing commpatch must cost (almost) nothing
     elif name in ("LogFileError", "LogFileWarning"):
@@ -67,7 +78,9 @@ __all__ = [
     "ConfigError",
     "LogFileError",
     "LogFileWarning",
+    "Run",
     "capture",
+    "compare",
     "disable",
     "enable",
     "export_csv",

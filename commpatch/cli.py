@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -66,256 +65,99 @@ def cmd_run(args) -> int:
 
 
 class _InputError(Exception):
-    """A bad option or input of ``commpatch report``: one line on stderr, exit status 2."""
+    """A bad option of ``commpatch report`` / ``convert``: one line on stderr, exit status 2."""
 
 
 def cmd_report(args) -> int:
     """``commpatch report``: every bad input ends in one line on stderr and exit status 2 (no
     traceback); what can be read best-effort is, with one ``warning:`` line per problem."""
-    from .io.reader import LogFileError  # lazy: the CLI's other commands never load numpy / pandas
+    from . import offline  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
-        with _plain_warnings():
-            return _report_compare(args) if args.compare else _report(args)
-    except (LogFileError, _InputError) as exc:
-        print(f"commpatch report: {_safe(exc)}", file=sys.stderr)
+        with _plain_warnings(offline):
+            return _report_compare(args, offline) if args.compare else _report(args, offline)
+    except (_config.ConfigError, offline.LogFileError, offline.EngineError, _InputError) as exc:
+        print(f"commpatch report: {offline.terminal_safe(str(exc))}", file=sys.stderr)
         return 2
 
 
-def _report(args) -> int:
-    from . import analysis, io  # lazy: the CLI's other commands never load numpy / pandas
-    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
-
+def _report(args, offline) -> int:
     if not args.paths:
         raise _InputError("give log files or directories (or --compare RUN_DIRS...)")
-    by = _check_by(args.by)
-    if args.top < 0:
-        raise _InputError(f"--top {args.top}: give 0 or more")
-    ranks = _parse_ranks(args.ranks) if args.ranks is not None else None
-    window, step_times = _steps_option(args)
+    by = offline.check_by(args.by, "--by")
+    top = offline.check_top(args.top, "--top")
+    ranks = offline.parse_ranks(args.ranks, "--ranks")
+    window, step_times = _steps_option(args, offline)
     # outputs and inputs other than the logs are checked before anything is read or computed
     for option, path in (("--trace", args.trace), ("--module-tree", args.module_tree), ("--html", args.html)):
         if path:
-            _check_output(option, path, directory=False)
+            offline.check_output(path, option)
     if args.plots:
-        _check_plots(args.plots)
+        offline.check_plots(args.plots, "--plots")
     if args.tensorboard:
-        _check_tensorboard(args.tensorboard)
-    steps = _read_steps(step_times[0], step_times[1]) if step_times else None
-    cross = None
-    if _use_engine(args):
-        df, rep, pre = None, *_engine_report(args, by, steps, ranks, window)
-    else:
-        # the report alone needs a subset of the columns (a large log reads faster); exports need all
-        columns = None if args.trace or args.module_tree else set(report.REPORT_COLUMNS) | set(by)
-        df = io.read(args.paths, progress=_progress(args, "reading"), columns=columns, ranks=ranks, steps=window)
-        _check_rows(args, len(df), ranks, window)
-        # before cross_rank (its mismatches name the step); the window of steps again: the reader
-        # kept whole the ranks with no step boundary, whose steps are found now
-        df = analysis.with_pattern_steps(df, window=window)
-        _check_rows(args, len(df), ranks, window)
-        cross = analysis.cross_rank(df) if df["rank"].nunique() > 1 else None
-        rep, pre = report.build_report(df, by=by, steps=steps, top=args.top, cross=cross), None
-    if args.format == "csv":
-        frame = rep.sections.get(args.section)
-        if frame is None:
-            raise _InputError(f"no '{args.section}' section for this log (available: {', '.join(rep.sections)})")
-        sys.stdout.write(report.render_csv(frame))
-    elif args.format == "json":
-        sys.stdout.write(report.render_report_json(rep) + "\n")
-    elif args.format == "markdown":
-        sys.stdout.write(report.render_report_markdown(rep) + "\n")
-    else:
-        sys.stdout.write(report.render_report_text(rep, wide=args.wide) + "\n")
-    if (args.trace or args.module_tree) and df is None:  # the engine read the report's columns only
-        df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
-    if args.module_tree and "module" in df.attrs.get("filled_columns", ()):
-        raise _InputError("--module-tree: the log has no module column (written by an older commpatch): no module tree")
-    if args.trace:
-        from .render.trace import write_chrome_trace  # lazy: the CLI's other commands never load numpy / pandas
-
-        with _writing("--trace", args.trace):
+        offline.check_tensorboard(args.tensorboard, "--tensorboard")
+    steps = offline.read_step_times(*step_times) if step_times else None
+    engine = offline.check_engine(args.engine, "--engine")
+    progress = _progress(args, "reading")
+    with offline.open(
+        args.paths, ranks=ranks, steps=window, engine=engine, by=by, step_times=steps, top=top, progress=progress
+    ) as run:
+        if (args.trace or args.module_tree) and run.engine == "pandas":
+            run.rows()  # one read serves the report and the exports (the report alone reads fewer columns)
+        _print_report(args, run)
+        if args.module_tree and not run.has_modules:
+            raise _InputError(f"--module-tree: {offline.NO_MODULES}")
+        if args.trace:
+            with _writing("--trace", args.trace):
+                print(
+                    f"commpatch: trace written to {run.write_trace(args.trace)} "
+                    "(open in https://ui.perfetto.dev or chrome://tracing)",
+                    file=sys.stderr,
+                )
+        if args.module_tree:
+            with _writing("--module-tree", args.module_tree):
+                try:
+                    path = run.write_module_tree(args.module_tree)
+                except ValueError as exc:  # e.g. a log with no module names
+                    raise _InputError(str(exc)) from None
+            print(f"commpatch: module tree written to {path}", file=sys.stderr)
+        if args.tensorboard:
+            with _writing("--tensorboard", args.tensorboard):
+                written = run.write_tensorboard(args.tensorboard)
             print(
-                f"commpatch: trace written to {write_chrome_trace(df, args.trace)} "
-                "(open in https://ui.perfetto.dev or chrome://tracing)",
+                f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
+                f"tensorboard --logdir {args.tensorboard})",
                 file=sys.stderr,
             )
-    if args.module_tree:
-        from .render.trace import write_module_tree  # lazy: the CLI's other commands never load numpy / pandas
-
-        with _writing("--module-tree", args.module_tree):
-            try:
-                print(f"commpatch: module tree written to {write_module_tree(df, args.module_tree)}", file=sys.stderr)
-            except ValueError as exc:
-                raise _InputError(str(exc)) from None
-    if args.tensorboard:
-        from .render.tensorboard import write_tensorboard  # lazy: the CLI's other commands never load torch's writer
-
-        if df is None:
-            df = analysis.with_pattern_steps(io.read(args.paths, ranks=ranks, steps=window), warn=False, window=window)
-        with _writing("--tensorboard", args.tensorboard):
-            written = write_tensorboard(
-                analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df, args.tensorboard, steps=steps
-            )
-        print(
-            f"commpatch: TensorBoard scalars written to {args.tensorboard} ({len(written)} rank(s); "
-            f"tensorboard --logdir {args.tensorboard})",
-            file=sys.stderr,
-        )
-    if args.plots or args.html:
-        if pre is not None:
-            by_op, arrivals = pre.by_op_size, pre.arrivals
-        else:
-            by_op = analysis.summary(
-                analysis.with_transfer(df, cross) if cross is not None else df, by=["op", "size_bucket"]
-            )
-            arrivals = cross.arrivals if cross is not None else None
-    if args.plots:
-        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
-
-        with _writing("--plots", args.plots):
-            written = plots.write_plots(args.plots, by_op, rep.sections.get("steps"), arrivals)
-        print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
-    if args.html:
-        _write_html(args, rep, df, by_op, arrivals, ranks)
-    return 1 if args.fail_on_mismatch and rep.errors else 0
+        if args.plots:
+            with _writing("--plots", args.plots):
+                written = run.plots(args.plots)
+            print("commpatch: plots written: " + ", ".join(written), file=sys.stderr)
+        if args.html:
+            with _writing("--html", args.html):
+                path = run.write_html(args.html)
+            print(f"commpatch: HTML report written to {path} ({os.path.getsize(path) / 1e6:.2f} MB)", file=sys.stderr)
+        return 1 if args.fail_on_mismatch and run.report().errors else 0
 
 
-def _write_html(args, rep, df, by_op, arrivals, ranks) -> None:
-    """--html: the page, with a timeline excerpt of one step (at scale, only that step of a few
-    ranks is read)."""
-    from . import io  # lazy: the CLI's other commands never load numpy / pandas
-    from .render import html  # lazy: the CLI's other commands never load numpy / pandas
-
-    steps, straggler = rep.sections.get("steps"), (rep.headline.get("straggler") or {}).get("rank")
-    step = html.pick_step(steps)
-    if df is None and step is not None:  # the engine's report: read the excerpt's rows only
-        known = (
-            sorted(ranks)
-            if ranks
-            else sorted(rep.sections["ranks"]["rank"].tolist())
-            if "ranks" in rep.sections
-            else []
-        )
-        chosen = html.excerpt_ranks(known, straggler)
-        df = io.read(args.paths, ranks=set(chosen), steps=(step, step + 1)) if chosen else None
-    excerpt = (
-        html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
-    )
-    with _writing("--html", args.html):
-        path = html.write(html.page(rep, by_op, arrivals, excerpt), args.html)
-    print(f"commpatch: HTML report written to {path} ({os.path.getsize(path) / 1e6:.2f} MB)", file=sys.stderr)
+def _print_report(args, report) -> None:
+    """``report`` (a Run or a Comparison) on stdout in the --format asked (csv: one --section)."""
+    if args.format == "csv":
+        sys.stdout.write(report.csv(args.section))
+    elif args.format == "text":
+        sys.stdout.write(report.text(wide=args.wide) + "\n")
+    else:
+        sys.stdout.write(getattr(report, args.format)() + "\n")
 
 
-def _check_rows(args, n, ranks, window) -> None:
-    if n == 0:
-        sliced = ranks is not None or window is not None
-        raise _InputError(
-            f"{_shown(args.paths)}: no collective calls recorded in the log file(s)"
-            + (" for the ranks / steps asked (--ranks, --steps)" if sliced else "")
-            + ": nothing to report"
-        )
-
-
-def _use_engine(args) -> bool:
-    """--engine duckdb, or auto with DuckDB installed and at least AUTO_BYTES of input."""
-    from .analysis import engine  # lazy: the CLI's other commands never load numpy / pandas
-
-    if args.engine == "pandas":
-        return False
-    if args.engine == "duckdb":
-        if not engine.available():
-            raise _InputError("--engine duckdb: DuckDB is not installed: pip install 'commpatch[scale]'")
-        return True
-    if not engine.available():
-        return False
-    from . import io  # lazy: the CLI's other commands never load numpy / pandas
-
-    total = 0
-    for path in io.expand(args.paths):
-        with contextlib.suppress(OSError):
-            total += os.path.getsize(path)
-    return total >= engine.AUTO_BYTES
-
-
-def _engine_report(args, by, steps, ranks, window):
-    """The report's tables from the engine: each rank read, reduced and staged in turn by two
-    processes (reading and reducing a rank is single-threaded Python / numpy), then queried."""
-    import functools
-
-    from . import io  # lazy: the CLI's other commands never load numpy / pandas
-    from .analysis import engine  # lazy: the CLI's other commands never load numpy / pandas
-    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
-
-    eng = engine.Engine(by=by)
-    try:
-        transform = functools.partial(engine.stage, directory=eng.directory, by=by, steps=steps, window=window)
-        columns = set(report.REPORT_COLUMNS) | set(by) - {"size_bucket"}
-        in_flight = 0
-        for staged in io.read_ranks(
-            args.paths,
-            transform,
-            columns=columns,
-            ranks=ranks,
-            steps=window,
-            progress=_progress(args, "reading"),
-            workers=min(2, os.cpu_count() or 1),
-        ):
-            eng.add(staged)
-            in_flight += staged.in_flight
-        _check_rows(args, eng.counts["calls"], ranks, window)
-        try:
-            pre = eng.results(top=args.top, arrivals_bins=200 if args.plots or args.html else None)
-            pre.by_op_size = eng.summary(["op", "size_bucket"]) if args.plots or args.html else None
-        except engine.EngineError as exc:  # out of memory or disk space: say so on one line
-            raise _InputError(
-                f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
-                "--engine pandas computes the same report in memory"
-            ) from None
-    finally:
-        eng.close()
-    from .io.reader import chosen_run  # lazy: the CLI's other commands never load numpy / pandas
-
-    pre.in_flight = in_flight
-    return report.build_report(None, by=by, steps=steps, top=args.top, precomputed=pre, run=chosen_run(args.paths)), pre
-
-
-def _parse_ranks(text: str) -> set:
-    """``--ranks 0-7,12`` -> {0, ..., 7, 12}; a one-line error for anything else."""
-    out: set = set()
-    for part in text.split(","):
-        part = part.strip()
-        first, dash, last = part.partition("-")
-        try:
-            lo = int(first)
-            hi = int(last) if dash else lo
-        except ValueError:
-            raise _InputError(f"--ranks {text!r}: {part!r} is not a rank or a range of ranks (e.g. 0-7,12)") from None
-        if lo < 0 or hi < lo:
-            raise _InputError(
-                f"--ranks {text!r}: {part!r} is not a range of ranks (give first-last with "
-                "0 <= first <= last, e.g. 0-7,12)"
-            )
-        out.update(range(lo, hi + 1))
-    return out
-
-
-def _steps_option(args):
+def _steps_option(args, offline):
     """(window of steps (first, stop) or None, (step-times CSV, option name) or None) from --steps
     A:B (a window; either end may be left out) or --step-times CSV (--steps CSV still works)."""
-    import re
-
     window, times = None, (args.step_times, "--step-times") if args.step_times else None
     text = args.steps
     if text is not None:
-        m = re.fullmatch(r"\s*(-?\d*)\s*:\s*(-?\d*)\s*", text)
-        if m is not None:
-            lo, hi = (int(g) if g else None for g in m.groups())
-            if (lo is not None and lo < 0) or (hi is not None and hi < 0):
-                raise _InputError(f"--steps {text}: steps are 0 or more (A:B keeps steps A to B-1)")
-            if lo is not None and hi is not None and hi <= lo:
-                raise _InputError(f"--steps {text}: no step in this window (A:B keeps steps A to B-1: give B > A)")
-            window = (lo, hi)
+        if offline.is_steps_window(text):
+            window = offline.parse_steps(text, "--steps")
         elif os.path.exists(text) or text.lower().endswith(".csv"):
             if times is not None:
                 raise _InputError("--steps CSV and --step-times CSV: give the step times once (--step-times)")
@@ -328,157 +170,44 @@ def _steps_option(args):
     return window, times
 
 
-def _report_compare(args) -> int:
-    from . import analysis, io  # lazy: the CLI's other commands never load numpy / pandas
-    from .render import text as report  # lazy: the CLI's other commands never load numpy / pandas
-
+def _report_compare(args, offline) -> int:
     if args.plots:
-        _check_plots(args.plots)
+        offline.check_plots(args.plots, "--plots")
     if args.html:
-        _check_output("--html", args.html, directory=False)
+        offline.check_output(args.html, "--html")
     if args.tensorboard:
         raise _InputError("--tensorboard writes one run's steps: give the run without --compare")
-    runs = {}
-    for i, path in enumerate(args.compare):
-        runs[path] = analysis.with_pattern_steps(io.read(path))
-        if len(runs[path]) == 0:
-            raise _InputError(f"--compare {path}: no collective calls recorded in this run's file(s)")
-        _progress(args, "runs")(i + 1, len(args.compare))
-    if args.global_batch is not None and not args.global_batch > 0:
-        raise _InputError(f"--global-batch {args.global_batch}: give a positive number of samples")
-    table, by_op = (
-        analysis.scaling(runs, mode=args.scaling, global_batch=args.global_batch),
-        analysis.scaling_by_op(runs),
-    )
-    for run in table.loc[table["steps"] == 0, "run"]:
+    offline.check_global_batch(args.global_batch, "--global-batch")
+    try:
+        runs = offline.compare(
+            args.compare, scaling=args.scaling, global_batch=args.global_batch, progress=_progress(args, "runs")
+        )
+    except offline.LogFileError as exc:
+        if exc.problem.startswith("no collective calls recorded"):  # a run with no call: name the option
+            raise _InputError(f"--compare {exc}") from None
+        raise
+    for run in runs.unknown_steps():
         print(
             f"commpatch report: warning: --compare {_safe(run)}: no steady-state step (no step boundary in its log, or "
             "fewer than 3 steps): its per-step figures are unknown",
             file=sys.stderr,
         )
-    if args.format == "csv":
-        sys.stdout.write(report.render_csv(by_op if args.section == "by_op" else table))
-    elif args.format == "json":
-        sys.stdout.write(
-            json.dumps(
-                {
-                    "scaling": json.loads(table.to_json(orient="records")),
-                    "by_op": json.loads(by_op.to_json(orient="records")),
-                },
-                indent=1,
-            )
-            + "\n"
-        )
-    elif args.format == "markdown":
-        sys.stdout.write(
-            "## Scaling\n\n"
-            + report.render_markdown(table)
-            + "\n\n## Bus bandwidth per op\n\n"
-            + report.render_markdown(by_op)
-            + "\n"
-        )
-    else:
-        sys.stdout.write(
-            report.render_text(table, title=f"commpatch scaling: runs by world size ({_SCALING[args.scaling]})")
-            + "\n\n"
-            + report.render_text(by_op, title="steady-state collectives per message size and world size")
-            + "\n"
-        )
+    _print_report(args, runs)
     if args.plots:
-        from .render import plots  # lazy: the CLI's other commands never load numpy / pandas
-
         with _writing("--plots", args.plots):
-            path = plots.save(plots.scaling(table, by_op), os.path.join(args.plots, "scaling.png"))
+            path = runs.plots(args.plots)[0]
         print(f"commpatch: plots written: {path}", file=sys.stderr)
     if args.html:
-        from .render import html  # lazy: the CLI's other commands never load numpy / pandas
-
         with _writing("--html", args.html):
-            path = html.write(
-                html.compare_page(table, by_op, f"commpatch scaling: {len(runs)} runs ({_SCALING[args.scaling]})"),
-                args.html,
-            )
+            path = runs.write_html(args.html)
         print(f"commpatch: HTML report written to {path}", file=sys.stderr)
     return 0
 
 
-_SCALING = {
-    "weak": "weak scaling, the same batch per rank: efficiency = T(N0) / T(N), speedup = efficiency x N / N0; "
-    "step times are steady-state medians",
-    "strong": "strong scaling, the same global batch: speedup = T(N0) / T(N), efficiency = speedup / (N / N0); "
-    "step times are steady-state medians",
-}
-
-
-def _shown(paths) -> str:
-    return paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
-
-
-def _check_by(text: str) -> list:
-    from .data.schema import COLUMNS  # lazy: the CLI's other commands never load numpy / pandas
-
-    by = [b.strip() for b in text.split(",") if b.strip()]
-    if not by:
-        raise _InputError(f"--by {text!r}: give one or more columns (e.g. op,size_bucket)")
-    unknown = [b for b in by if b not in COLUMNS and b != "size_bucket"]
-    if unknown:
-        raise _InputError(
-            f"--by: unknown column(s) {', '.join(map(repr, unknown))} (choose from size_bucket, {', '.join(COLUMNS)})"
-        )
-    return by
-
-
-def _check_output(option: str, path: str, directory: bool) -> None:
-    """Raise when ``path`` (a file, or with ``directory`` a directory) cannot be written: checked
-    before the report is computed. Missing parent directories are fine (they are created)."""
-    target = os.path.abspath(path)
-    if os.path.exists(target):
-        if directory and not os.path.isdir(target):
-            raise _InputError(f"{option} {path}: exists and is not a directory")
-        if not directory and os.path.isdir(target):
-            raise _InputError(f"{option} {path}: is a directory (give a file name)")
-        if not os.access(target, os.W_OK | (os.X_OK if directory else 0)):
-            raise _InputError(f"{option} {path}: not writable")
-        return
-    parent = os.path.dirname(target)
-    while not os.path.exists(parent):  # the nearest existing ancestor must take a directory
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise _InputError(f"{option} {path}: cannot be written ({parent} is a file, not a directory)")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise _InputError(f"{option} {path}: cannot be written ({parent} is not writable)")
-
-
-def _check_plots(directory: str) -> None:
-    import importlib.util
-
-    _check_output("--plots", directory, directory=True)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise _InputError("--plots needs matplotlib: pip install 'commpatch[plots]' (or pip install matplotlib)")
-
-
-def _check_tensorboard(directory: str) -> None:
-    _check_output("--tensorboard", directory, directory=True)
-    try:
-        import tensorboard  # noqa: F401 - torch.utils.tensorboard writes with it
-    except ImportError:
-        raise _InputError("--tensorboard needs the tensorboard package: pip install 'commpatch[tensorboard]'") from None
-    from .render.tensorboard import taken  # lazy: the CLI's other commands never load numpy / pandas
-
-    earlier = taken(directory)
-    if earlier:
-        raise _InputError(
-            f"--tensorboard {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
-            "report?): give a new directory (TensorBoard would show both as one run)"
-        )
-
-
 @contextlib.contextmanager
 def _writing(option: str, path: str):
-    """Create the missing parent directories of an output; a write that fails is one line."""
+    """A write that fails is one line (the Run creates the missing parent directories)."""
     try:
-        target = os.path.abspath(path)
-        os.makedirs(target if option == "--plots" else os.path.dirname(target), exist_ok=True)
         yield
     except ImportError as exc:
         raise _InputError(str(exc)) from None
@@ -488,20 +217,17 @@ def _writing(option: str, path: str):
 
 def _safe(text) -> str:
     """``text`` (it may name files and hold names from a log) as it may reach a terminal."""
-    from .render.text import terminal_safe  # lazy: the CLI's other commands never load numpy / pandas
+    from .offline import terminal_safe  # lazy: the CLI's other commands never load numpy / pandas
 
     return terminal_safe(text)
 
 
 @contextlib.contextmanager
-def _plain_warnings(prog: str = "commpatch report"):
+def _plain_warnings(offline, prog: str = "commpatch report"):
     """Warnings about the logs as ``<prog>: warning: ...`` lines (no source location), ``terminal_safe``."""
     import warnings
 
-    from .analysis import StepPatternWarning  # lazy: the CLI's other commands never load numpy / pandas
-    from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
-
-    plain = (LogFileWarning, StepPatternWarning)
+    plain = (offline.LogFileWarning, offline.StepPatternWarning)
     with warnings.catch_warnings():
         for category in plain:
             warnings.simplefilter("always", category)
@@ -515,64 +241,6 @@ def _plain_warnings(prog: str = "commpatch report"):
 
         warnings.showwarning = show
         yield
-
-
-def _read_steps(path, option="--steps"):
-    """The step-times file, checked (read before the logs): one-line errors for what is wrong."""
-    import numpy as np
-    import pandas as pd
-
-    if not os.path.exists(path):
-        raise _InputError(f"{option} {path}: no such file")
-    if os.path.isdir(path):
-        raise _InputError(f"{option} {path}: is a directory (give the CSV file)")
-    try:
-        steps = pd.read_csv(path)
-    except pd.errors.EmptyDataError:
-        raise _InputError(f"{option} {path}: empty file (a steps file needs a header: step,duration_us)") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
-        raise _InputError(f"{option} {path}: not a readable CSV ({' '.join(str(exc).split())[:120]})") from None
-    except OSError as exc:
-        raise _InputError(f"{option} {path}: cannot be read ({exc.strerror or exc})") from None
-    steps.columns = [str(c).strip() for c in steps.columns]
-    if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
-        raise _InputError(
-            f"{option} {path}: a steps file needs columns step and duration_us "
-            "(or start_ns and end_ns), optionally rank"
-        )
-    for col in ("step", "rank", "duration_us", "start_ns", "end_ns"):
-        if col not in steps:
-            continue
-        values = pd.to_numeric(steps[col], errors="coerce")
-        bad = values.isna() & steps[col].notna()
-        integral = col in ("step", "rank")
-        if integral:
-            bad |= values.isna() | (values % 1 != 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise _InputError(
-                f"{option} {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
-                f"not {'an integer' if integral else 'a number'}"
-            )
-        steps[col] = values.astype(np.int64) if integral else values.astype(np.float64)
-    if "duration_us" not in steps:
-        steps["duration_us"] = (steps["end_ns"] - steps["start_ns"]) / 1e3
-    d = steps["duration_us"].to_numpy(np.float64)
-    impossible = ~np.isfinite(d) | (d < 0)
-    if impossible.any():
-        import warnings
-
-        from .io.reader import LogFileWarning  # lazy: the CLI's other commands never load numpy / pandas
-
-        warnings.warn(
-            f"{option} {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
-            LogFileWarning,
-            stacklevel=2,
-        )
-        steps = steps[~impossible]
-    if len(steps) == 0:
-        raise _InputError(f"{option} {path}: no step times in the file")
-    return steps
 
 
 PROGRESS_AFTER_S = 2.0  # a read that ends sooner shows no progress bar
@@ -610,47 +278,18 @@ def _progress(args, what):
 def cmd_convert(args) -> int:
     """Binary rank logs (.cplog: a directory, its latest run, or files) to CSV or Parquet beside
     them; an existing file is never replaced."""
-    from . import io  # lazy: the CLI's other commands never load numpy / pandas
-    from .data.logfile import SUFFIX  # lazy: the CLI's other commands never load numpy / pandas
+    from . import offline  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
-        with _plain_warnings("commpatch convert"):
-            return _convert(args, io, SUFFIX)
-    except _InputError as exc:
+        with _plain_warnings(offline, "commpatch convert"):
+            for out, written in offline.convert(args.paths, to=args.to, progress=_progress(args, "converting")):
+                print(
+                    _safe(out) if written else f"commpatch convert: {_safe(out)} exists: kept as it is",
+                    file=sys.stdout if written else sys.stderr,
+                )
+    except (_config.ConfigError, offline.LogFileError) as exc:
         print(f"commpatch convert: {_safe(exc)}", file=sys.stderr)
         return 2
-
-
-def _convert(args, io, suffix) -> int:
-    files = [f for f in io.expand(args.paths) if f.endswith(suffix)]
-    if not files:
-        raise _InputError(f"no binary rank log (*{suffix}) in {', '.join(args.paths)}")
-    progress = _progress(args, "converting")
-    for i, path in enumerate(files):
-        if args.to == "parquet":  # one rank-partitioned dataset per run directory
-            out = os.path.join(
-                os.path.dirname(path),
-                "parquet",
-                f"rank={io.file_rank(path)}",
-                os.path.basename(io.export_path(path, ".parquet")),
-            )
-        else:
-            out = io.export_path(path, "." + args.to)
-        if os.path.lexists(out):
-            print(f"commpatch convert: {_safe(out)} exists: kept as it is", file=sys.stderr)
-            continue
-        try:
-            out = (
-                io.convert_to_dataset(path, os.path.dirname(os.path.dirname(out)))
-                if args.to == "parquet"
-                else io.convert(path, out)
-            )
-        except ValueError as exc:
-            raise _InputError(str(exc)) from None
-        except OSError as exc:  # a full disk, a read-only directory: one line, not a traceback
-            raise _InputError(f"{out}: cannot be written ({exc.strerror or exc})") from None
-        print(_safe(out))
-        progress(i + 1, len(files))
     return 0
 
 

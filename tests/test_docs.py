@@ -247,6 +247,15 @@ def _check_metric_names(rows):
         assert kinds == {r[1]}, (r[0], r[1], kinds)
 
 
+def _check_run_reference(rows):
+    from commpatch.offline import Run
+
+    described = {re.match(r"`run\.(\w+)", r[0]).group(1) for r in rows if r[0].startswith("`run.") and r[1]}
+    public = {n for n in dir(Run) if not n.startswith("_")}
+    assert public <= described, f"members of Run without a docstring in reference/run.md: {public - described}"
+    assert all(r[1] for r in rows), [r[0] for r in rows if not r[1]]
+
+
 # (page, first header cell) -> check of the rows
 CHECKED = {
     ("advice.md", "key"): _check_advice_keys,
@@ -258,6 +267,7 @@ CHECKED = {
     ("reference/columns.md", "column"): lambda rows: None,  # generated
     ("reference/cli.md", "option"): lambda rows: None,  # generated
     ("reference/cli.md", "argument"): lambda rows: None,  # generated
+    ("reference/run.md", "member"): _check_run_reference,  # generated
     ("guide/timing.md", "`timing`"): lambda rows: None,  # test_every_timing_value_...
     ("guide/reports.md", "figure"): _check_step_figures,
     ("reporting.md", "flag"): _check_report_flags,

@@ -29,8 +29,9 @@ LAYER_OF = (
     ("commpatch.render", "render"),
     ("commpatch.testing", "tools"),
     ("commpatch.session", "session"),
+    ("commpatch.offline", "offline"),
     ("commpatch.cli", "cli"),
-    ("commpatch.watch", "cli"),
+    ("commpatch.watch", "watch"),
     ("commpatch.__main__", "cli"),
     ("commpatch._bootstrap", "entry"),
     ("commpatch._boot", "entry"),
@@ -51,10 +52,12 @@ MAY_IMPORT = {
     "metrics": {"data", "io", "analysis"},  # live Prometheus metrics: fed by the session's flusher
     "tools": {"data", "io", "analysis"},
     "session": {"data", "config", "record", "patch", "integrations", "watchdog", "metrics", "io", "analysis", "render"},
-    "cli": {"data", "config", "io", "analysis", "render"},
-    "entry": {"config", "session", "io", "data"},
+    "offline": {"data", "config", "io", "analysis", "render"},  # commpatch.open: the Run
+    "watch": {"data", "io", "analysis", "render"},  # `commpatch watch`: the live view of a running job
+    "cli": {"data", "config", "io", "offline", "watch"},  # io: `commpatch run` checks its output (check_writable)
+    "entry": {"config", "session", "offline", "io", "data"},
 }
-OFFLINE = {"data", "io", "analysis", "render"}
+OFFLINE = {"data", "io", "analysis", "render", "offline", "watch"}
 RUNTIME = {"record", "patch", "integrations", "watchdog", "metrics", "session"}
 
 # (importing module, imported module): the function-level imports of commpatch modules allowed,
@@ -64,21 +67,12 @@ LAZY = {
     ("commpatch", "commpatch.config"),
     ("commpatch", "commpatch.io.reader"),
     ("commpatch", "commpatch.data.schema"),
+    ("commpatch", "commpatch.offline"),
     ("commpatch._bootstrap", "commpatch.config"),  # imported in every process with COMMPATCH set
     ("commpatch._bootstrap", "commpatch.session"),
-    ("commpatch.cli", "commpatch.io"),  # `commpatch run` / `env` never load numpy or pandas
+    ("commpatch.cli", "commpatch.offline"),  # `commpatch run` / `env` never load numpy or pandas
     ("commpatch.cli", "commpatch.io.paths"),
-    ("commpatch.cli", "commpatch.io.reader"),
-    ("commpatch.cli", "commpatch.analysis"),
-    ("commpatch.cli", "commpatch.analysis.engine"),
-    ("commpatch.cli", "commpatch.render.text"),
-    ("commpatch.cli", "commpatch.render.trace"),
-    ("commpatch.cli", "commpatch.render.plots"),
-    ("commpatch.cli", "commpatch.render.html"),
-    ("commpatch.cli", "commpatch.data.schema"),
-    ("commpatch.cli", "commpatch.data.logfile"),
     ("commpatch.cli", "commpatch.watch"),  # `commpatch watch` alone loads rich
-    ("commpatch.cli", "commpatch.render.tensorboard"),
 }
 
 

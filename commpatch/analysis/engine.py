@@ -432,6 +432,10 @@ class Engine:
             self._connect()
         return _engine_errors(self._summary, by)
 
+    def arrivals(self, bins: int = 200):
+        """The per-rank arrival matrix of the plots (``matching.arrival_matrix``), after ``results()``."""
+        return _engine_errors(self._arrivals, bins)
+
     def _summary(self, by):
         import pandas as pd
 

@@ -3,7 +3,8 @@ drift. A page holds a marker line ``<!-- commpatch:NAME -->``; the build replace
 NAME: ``settings`` (commpatch/config.py's SETTINGS), ``columns`` (commpatch/data/schema.py's
 SCHEMA), ``timings`` (the ``timing`` values, data.schema.TIMINGS), ``schema_versions`` (SCHEMA_VERSION,
 ADDED_IN), ``cli`` (the argparse parser
-of commpatch/cli.py). tests/test_docs.py renders the same markdown and checks it."""
+of commpatch/cli.py), ``run`` (commpatch.open's Run and the offline API, from their signatures and
+docstrings). tests/test_docs.py renders the same markdown and checks it."""
 
 from __future__ import annotations
 
@@ -126,12 +127,62 @@ def cli_reference() -> str:
     return "\n".join(out)
 
 
+def _summary_line(obj) -> str:
+    """The first paragraph of a docstring, one line."""
+    import inspect
+
+    doc = inspect.getdoc(obj) or ""
+    return _cell(doc.split("\n\n")[0].replace("``", "`"))
+
+
+def _signature(f, drop_first: bool = False) -> str:
+    """``(a, b=1)``: the parameters without their annotations."""
+    import inspect
+
+    params = list(inspect.signature(f).parameters.values())[1 if drop_first else 0 :]
+    return "(" + ", ".join(str(p.replace(annotation=inspect.Parameter.empty)) for p in params) + ")"
+
+
+def _member_rows(owner, prefix: str) -> list[str]:
+    import inspect
+
+    rows = []
+    for name, member in inspect.getmembers(owner):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            rows.append(f"| `{prefix}{name}` | {_summary_line(member)} |")
+        elif inspect.isfunction(member):
+            rows.append(f"| `{prefix}{name}{_signature(member, drop_first=True)}` | {_summary_line(member)} |")
+    return rows
+
+
+def run_reference() -> str:
+    """commpatch.open, the Run it returns, compare / Comparison and convert: one row per public member."""
+    from commpatch import offline
+
+    def function(f, name) -> str:
+        return f"| `{name}{_signature(f)}` | {_summary_line(f)} |"
+
+    lines = ["| member | what it does |", "|---|---|"]
+    lines.append(function(offline.open, "commpatch.open"))
+    lines.append(
+        f"| `commpatch.Run{_signature(offline.Run.__init__, drop_first=True)}` | {_summary_line(offline.Run)} |"
+    )
+    lines += _member_rows(offline.Run, "run.")
+    lines.append(function(offline.compare, "commpatch.compare"))
+    lines += _member_rows(offline.Comparison, "comparison.")
+    lines.append(function(offline.convert, "commpatch.offline.convert"))
+    return "\n".join(lines)
+
+
 GENERATORS = {
     "settings": settings_table,
     "columns": columns_table,
     "timings": timings_list,
     "cli": cli_reference,
     "schema_versions": schema_versions,
+    "run": run_reference,
 }
 
 
