@@ -62,14 +62,30 @@ pure_cell() {       # the suite on a copy of the checkout without the compiled C
     (cd "$copy" && python3 -m pytest -q -p no:cacheprovider)
 }
 
+if [ "${1:-}" = "--one" ]; then       # one cell, in a process of its own: set -e holds inside it
+    case "$2" in
+        pure) pure_cell ;;
+        *) venv_cell "$2" ;;
+    esac
+    exit 0
+fi
 cells=("$@")
 [ ${#cells[@]} -gt 0 ] || cells=(oldest newest pure)
 for cell in "${cells[@]}"; do
-    start=$(date +%s)
     case "$cell" in
-        pure) pure_cell ;;
-        oldest|newest) venv_cell "$cell" ;;
+        pure|oldest|newest) ;;
         *) echo "matrix: unknown cell '$cell' (oldest, newest, pure)" >&2; exit 2 ;;
     esac
-    echo "matrix[$cell]: done in $(( $(date +%s) - start )) s"
 done
+failed=()
+for cell in "${cells[@]}"; do      # every cell runs, whatever an earlier one gave; the status at the end
+    start=$(date +%s)
+    status=0
+    "$REPO/ci/matrix.sh" --one "$cell" || status=$?
+    echo "matrix[$cell]: $([ $status -eq 0 ] && echo passed || echo "FAILED (exit $status)") in $(( $(date +%s) - start )) s"
+    [ $status -eq 0 ] || failed+=("$cell")
+done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "matrix: failed cells: ${failed[*]}" >&2
+    exit 1
+fi
