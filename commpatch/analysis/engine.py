@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -42,10 +43,26 @@ from .matching import (
 )
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import warn_refused, with_pattern_steps
-from .steps import per_step
+from .steps import SETUP_OPS, per_step, setup_from
 from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20  # 'auto' takes the engine from this much input on (and when installed)
+
+
+# Floating-point sums in a fixed order: DuckDB adds the values of a group on several threads in
+# whatever order they come, so the last bits of a double sum varied from one run to the next. Each
+# value is summed as a 128-bit decimal of 18 digits after the point instead (integer addition:
+# the same result in any order), then given back as a double; non-finite values are not summed
+# (pandas skips NaN likewise). Cost measured: docs/reporting.md (At scale).
+_EXACT = "DECIMAL(38, 18)"
+
+
+def _sum(x: str) -> str:
+    return f"sum(CASE WHEN isfinite({x}) THEN ({x})::{_EXACT} END)::DOUBLE"
+
+
+def _avg(x: str) -> str:
+    return f"({_sum(x)} / count(CASE WHEN isfinite({x}) THEN 1 END))"
 
 
 class EngineError(RuntimeError):
@@ -252,6 +269,10 @@ class Results:
     by_op_size: Any = None  # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: Any = None  # stragglers.step_arrivals
+    setup: Any = None  # steps.setup_from: the set-up finding's figures
+    by_rank_steps: Any = None  # steps.per_step(by_rank=True), for the straggler advice
+    ops: Any = None  # the ops of the rows (sorted names), for the findings
+    unmeasured_ops: Any = None  # the ops of steady-state calls without a duration (findings._unmeasured_ops)
     in_flight: int = 0  # calls the logs say were in flight at the end (Staged.in_flight, summed)
     log_ends: Any = None  # matching.log_end_table
     clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
@@ -363,6 +384,9 @@ class Engine:
             self._groups(ranks)
             self._match()
         out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        out.setup, out.ops, out.unmeasured_ops = self._row_facts(out.per_step)
+        if "steps" in self.tables:
+            out.by_rank_steps = self._df("SELECT * FROM steps ORDER BY rank, step")
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
@@ -462,12 +486,12 @@ class Engine:
             FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
         )
         out = self._df(f"""
-            SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
-                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
-                   coalesce(sum(transfer), 0) AS transfer_us,
+            SELECT {cols}, count(*) AS count, coalesce({_sum("dur")}, 0) AS total_us, {_avg("dur")} AS mean_us,
+                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce({_sum("own")}, 0) AS own_us,
+                   coalesce({_sum("transfer")}, 0) AS transfer_us,
                    sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
-                   coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
-                   coalesce(sum(busbytes), 0) AS _busbytes
+                   coalesce((sum(bytes) FILTER (WHERE dur IS NOT NULL))::DOUBLE, 0) AS _mbytes,
+                   coalesce({_sum("busbytes")}, 0) AS _busbytes
             FROM {source} GROUP BY ALL""")
         for k, (_, codes_of) in zip(keys, exprs):
             if codes_of is not None and codes_of in self.names:  # categorical: names, in pandas' order
@@ -503,18 +527,56 @@ class Engine:
         """``summaries.per_step(by_rank=False)`` from the per-rank tables ``stage`` wrote."""
         if "steps" not in self.tables:
             return None
-        out = self._df("""
+        out = self._df(f"""
             SELECT step, arg_min(stage, rank) AS stage, arg_min(step_source, rank) AS step_source,
-                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
-                   max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
-                   avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
-                   avg(setup_comm_us) AS setup_comm_us, avg(ddp_finalize_us) AS ddp_finalize_us,
-                   avg(ddp_pack_us) AS ddp_pack_us, avg(step_us) AS step_us,
-                   arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
-                   avg(exposed_share) AS exposed_share,
-                   (-max({'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}).r)::BIGINT AS max_rank
+                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, {_avg("comm_us")} AS comm_us,
+                   max(comm_us) AS max_comm_us, {_avg("busy_us")} AS busy_us, {_avg("exposed_us")} AS exposed_us,
+                   {_avg("overlapped_us")} AS overlapped_us, {_avg("overlap_unknown_us")} AS overlap_unknown_us,
+                   {_avg("setup_comm_us")} AS setup_comm_us, {_avg("ddp_finalize_us")} AS ddp_finalize_us,
+                   {_avg("ddp_pack_us")} AS ddp_pack_us, {_avg("step_us")} AS step_us,
+                   arg_min(step_time_from, rank) AS step_time_from, {_avg("comm_share")} AS comm_share,
+                   {_avg("exposed_share")} AS exposed_share,
+                   (-max({{'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}}).r)::BIGINT AS max_rank
             FROM steps GROUP BY step ORDER BY step""")
         return out
+
+    def _row_facts(self, steps_table):
+        """What the findings read of the rows, in one scan: ``steps.setup_cost`` (the communication of
+        set-up calls and of set-up steps, per op), the ops of the rows and those of the steady-state
+        calls without a duration (set-up calls left out, as ``steps.steady_rows``): sorted names."""
+        import pandas as pd
+
+        stages = pd.DataFrame({"step": np.zeros(0, np.int64), "stage": np.zeros(0, object)})
+        if steps_table is not None:
+            stages = pd.DataFrame(
+                {"step": steps_table["step"].astype(np.int64), "stage": steps_table["stage"].astype(str)}
+            )
+        setup_ops = ", ".join(str(code_of(op)) for op in SETUP_OPS)
+        in_setup = f"(r.op IN ({setup_ops}) OR s.stage = 'setup')"
+        self.con.register("_stages", stages)
+        try:
+            per_op = self._df(f"""
+                SELECT r.op, coalesce({_sum("r.dur")}, 0) AS us,
+                       coalesce({_sum(f"CASE WHEN {in_setup} THEN r.dur END")}, 0) AS setup_us,
+                       bool_or({in_setup}) AS in_setup,
+                       bool_or(r.dur IS NULL AND s.stage = 'steady' AND r.op NOT IN ({setup_ops})) AS unmeasured
+                FROM rows r LEFT JOIN _stages s ON r.step = s.step GROUP BY r.op""")
+        finally:
+            self.con.unregister("_stages")
+        names = self.names.get("op", {})
+        per_op["op"] = [names[int(c)] for c in per_op["op"]]
+        per_op = per_op.sort_values("op", kind="stable")
+        ops, unmeasured = per_op["op"].tolist(), per_op.loc[per_op["unmeasured"].fillna(False), "op"].tolist()
+        if steps_table is None:
+            return None, ops, unmeasured
+        part = per_op[per_op["in_setup"].fillna(False)]
+        by_op = pd.Series(part["setup_us"].to_numpy(np.float64), index=pd.Index(part["op"], name="op"))
+        total = math.fsum(per_op["us"])  # (exact sums per op: the same in any order)
+        return (
+            setup_from(steps_table, by_op, total, len(self.seen_ranks), self.counts["unmeasured"] > 0),
+            ops,
+            unmeasured,
+        )
 
     def _groups(self, ranks) -> None:
         """Per group code: its name's position in sorted order (how pandas orders categories) and
@@ -611,14 +673,14 @@ class Engine:
             self.con.unregister("_want")
 
     def _rank_table(self):
-        out = self._df("""
+        out = self._df(f"""
             SELECT r.rank::BIGINT AS rank, count(*)::BIGINT AS collectives,
-                   coalesce(sum(CASE WHEN r.dur IS NULL THEN NULL ELSE least((c.ls - r.start_ns) / 1e3, r.dur) END), 0)
+                   coalesce({_sum("CASE WHEN r.dur IS NULL THEN NULL ELSE least((c.ls - r.start_ns) / 1e3, r.dur) END")}, 0)
                        AS wait_us,
-                   coalesce(sum(r.dur), 0) AS measured_us
+                   coalesce({_sum("r.dur")}, 0) AS measured_us
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             GROUP BY r.rank ORDER BY r.rank""")
-        last = self._df("""SELECT straggler::BIGINT AS rank, count(*)::BIGINT AS last_count, sum(skew_us) AS late_us
+        last = self._df(f"""SELECT straggler::BIGINT AS rank, count(*)::BIGINT AS last_count, {_sum("skew_us")} AS late_us
                            FROM coll WHERE n > 1 GROUP BY straggler""")
         out = out.merge(last, on="rank", how="left")
         out["last_count"] = out["last_count"].fillna(0).astype(np.int64)
@@ -634,8 +696,8 @@ class Engine:
     def _step_arrivals(self):
         """``stragglers.step_arrivals`` in SQL: per step and rank, the mean arrival after the first rank
         over its collectives of two or more ranks."""
-        return self._df("""
-            SELECT r.step, r.rank::BIGINT AS rank, avg((r.start_ns - c.fs) / 1e3) AS arrival_us,
+        return self._df(f"""
+            SELECT r.step, r.rank::BIGINT AS rank, {_avg("(r.start_ns - c.fs) / 1e3")} AS arrival_us,
                    count(*)::BIGINT AS collectives
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
@@ -676,7 +738,7 @@ class Engine:
             SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
                    p.src, p.dst, count(*)::BIGINT AS pairs, (count(*) FILTER (WHERE matched))::BIGINT AS matched,
                    (count(*) FILTER (WHERE {bytes_bad}))::BIGINT AS bytes_mismatch,
-                   avg(skew_us) AS mean_skew_us, max(skew_us) AS max_skew_us,
+                   {_avg("skew_us")} AS mean_skew_us, max(skew_us) AS max_skew_us,
                    arg_min({first}, {order}) FILTER (WHERE {unmatched}) AS _unmatched,
                    (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
                    arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
@@ -754,7 +816,7 @@ class Engine:
         out = self._df(f"""
             WITH idx AS (SELECT g, cseq, fs, row_number() OVER (ORDER BY pos, cseq) - 1 AS i FROM coll)
             SELECT r.rank::BIGINT AS rank, ((i * {bins} // {max(ncoll, 1)}) * {ncoll} + {bins} - 1) // {bins} AS bin,
-                   avg((r.start_ns - idx.fs) / 1e3) AS arrival_us
+                   {_avg("(r.start_ns - idx.fs) / 1e3")} AS arrival_us
             FROM rows r JOIN idx ON r."group" = idx.g AND r.cseq = idx.cseq
             GROUP BY ALL""")
         out = out.pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
