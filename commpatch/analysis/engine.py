@@ -29,6 +29,7 @@ import numpy as np
 
 from ..data.clock import CLOCK_ATTR
 from ..data.logfile import IN_FLIGHT_ATTR
+from ..data.ops import describe_op
 from ..data.schema import expand_ranks
 from .hangs import merge_flights
 from .matching import (
@@ -273,6 +274,7 @@ class Results:
     by_rank_steps: Any = None  # steps.per_step(by_rank=True), for the straggler advice
     ops: Any = None  # the ops of the rows (sorted names), for the findings
     unmeasured_ops: Any = None  # the ops of steady-state calls without a duration (findings._unmeasured_ops)
+    bus_summary: Any = None  # summary by collective and size_bucket of the steady state (findings.slowest_bus)
     in_flight: int = 0  # calls the logs say were in flight at the end (Staged.in_flight, summed)
     log_ends: Any = None  # matching.log_end_table
     clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
@@ -383,7 +385,15 @@ class Engine:
         if len(ranks) > 1:  # before the summary: its bandwidth is from the transfer time
             self._groups(ranks)
             self._match()
-        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        per_step = self._per_step()
+        bus_by = ["collective", "size_bucket"]  # the findings compare the bus bandwidth of the steady state by these
+        steady = self._steady_where(per_step)
+        if self.by == bus_by:  # both from one scan
+            summary, bus = self._summary(None, also=steady)
+        else:
+            summary, bus = self._summary(None), self._summary(bus_by, steady, sums_only=True)
+        out = Results(summary=summary, per_step=per_step, rank_list=ranks, **self.counts)
+        out.bus_summary = bus
         out.setup, out.ops, out.unmeasured_ops = self._row_facts(out.per_step)
         if "steps" in self.tables:
             out.by_rank_steps = self._df("SELECT * FROM steps ORDER BY rank, step")
@@ -460,14 +470,23 @@ class Engine:
         """The per-rank arrival matrix of the plots (``matching.arrival_matrix``), after ``results()``."""
         return _engine_errors(self._arrivals, bins)
 
-    def _summary(self, by):
-        import pandas as pd
-
+    def _summary(self, by, where: str = "true", sums_only: bool = False, also: str | None = None):
+        """The summary by ``by``, of the rows ``where`` says; ``sums_only``: without the mean, the
+        quantiles and the maximum (NaN), for the bandwidth only (a quantile holds every duration).
+        ``also``: a condition; then (the summary, the bandwidth by the same keys of the rows ``also`` says),
+        from the same scan (its bandwidth columns only)."""
         by = self.by if by is None else ([by] if isinstance(by, str) else list(by))
-        exprs = []
+        exprs: list[tuple[str, str | None]] = []
         for i, key in enumerate(by):
             if by is self.by:
                 exprs.append((f"k{i}", f"k{i}"))
+            elif key == "collective" and "collective" in self.by:
+                exprs.append((f"k{self.by.index('collective')}", f"k{self.by.index('collective')}"))
+            elif key == "collective":  # derived from the op, as data.ops.describe_op names it
+                cases = " ".join(
+                    f"WHEN {code} THEN '{describe_op(name)[0]}'" for code, name in self.names.get("op", {}).items()
+                )
+                exprs.append((f"CASE op {cases} END" if cases else "NULL", None))
             elif key == "size_bucket":
                 exprs.append(("CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END", None))
             elif key in ("op", "group", "dtype", "rank", "step"):
@@ -485,14 +504,44 @@ class Engine:
                              THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
             FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
         )
-        out = self._df(f"""
-            SELECT {cols}, count(*) AS count, coalesce({_sum("dur")}, 0) AS total_us, {_avg("dur")} AS mean_us,
-                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce({_sum("own")}, 0) AS own_us,
-                   coalesce({_sum("transfer")}, 0) AS transfer_us,
-                   sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
-                   coalesce((sum(bytes) FILTER (WHERE dur IS NOT NULL))::DOUBLE, 0) AS _mbytes,
-                   coalesce({_sum("busbytes")}, 0) AS _busbytes
-            FROM {source} GROUP BY ALL""")
+
+        def sums(w: str, prefix: str = "") -> str:
+            def when(x):
+                return x if w == "true" else f"CASE WHEN {w} THEN {x} END"
+
+            return f"""count(*) FILTER (WHERE {w}) AS {prefix}count, coalesce({_sum(when("dur"))}, 0) AS {prefix}total_us,
+                   coalesce({_sum(when("own"))}, 0) AS {prefix}own_us, coalesce({_sum(when("transfer"))}, 0) AS {prefix}transfer_us,
+                   sum(bytes) FILTER (WHERE {w})::BIGINT AS {prefix}bytes,
+                   (count(*) FILTER (WHERE {w}) - count(dur) FILTER (WHERE {w}))::BIGINT AS {prefix}unmeasured,
+                   coalesce((sum(bytes) FILTER (WHERE {w} AND dur IS NOT NULL))::DOUBLE, 0) AS {prefix}_mbytes,
+                   coalesce({_sum(when("busbytes"))}, 0) AS {prefix}_busbytes"""
+
+        stats = (
+            "NULL::DOUBLE AS mean_us, NULL AS _q, NULL::DOUBLE AS max_us"
+            if sums_only
+            else (f"{_avg('dur')} AS mean_us, quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us")
+        )
+        # of the rows ``also`` says, the bandwidth's sums only (each exact sum costs a cast per row)
+        bandwidth = f"""count(*) FILTER (WHERE {also}) AS _w_count,
+                   coalesce({_sum(f"CASE WHEN {also} THEN transfer END")}, 0) AS _w_transfer_us,
+                   coalesce((sum(bytes) FILTER (WHERE {also} AND dur IS NOT NULL))::DOUBLE, 0) AS _w__mbytes,
+                   coalesce({_sum(f"CASE WHEN {also} THEN busbytes END")}, 0) AS _w__busbytes"""
+        raw = self._df(f"""
+            SELECT {cols}, {sums("true")}, {stats}{f", {bandwidth}" if also else ""}
+            FROM {source} WHERE {where} GROUP BY ALL""")
+        if also is None:
+            return self._finish_summary(raw, by, keys, exprs)
+        part = raw[raw["_w_count"] > 0][keys].copy()
+        for column in ("count", "transfer_us", "_mbytes", "_busbytes"):
+            part[column] = raw.loc[part.index, f"_w_{column}"]
+        # (not summed: NaN, unknown)
+        part["total_us"] = part["own_us"] = part["mean_us"] = part["max_us"] = np.nan
+        part["bytes"], part["unmeasured"], part["_q"] = 0, 0, None
+        return self._finish_summary(raw, by, keys, exprs), self._finish_summary(part, by, keys, exprs)
+
+    def _finish_summary(self, out, by, keys, exprs):
+        import pandas as pd
+
         for k, (_, codes_of) in zip(keys, exprs):
             if codes_of is not None and codes_of in self.names:  # categorical: names, in pandas' order
                 names = self.names[codes_of]
@@ -539,6 +588,17 @@ class Engine:
                    (-max({{'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}}).r)::BIGINT AS max_rank
             FROM steps GROUP BY step ORDER BY step""")
         return out
+
+    @staticmethod
+    def _steady_where(steps_table) -> str:
+        """The rows of the steady state (set-up calls left out, as ``steps.steady_rows``), else every
+        row: the condition in SQL."""
+        if steps_table is None or not (steps_table["stage"] == "steady").any():
+            return "true"
+        # the steps not in the steady state: a few (set-up, the last), where the steady ones are many
+        other = ", ".join(str(int(x)) for x in steps_table.loc[steps_table["stage"] != "steady", "step"])
+        where = f"op NOT IN ({', '.join(str(code_of(op)) for op in SETUP_OPS)})"
+        return where + (f" AND step NOT IN ({other})" if other else "")
 
     def _row_facts(self, steps_table):
         """What the findings read of the rows, in one scan: ``steps.setup_cost`` (the communication of

@@ -54,8 +54,8 @@ def findings(df, steps_table, cross=None, pre=None) -> list:
     """The findings of one run's log. ``steps_table``: ``per_step(df, by_rank=False)``;
     ``cross``: ``matching.cross_rank(df)`` for a log of several ranks. ``df`` None (the report
     computed at scale by the engine, without the rows in memory): what the findings need of the rows
-    comes from ``pre`` (``engine.Results``: setup, ops, unmeasured_ops), and the slowest bus
-    bandwidth is not compared (a finding says so: ``ENGINE_LIMITS``)."""
+    comes from ``pre`` (``engine.Results``: setup, ops, unmeasured_ops, bus_summary), and a
+    finding says what the engine's report leaves out (``ENGINE_LIMITS``)."""
     out: list[Finding] = []
     st = steady_state(steps_table)
     # what counted the steps of the steady state (the set-up's may differ: forwards counted before the
@@ -167,7 +167,11 @@ def findings(df, steps_table, cross=None, pre=None) -> list:
         )
     if cross is not None:
         out += _cross_findings(cross, st, steps_table)
-    slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
+    if df is not None:
+        rows = steady_rows(df, steps_table) if st["steps"] else df
+        slow = _slowest_bus(summary(rows, by=["collective", "size_bucket"]) if len(rows) else None)
+    else:
+        slow = _slowest_bus(getattr(pre, "bus_summary", None))
     if slow is not None:
         out.append(slow)
     if df is None:  # never a finding left out silently
@@ -177,9 +181,9 @@ def findings(df, steps_table, cross=None, pre=None) -> list:
 
 # what the report computed by the DuckDB engine (df None) does not look at, said in its findings
 ENGINE_LIMITS = (
-    "not looked at by the DuckDB engine (it does not hold every row in memory): the bus bandwidth of "
-    "collectives of one message size against each other, and the advice on DDP's bucket size, DDP's "
-    "gradient copy and small messages; `commpatch report --engine pandas` does (docs/reporting.md)."
+    "not looked at by the DuckDB engine (it does not hold every row in memory): the advice on DDP's "
+    "bucket size, DDP's gradient copy and small messages; `commpatch report --engine pandas` gives it "
+    "(docs/reporting.md)."
 )
 
 
@@ -376,11 +380,11 @@ def hang_findings(table, most: int = 3) -> list:
     return out
 
 
-def _slowest_bus(rows):
-    """The collective whose bus bandwidth is lowest relative to the best of the same message size."""
-    if not len(rows):
+def _slowest_bus(s):
+    """The collective whose bus bandwidth is lowest relative to the best of the same message size
+    (``s``: the summary by collective and size_bucket of the steady-state rows)."""
+    if s is None or not len(s):
         return None
-    s = summary(rows, by=["collective", "size_bucket"])
     s = s[s["busbw_gbps"].notna() & (s["busbw_gbps"] > 0) & (s["size_bucket"] > 0)]
     if not len(s):
         return None
