@@ -101,20 +101,25 @@ class Advice:
 KEYS = tuple(Advice.__dataclass_fields__)
 
 
-def advice(df, steps_table, cross=None) -> list:
+def advice(df, steps_table, cross=None, by_rank=None) -> list:
     """Every rule's advice for one run's log (``df`` with its pattern steps, as ``build_report`` has
     it; ``steps_table``: ``per_step(df, by_rank=False)``; ``cross``: ``matching.cross_rank(df)`` or
-    None). ``df`` None (the report at scale): none (the rules read the rows)."""
-    if df is None or not len(df):
+    None). ``df`` None (the report at scale): the straggler rule only, from ``by_rank`` (the
+    engine's ``per_step(by_rank=True)``); the other rules read the rows (``ROW_RULES``)."""
+    if df is None and by_rank is None or df is not None and not len(df):
         return []
     st = steady_state(steps_table)
     if st["steps"] < MIN_STEPS or not st["step_p50_us"] > 0:
         return []
     out = []
-    for rule in (ddp_bucket_size, ddp_grad_copy, small_messages):
-        out += rule(df, steps_table, st)
-    out += straggler(df, steps_table, st, cross)
+    if df is not None:
+        for rule in (ddp_bucket_size, ddp_grad_copy, small_messages):
+            out += rule(df, steps_table, st)
+    out += straggler(df, steps_table, st, cross, by_rank)
     return out
+
+
+ROW_RULES = ("ddp_bucket_size", "ddp_grad_copy", "small_messages")  # the rules that read every row
 
 
 # ---- DDP ------------------------------------------------------------------------------------------
@@ -390,9 +395,10 @@ def small_messages(df, steps_table, st) -> list:
 
 
 # ---- stragglers ----------------------------------------------------------------------------------
-def straggler(df, steps_table, st, cross) -> list:
+def straggler(df, steps_table, st, cross, by_rank=None) -> list:
     """A rank late in most steps by a steady amount (``stragglers.verdict``): its own work, with its
-    step-time breakdown against the other ranks'."""
+    step-time breakdown against the other ranks' (``by_rank``: ``per_step(df, by_rank=True)`` when
+    already computed)."""
     arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
     if arrivals is None:
         return []
@@ -400,7 +406,7 @@ def straggler(df, steps_table, st, cross) -> list:
     if not v["straggler"]:
         return []
     r = v["rank"]
-    by_rank = per_step(df, by_rank=True)
+    by_rank = per_step(df, by_rank=True) if by_rank is None else by_rank
     steady = by_rank[by_rank["stage"] == "steady"]
     own = steady[steady["rank"] == r]
     others = steady[steady["rank"] != r]
@@ -488,6 +494,7 @@ def _n(x) -> str:
 __all__ = [
     "Advice",
     "KEYS",
+    "ROW_RULES",
     "advice",
     "bucket_steps",
     "ddp_bucket_size",

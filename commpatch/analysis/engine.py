@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..data.clock import CLOCK_ATTR
 from ..data.logfile import IN_FLIGHT_ATTR
+from ..data.ops import describe_op
 from ..data.schema import expand_ranks
 from .hangs import merge_flights
 from .matching import (
@@ -42,10 +44,26 @@ from .matching import (
 )
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import warn_refused, with_pattern_steps
-from .steps import per_step
+from .steps import SETUP_OPS, per_step, setup_from
 from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20  # 'auto' takes the engine from this much input on (and when installed)
+
+
+# Floating-point sums in a fixed order: DuckDB adds the values of a group on several threads in
+# whatever order they come, so the last bits of a double sum varied from one run to the next. Each
+# value is summed as a 128-bit decimal of 18 digits after the point instead (integer addition:
+# the same result in any order), then given back as a double; non-finite values are not summed
+# (pandas skips NaN likewise). Cost measured: docs/reporting.md (At scale).
+_EXACT = "DECIMAL(38, 18)"
+
+
+def _sum(x: str) -> str:
+    return f"sum(CASE WHEN isfinite({x}) THEN ({x})::{_EXACT} END)::DOUBLE"
+
+
+def _avg(x: str) -> str:
+    return f"({_sum(x)} / count(CASE WHEN isfinite({x}) THEN 1 END))"
 
 
 class EngineError(RuntimeError):
@@ -252,6 +270,11 @@ class Results:
     by_op_size: Any = None  # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: Any = None  # stragglers.step_arrivals
+    setup: Any = None  # steps.setup_from: the set-up finding's figures
+    by_rank_steps: Any = None  # steps.per_step(by_rank=True), for the straggler advice
+    ops: Any = None  # the ops of the rows (sorted names), for the findings
+    unmeasured_ops: Any = None  # the ops of steady-state calls without a duration (findings._unmeasured_ops)
+    bus_summary: Any = None  # summary by collective and size_bucket of the steady state (findings.slowest_bus)
     in_flight: int = 0  # calls the logs say were in flight at the end (Staged.in_flight, summed)
     log_ends: Any = None  # matching.log_end_table
     clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
@@ -362,7 +385,18 @@ class Engine:
         if len(ranks) > 1:  # before the summary: its bandwidth is from the transfer time
             self._groups(ranks)
             self._match()
-        out = Results(summary=self._summary(None), per_step=self._per_step(), rank_list=ranks, **self.counts)
+        per_step = self._per_step()
+        bus_by = ["collective", "size_bucket"]  # the findings compare the bus bandwidth of the steady state by these
+        steady = self._steady_where(per_step)
+        if self.by == bus_by:  # both from one scan
+            summary, bus = self._summary(None, also=steady)
+        else:
+            summary, bus = self._summary(None), self._summary(bus_by, steady, sums_only=True)
+        out = Results(summary=summary, per_step=per_step, rank_list=ranks, **self.counts)
+        out.bus_summary = bus
+        out.setup, out.ops, out.unmeasured_ops = self._row_facts(out.per_step)
+        if "steps" in self.tables:
+            out.by_rank_steps = self._df("SELECT * FROM steps ORDER BY rank, step")
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
@@ -436,14 +470,23 @@ class Engine:
         """The per-rank arrival matrix of the plots (``matching.arrival_matrix``), after ``results()``."""
         return _engine_errors(self._arrivals, bins)
 
-    def _summary(self, by):
-        import pandas as pd
-
+    def _summary(self, by, where: str = "true", sums_only: bool = False, also: str | None = None):
+        """The summary by ``by``, of the rows ``where`` says; ``sums_only``: without the mean, the
+        quantiles and the maximum (NaN), for the bandwidth only (a quantile holds every duration).
+        ``also``: a condition; then (the summary, the bandwidth by the same keys of the rows ``also`` says),
+        from the same scan (its bandwidth columns only)."""
         by = self.by if by is None else ([by] if isinstance(by, str) else list(by))
-        exprs = []
+        exprs: list[tuple[str, str | None]] = []
         for i, key in enumerate(by):
             if by is self.by:
                 exprs.append((f"k{i}", f"k{i}"))
+            elif key == "collective" and "collective" in self.by:
+                exprs.append((f"k{self.by.index('collective')}", f"k{self.by.index('collective')}"))
+            elif key == "collective":  # derived from the op, as data.ops.describe_op names it
+                cases = " ".join(
+                    f"WHEN {code} THEN '{describe_op(name)[0]}'" for code, name in self.names.get("op", {}).items()
+                )
+                exprs.append((f"CASE op {cases} END" if cases else "NULL", None))
             elif key == "size_bucket":
                 exprs.append(("CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END", None))
             elif key in ("op", "group", "dtype", "rank", "step"):
@@ -461,14 +504,44 @@ class Engine:
                              THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
             FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
         )
-        out = self._df(f"""
-            SELECT {cols}, count(*) AS count, coalesce(sum(dur), 0) AS total_us, avg(dur) AS mean_us,
-                   quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us, coalesce(sum(own), 0) AS own_us,
-                   coalesce(sum(transfer), 0) AS transfer_us,
-                   sum(bytes)::BIGINT AS bytes, (count(*) - count(dur))::BIGINT AS unmeasured,
-                   coalesce(sum(bytes::DOUBLE) FILTER (WHERE dur IS NOT NULL), 0) AS _mbytes,
-                   coalesce(sum(busbytes), 0) AS _busbytes
-            FROM {source} GROUP BY ALL""")
+
+        def sums(w: str, prefix: str = "") -> str:
+            def when(x):
+                return x if w == "true" else f"CASE WHEN {w} THEN {x} END"
+
+            return f"""count(*) FILTER (WHERE {w}) AS {prefix}count, coalesce({_sum(when("dur"))}, 0) AS {prefix}total_us,
+                   coalesce({_sum(when("own"))}, 0) AS {prefix}own_us, coalesce({_sum(when("transfer"))}, 0) AS {prefix}transfer_us,
+                   sum(bytes) FILTER (WHERE {w})::BIGINT AS {prefix}bytes,
+                   (count(*) FILTER (WHERE {w}) - count(dur) FILTER (WHERE {w}))::BIGINT AS {prefix}unmeasured,
+                   coalesce((sum(bytes) FILTER (WHERE {w} AND dur IS NOT NULL))::DOUBLE, 0) AS {prefix}_mbytes,
+                   coalesce({_sum(when("busbytes"))}, 0) AS {prefix}_busbytes"""
+
+        stats = (
+            "NULL::DOUBLE AS mean_us, NULL AS _q, NULL::DOUBLE AS max_us"
+            if sums_only
+            else (f"{_avg('dur')} AS mean_us, quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us")
+        )
+        # of the rows ``also`` says, the bandwidth's sums only (each exact sum costs a cast per row)
+        bandwidth = f"""count(*) FILTER (WHERE {also}) AS _w_count,
+                   coalesce({_sum(f"CASE WHEN {also} THEN transfer END")}, 0) AS _w_transfer_us,
+                   coalesce((sum(bytes) FILTER (WHERE {also} AND dur IS NOT NULL))::DOUBLE, 0) AS _w__mbytes,
+                   coalesce({_sum(f"CASE WHEN {also} THEN busbytes END")}, 0) AS _w__busbytes"""
+        raw = self._df(f"""
+            SELECT {cols}, {sums("true")}, {stats}{f", {bandwidth}" if also else ""}
+            FROM {source} WHERE {where} GROUP BY ALL""")
+        if also is None:
+            return self._finish_summary(raw, by, keys, exprs)
+        part = raw[raw["_w_count"] > 0][keys].copy()
+        for column in ("count", "transfer_us", "_mbytes", "_busbytes"):
+            part[column] = raw.loc[part.index, f"_w_{column}"]
+        # (not summed: NaN, unknown)
+        part["total_us"] = part["own_us"] = part["mean_us"] = part["max_us"] = np.nan
+        part["bytes"], part["unmeasured"], part["_q"] = 0, 0, None
+        return self._finish_summary(raw, by, keys, exprs), self._finish_summary(part, by, keys, exprs)
+
+    def _finish_summary(self, out, by, keys, exprs):
+        import pandas as pd
+
         for k, (_, codes_of) in zip(keys, exprs):
             if codes_of is not None and codes_of in self.names:  # categorical: names, in pandas' order
                 names = self.names[codes_of]
@@ -503,18 +576,67 @@ class Engine:
         """``summaries.per_step(by_rank=False)`` from the per-rank tables ``stage`` wrote."""
         if "steps" not in self.tables:
             return None
-        out = self._df("""
+        out = self._df(f"""
             SELECT step, arg_min(stage, rank) AS stage, arg_min(step_source, rank) AS step_source,
-                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, avg(comm_us) AS comm_us,
-                   max(comm_us) AS max_comm_us, avg(busy_us) AS busy_us, avg(exposed_us) AS exposed_us,
-                   avg(overlapped_us) AS overlapped_us, avg(overlap_unknown_us) AS overlap_unknown_us,
-                   avg(setup_comm_us) AS setup_comm_us, avg(ddp_finalize_us) AS ddp_finalize_us,
-                   avg(ddp_pack_us) AS ddp_pack_us, avg(step_us) AS step_us,
-                   arg_min(step_time_from, rank) AS step_time_from, avg(comm_share) AS comm_share,
-                   avg(exposed_share) AS exposed_share,
-                   (-max({'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}).r)::BIGINT AS max_rank
+                   count(*)::BIGINT AS ranks, avg(calls) AS calls, avg(unmeasured) AS unmeasured, avg(bytes) AS bytes, {_avg("comm_us")} AS comm_us,
+                   max(comm_us) AS max_comm_us, {_avg("busy_us")} AS busy_us, {_avg("exposed_us")} AS exposed_us,
+                   {_avg("overlapped_us")} AS overlapped_us, {_avg("overlap_unknown_us")} AS overlap_unknown_us,
+                   {_avg("setup_comm_us")} AS setup_comm_us, {_avg("ddp_finalize_us")} AS ddp_finalize_us,
+                   {_avg("ddp_pack_us")} AS ddp_pack_us, {_avg("step_us")} AS step_us,
+                   arg_min(step_time_from, rank) AS step_time_from, {_avg("comm_share")} AS comm_share,
+                   {_avg("exposed_share")} AS exposed_share,
+                   (-max({{'c': coalesce(comm_us, '-infinity'::DOUBLE), 'r': -rank}}).r)::BIGINT AS max_rank
             FROM steps GROUP BY step ORDER BY step""")
         return out
+
+    @staticmethod
+    def _steady_where(steps_table) -> str:
+        """The rows of the steady state (set-up calls left out, as ``steps.steady_rows``), else every
+        row: the condition in SQL."""
+        if steps_table is None or not (steps_table["stage"] == "steady").any():
+            return "true"
+        # the steps not in the steady state: a few (set-up, the last), where the steady ones are many
+        other = ", ".join(str(int(x)) for x in steps_table.loc[steps_table["stage"] != "steady", "step"])
+        where = f"op NOT IN ({', '.join(str(code_of(op)) for op in SETUP_OPS)})"
+        return where + (f" AND step NOT IN ({other})" if other else "")
+
+    def _row_facts(self, steps_table):
+        """What the findings read of the rows, in one scan: ``steps.setup_cost`` (the communication of
+        set-up calls and of set-up steps, per op), the ops of the rows and those of the steady-state
+        calls without a duration (set-up calls left out, as ``steps.steady_rows``): sorted names."""
+        import pandas as pd
+
+        stages = pd.DataFrame({"step": np.zeros(0, np.int64), "stage": np.zeros(0, object)})
+        if steps_table is not None:
+            stages = pd.DataFrame(
+                {"step": steps_table["step"].astype(np.int64), "stage": steps_table["stage"].astype(str)}
+            )
+        setup_ops = ", ".join(str(code_of(op)) for op in SETUP_OPS)
+        in_setup = f"(r.op IN ({setup_ops}) OR s.stage = 'setup')"
+        self.con.register("_stages", stages)
+        try:
+            per_op = self._df(f"""
+                SELECT r.op, coalesce({_sum("r.dur")}, 0) AS us,
+                       coalesce({_sum(f"CASE WHEN {in_setup} THEN r.dur END")}, 0) AS setup_us,
+                       bool_or({in_setup}) AS in_setup,
+                       bool_or(r.dur IS NULL AND s.stage = 'steady' AND r.op NOT IN ({setup_ops})) AS unmeasured
+                FROM rows r LEFT JOIN _stages s ON r.step = s.step GROUP BY r.op""")
+        finally:
+            self.con.unregister("_stages")
+        names = self.names.get("op", {})
+        per_op["op"] = [names[int(c)] for c in per_op["op"]]
+        per_op = per_op.sort_values("op", kind="stable")
+        ops, unmeasured = per_op["op"].tolist(), per_op.loc[per_op["unmeasured"].fillna(False), "op"].tolist()
+        if steps_table is None:
+            return None, ops, unmeasured
+        part = per_op[per_op["in_setup"].fillna(False)]
+        by_op = pd.Series(part["setup_us"].to_numpy(np.float64), index=pd.Index(part["op"], name="op"))
+        total = math.fsum(per_op["us"])  # (exact sums per op: the same in any order)
+        return (
+            setup_from(steps_table, by_op, total, len(self.seen_ranks), self.counts["unmeasured"] > 0),
+            ops,
+            unmeasured,
+        )
 
     def _groups(self, ranks) -> None:
         """Per group code: its name's position in sorted order (how pandas orders categories) and
@@ -611,14 +733,14 @@ class Engine:
             self.con.unregister("_want")
 
     def _rank_table(self):
-        out = self._df("""
+        out = self._df(f"""
             SELECT r.rank::BIGINT AS rank, count(*)::BIGINT AS collectives,
-                   coalesce(sum(CASE WHEN r.dur IS NULL THEN NULL ELSE least((c.ls - r.start_ns) / 1e3, r.dur) END), 0)
+                   coalesce({_sum("CASE WHEN r.dur IS NULL THEN NULL ELSE least((c.ls - r.start_ns) / 1e3, r.dur) END")}, 0)
                        AS wait_us,
-                   coalesce(sum(r.dur), 0) AS measured_us
+                   coalesce({_sum("r.dur")}, 0) AS measured_us
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             GROUP BY r.rank ORDER BY r.rank""")
-        last = self._df("""SELECT straggler::BIGINT AS rank, count(*)::BIGINT AS last_count, sum(skew_us) AS late_us
+        last = self._df(f"""SELECT straggler::BIGINT AS rank, count(*)::BIGINT AS last_count, {_sum("skew_us")} AS late_us
                            FROM coll WHERE n > 1 GROUP BY straggler""")
         out = out.merge(last, on="rank", how="left")
         out["last_count"] = out["last_count"].fillna(0).astype(np.int64)
@@ -634,8 +756,8 @@ class Engine:
     def _step_arrivals(self):
         """``stragglers.step_arrivals`` in SQL: per step and rank, the mean arrival after the first rank
         over its collectives of two or more ranks."""
-        return self._df("""
-            SELECT r.step, r.rank::BIGINT AS rank, avg((r.start_ns - c.fs) / 1e3) AS arrival_us,
+        return self._df(f"""
+            SELECT r.step, r.rank::BIGINT AS rank, {_avg("(r.start_ns - c.fs) / 1e3")} AS arrival_us,
                    count(*)::BIGINT AS collectives
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
@@ -676,7 +798,7 @@ class Engine:
             SELECT g.name AS "group", CASE WHEN p.channel = 0 THEN 'object' ELSE 'tensor' END AS channel,
                    p.src, p.dst, count(*)::BIGINT AS pairs, (count(*) FILTER (WHERE matched))::BIGINT AS matched,
                    (count(*) FILTER (WHERE {bytes_bad}))::BIGINT AS bytes_mismatch,
-                   avg(skew_us) AS mean_skew_us, max(skew_us) AS max_skew_us,
+                   {_avg("skew_us")} AS mean_skew_us, max(skew_us) AS max_skew_us,
                    arg_min({first}, {order}) FILTER (WHERE {unmatched}) AS _unmatched,
                    (count(*) FILTER (WHERE {unmatched}))::BIGINT AS _n_unmatched,
                    arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
@@ -754,7 +876,7 @@ class Engine:
         out = self._df(f"""
             WITH idx AS (SELECT g, cseq, fs, row_number() OVER (ORDER BY pos, cseq) - 1 AS i FROM coll)
             SELECT r.rank::BIGINT AS rank, ((i * {bins} // {max(ncoll, 1)}) * {ncoll} + {bins} - 1) // {bins} AS bin,
-                   avg((r.start_ns - idx.fs) / 1e3) AS arrival_us
+                   {_avg("(r.start_ns - idx.fs) / 1e3")} AS arrival_us
             FROM rows r JOIN idx ON r."group" = idx.g AND r.cseq = idx.cseq
             GROUP BY ALL""")
         out = out.pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")

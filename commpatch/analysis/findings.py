@@ -23,7 +23,7 @@ CLOCK_NOTED_US = 1000.0
 
 
 class Finding(NamedTuple):
-    kind: str  # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth
+    kind: str  # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth, engine
     text: str
     section: str  # the report table behind it
 
@@ -50,11 +50,12 @@ _SOURCES = {
 }
 
 
-def findings(df, steps_table, cross=None) -> list:
+def findings(df, steps_table, cross=None, pre=None) -> list:
     """The findings of one run's log. ``steps_table``: ``per_step(df, by_rank=False)``;
     ``cross``: ``matching.cross_rank(df)`` for a log of several ranks. ``df`` None (the report
-    computed at scale by the engine, without the rows in memory): the findings that need the rows
-    (set-up cost, the slowest bus bandwidth) are left out."""
+    computed at scale by the engine, without the rows in memory): what the findings need of the rows
+    comes from ``pre`` (``engine.Results``: setup, ops, unmeasured_ops, bus_summary), and a
+    finding says what the engine's report leaves out (``ENGINE_LIMITS``)."""
     out: list[Finding] = []
     st = steady_state(steps_table)
     # what counted the steps of the steady state (the set-up's may differ: forwards counted before the
@@ -98,7 +99,7 @@ def findings(df, steps_table, cross=None) -> list:
                 f"steady-state step: median {_ms(st['step_p50_us'])} (p95 "
                 f"{_ms(st['step_p95_us'])}); its communication is unknown: none of its "
                 f"{st['calls']:.3g} calls per step has a duration"
-                f"{_unmeasured_ops(df, steps_table)}.",
+                f"{_unmeasured_ops(df, steps_table, pre)}.",
                 "steps",
             )
         )
@@ -113,14 +114,14 @@ def findings(df, steps_table, cross=None) -> list:
         if least:
             text += (
                 f"; {st['unmeasured']:.3g} of its {st['calls']:.3g} calls per step have no duration"
-                f"{_unmeasured_ops(df, steps_table)}, not counted"
+                f"{_unmeasured_ops(df, steps_table, pre)}, not counted"
             )
         if st["overlap_unknown_us"] > 0.05 * max(st["busy_us"], 1e-9):
             text += f"; {_ms(st['overlap_unknown_us'])} per step are async calls whose overlap the log cannot tell"
         elif overlapped > 0:
             text += "; the rest overlaps compute"
         text += "."
-        if _has_ddp_buckets(df, st):
+        if _has_ddp_buckets(df, st, pre):
             packed = st.get("ddp_pack_us", 0) > 0
             if packed:
                 text += (
@@ -139,12 +140,12 @@ def findings(df, steps_table, cross=None) -> list:
                 "windows; comparing with a no_sync() step measures them."
             )
         out.append(Finding("overhead", text, "steps"))
-    setup: dict = setup_cost(df, steps_table) if df is not None else {"setup_comm_us": 0}
+    setup = setup_cost(df, steps_table) if df is not None else getattr(pre, "setup", None) or {"setup_comm_us": 0}
     if setup["setup_comm_us"] > 0 and steps_table["step"].nunique() > 1:
         top = setup["by_op"].head(2)
         parts = ", ".join(f"{op} {_ms(us)}" for op, us in top.items() if us > 0)
         share = setup["setup_comm_us"] / setup["comm_total_us"] if setup["comm_total_us"] > 0 else float("nan")
-        measured = " measured communication" if df["duration_us"].isna().any() else ""  # unknown is not 0
+        measured = " measured communication" if setup["unmeasured"] else ""  # unknown is not 0
         what = (
             f"{setup_steps.rsplit(' ', 1)[0]}, up to the first step of the steady state: process group, model "
             "wrapping, first iteration"
@@ -166,10 +167,24 @@ def findings(df, steps_table, cross=None) -> list:
         )
     if cross is not None:
         out += _cross_findings(cross, st, steps_table)
-    slow = None if df is None else _slowest_bus(steady_rows(df, steps_table) if st["steps"] else df)
+    if df is not None:
+        rows = steady_rows(df, steps_table) if st["steps"] else df
+        slow = _slowest_bus(summary(rows, by=["collective", "size_bucket"]) if len(rows) else None)
+    else:
+        slow = _slowest_bus(getattr(pre, "bus_summary", None))
     if slow is not None:
         out.append(slow)
+    if df is None:  # never a finding left out silently
+        out.append(Finding("engine", ENGINE_LIMITS, "summary"))
     return out
+
+
+# what the report computed by the DuckDB engine (df None) does not look at, said in its findings
+ENGINE_LIMITS = (
+    "not looked at by the DuckDB engine (it does not hold every row in memory): the advice on DDP's "
+    "bucket size, DDP's gradient copy and small messages; `commpatch report --engine pandas` gives it "
+    "(docs/reporting.md)."
+)
 
 
 def _steps_text(steps) -> str:
@@ -183,22 +198,26 @@ def _steps_text(steps) -> str:
     return f"steps {steps[0]}-{steps[-1]} are" if run else f"steps {', '.join(map(str, steps))} are"
 
 
-def _unmeasured_ops(df, steps_table) -> str:
-    """' (op, op: ...)': the ops of the steady-state calls without a duration, when the rows are here."""
+def _unmeasured_ops(df, steps_table, pre=None) -> str:
+    """' (op, op: ...)': the ops of the steady-state calls without a duration (``pre.unmeasured_ops``:
+    the engine's)."""
     if df is None:
-        return ""
-    rows = steady_rows(df, steps_table)
-    ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
+        ops = list(getattr(pre, "unmeasured_ops", None) or ())
+    else:
+        rows = steady_rows(df, steps_table)
+        ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
     if not ops:
         return ""
     why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv", "batch_isend_irecv"} & set(ops) else ""
     return f" ({', '.join(ops)}{why})"
 
 
-def _has_ddp_buckets(df, st) -> bool:
+def _has_ddp_buckets(df, st, pre=None) -> bool:
     if df is not None:
         return bool((df["op"].astype(str) == "ddp_bucket_allreduce").any())
-    return st.get("ddp_finalize_us", 0) > 0  # the report at scale: DDP's finalize was timed
+    if getattr(pre, "ops", None) is not None:  # the ops of the engine's rows
+        return "ddp_bucket_allreduce" in pre.ops
+    return st.get("ddp_finalize_us", 0) > 0
 
 
 def _periods(found, steps_table) -> str:
@@ -361,11 +380,11 @@ def hang_findings(table, most: int = 3) -> list:
     return out
 
 
-def _slowest_bus(rows):
-    """The collective whose bus bandwidth is lowest relative to the best of the same message size."""
-    if not len(rows):
+def _slowest_bus(s):
+    """The collective whose bus bandwidth is lowest relative to the best of the same message size
+    (``s``: the summary by collective and size_bucket of the steady-state rows)."""
+    if s is None or not len(s):
         return None
-    s = summary(rows, by=["collective", "size_bucket"])
     s = s[s["busbw_gbps"].notna() & (s["busbw_gbps"] > 0) & (s["size_bucket"] > 0)]
     if not len(s):
         return None
@@ -392,4 +411,4 @@ def _size(nbytes) -> str:
     return f"<= {int(nbytes)} B"
 
 
-__all__ = ["Finding", "clock_finding", "findings", "hang_findings"]
+__all__ = ["ENGINE_LIMITS", "Finding", "clock_finding", "findings", "hang_findings"]

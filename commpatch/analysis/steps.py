@@ -299,26 +299,35 @@ def steady_state(steps_table) -> dict:
 def setup_cost(df, steps_table) -> dict:
     """Set-up (see the module docstring), from the log and its ``per_step(by_rank=False)``:
     setup_us (the time of its set-up steps, mean over ranks), setup_comm_us (its communication plus set-up calls
-    in later steps, per rank), comm_total_us (all communication per rank), and by_op (set-up
-    communication per op, per rank)."""
+    in later steps, per rank), comm_total_us (all communication per rank), by_op (set-up
+    communication per op, per rank) and unmeasured (some call of the log has no duration)."""
     ranks = max(int(df["rank"].nunique()), 1)
+    mask = df["op"].isin(SETUP_OPS).to_numpy() | df["step"].isin(setup_steps(steps_table)).to_numpy()
+    dur = np.nan_to_num(durations(df))
+    by_op = df.loc[mask, ["op"]].assign(us=dur[mask]).groupby("op", observed=True)["us"].sum()
+    return setup_from(steps_table, by_op, float(dur.sum()), ranks, bool(df["duration_us"].isna().any()))
+
+
+def setup_steps(steps_table) -> list:
+    """The set-up steps of a ``per_step(by_rank=False)`` table."""
+    return steps_table.loc[steps_table["stage"] == "setup", "step"].tolist()
+
+
+def setup_from(steps_table, by_op, comm_us: float, ranks: int, unmeasured: bool) -> dict:
+    """``setup_cost`` from the sums over every rank (the engine computes them in SQL): ``by_op``
+    the set-up communication per op (set-up calls and calls of set-up steps), ``comm_us`` all
+    communication, ``ranks`` the ranks of the log."""
     setup = steps_table[steps_table["stage"] == "setup"]
     later = steps_table[steps_table["stage"] != "setup"]
-    mask = df["op"].isin(SETUP_OPS).to_numpy() | df["step"].isin(setup["step"].tolist()).to_numpy()
-    dur = np.nan_to_num(durations(df))
-    by_op = (
-        df.loc[mask, ["op"]]
-        .assign(us=dur[mask] / ranks)
-        .groupby("op", observed=True)["us"]
-        .sum()
-        .sort_values(ascending=False)
-    )
+    ranks = max(ranks, 1)
+    by_op = (by_op.astype(np.float64) / ranks).sort_values(ascending=False, kind="stable")
     return dict(
         setup_us=float(setup["step_us"].sum(min_count=1)) if len(setup) else float("nan"),
-        setup_comm_us=float(dur[mask].sum() / ranks),
-        comm_total_us=float(dur.sum() / ranks),
+        setup_comm_us=float(by_op.sum()),
+        comm_total_us=float(comm_us / ranks),
         later_setup_comm_us=float(later["setup_comm_us"].sum()),
         by_op=by_op,
+        unmeasured=unmeasured,
     )
 
 

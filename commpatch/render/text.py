@@ -206,7 +206,7 @@ def build_report(
         rep.notes.append(
             "one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches)."
         )
-    rep.findings = _findings.findings(df, per_step, cr)
+    rep.findings = _findings.findings(df, per_step, cr, pre=pre)
     if df is not None:  # first: what the ranks wait in at the end of the logs (analysis.hangs)
         waits = hangs.hangs(df)
         if len(waits):
@@ -223,7 +223,7 @@ def build_report(
             ),
         )
     rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
-    rep.advice = _advice.advice(df, per_step, cr)
+    rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
 
 

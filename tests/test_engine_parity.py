@@ -1,0 +1,172 @@
+"""Both engines give the same report: the full JSON of `commpatch.open(path, engine=...)` (every
+section, finding, headline and advice, key by key) is equal for pandas and DuckDB on logs with a
+straggler, point-to-point calls, mismatches, a skipped collective, several groups (binary logs),
+one rank, steps found from the pattern after a set-up broadcast, and a real 2-rank gloo run.
+
+What differs by design is listed in BY_DESIGN with its reason, and the DuckDB report says it
+itself (a finding of kind "engine"). Floats are compared to a relative 1e-12: the same math,
+summed in another order (pandas: pairwise over the rows in memory; DuckDB: each figure in a
+fixed order, so that its own results are the same from one run to the next)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+import commpatch
+from commpatch.analysis import engine
+from commpatch.analysis.advice import ROW_RULES
+from commpatch.analysis.findings import ENGINE_LIMITS
+from commpatch.testing import write_binary_run, write_rank_files
+
+pytestmark = pytest.mark.skipif(not engine.available(), reason="needs duckdb (commpatch[scale])")
+
+FLOAT_RTOL = 1e-12  # the same sums in another order (see the module docstring)
+
+# What the DuckDB report does not compute, and why; its findings say so (kind "engine").
+BY_DESIGN = {
+    "advice ddp_bucket_size, ddp_grad_copy, small_messages": "these rules read every row (advice.ROW_RULES)",
+    "hangs section": "the engine counts the calls in flight at the end, not who waits for whom (docs/hangs.md)",
+}
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    """Every key path where the pandas report ``a`` and the DuckDB report ``b`` differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}/{k}: only in {'pandas' if k in a else 'duckdb'}" for k in sorted(a.keys() ^ b.keys())]
+        return out + [d for k in a if k in b for d in differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        out = [f"{path}: {len(a)} items against {len(b)}"] if len(a) != len(b) else []
+        return out + [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=FLOAT_RTOL, abs_tol=1e-300)
+        return [] if same else [f"{path}: {a!r} against {b!r}"]
+    return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} against {b!r}"]
+
+
+def reports(path) -> tuple[dict, dict]:
+    out = []
+    for name in ("pandas", "duckdb"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a refused pattern warns alike on both)
+            with commpatch.open(path, engine=name) as run:
+                assert run.engine == name
+                out.append(run.to_dict())
+    return out[0], out[1]
+
+
+def assert_same_report(path) -> tuple[dict, dict]:
+    pandas, duckdb = reports(path)
+    said = [f for f in duckdb["findings"] if f["kind"] == "engine"]
+    assert [f["text"] for f in said] == [ENGINE_LIMITS]  # the differences by design, said in the report
+    assert not any(f["kind"] == "engine" for f in pandas["findings"])
+    # by design (BY_DESIGN): what the engine does not compute is absent from its report, never wrong
+    pandas = dict(pandas, advice=[a for a in pandas["advice"] if a["rule"] not in ROW_RULES])
+    duckdb = dict(duckdb, findings=[f for f in duckdb["findings"] if f["kind"] != "engine"])
+    assert "hangs" not in pandas["sections"]  # (no log here ends in a hang)
+    assert differences(pandas, duckdb) == []
+    return pandas, duckdb
+
+
+LOGS = {
+    "straggler, p2p and a size mismatch": dict(world_size=4, steps=8, p2p=True, straggler=3, mismatch=(1, 9)),
+    "a straggler the advice names": dict(world_size=4, steps=12, straggler=1, straggler_delay_us=8000.0),
+    "a skipped collective": dict(world_size=4, steps=6, missing=(2, 7), seed=2),
+    "one rank": dict(world_size=1, steps=6),
+}
+
+
+@pytest.mark.parametrize("case", list(LOGS))
+def test_the_engines_report_the_same_on_synthetic_logs(tmp_path, case):
+    write_rank_files(str(tmp_path), **LOGS[case])
+    pandas, _ = assert_same_report(str(tmp_path))
+    kinds = {f["kind"] for f in pandas["findings"]}
+    assert {"steps", "setup"} <= kinds, kinds  # the set-up finding is in both (it was the pandas path's only)
+    if case == "a straggler the advice names":
+        assert [a["rule"] for a in pandas["advice"]] == ["straggler"]
+
+
+def test_the_engines_report_the_same_on_unmeasured_calls_and_ddp_buckets(tmp_path):
+    """Calls without a duration (named in the overhead finding) and DDP's bucket all-reduce (the
+    finding says what its figures leave out): facts of the rows the engine reads in SQL."""
+    import numpy as np
+
+    from commpatch.testing import rank_logs
+
+    pattern = (
+        ("ddp_bucket_allreduce", 1 << 22, "float32"),
+        ("broadcast", 1 << 16, "float32"),
+        ("all_reduce", 64, "float32"),
+    )
+    for rank, frame in enumerate(rank_logs(4, 8, pattern=pattern)):
+        unmeasured = (frame["op"] == "broadcast").to_numpy()
+        for column in ("duration_us", "host_us", "own_us"):
+            frame[column] = np.where(unmeasured, np.nan, frame[column])
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame)
+    pandas, _ = assert_same_report(str(tmp_path))
+    overhead = [f["text"] for f in pandas["findings"] if f["kind"] == "overhead"]
+    assert len(overhead) == 1 and "calls per step have no duration (broadcast)" in overhead[0], overhead
+    assert "DDP's copy of each gradient into its bucket" in overhead[0]
+
+
+def test_the_engines_report_the_same_slow_bus_bandwidth(tmp_path):
+    """all_gather of 1 MiB three times slower than all_reduce of the same size: the bandwidth finding."""
+    from commpatch.testing import rank_logs
+
+    pattern = (("all_reduce", 1 << 20, "float32"), ("all_gather_into_tensor", 1 << 20, "float32"))
+    for rank, frame in enumerate(rank_logs(4, 8, pattern=pattern)):
+        slow = (frame["op"] == "all_gather_into_tensor").to_numpy()
+        for column in ("duration_us", "host_us", "own_us"):
+            frame.loc[slow, column] *= 3
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame)
+    pandas, _ = assert_same_report(str(tmp_path))
+    bandwidth = [f["text"] for f in pandas["findings"] if f["kind"] == "bandwidth"]
+    assert len(bandwidth) == 1 and bandwidth[0].startswith("all_gather of <= 1.05 MB messages"), bandwidth
+
+
+def test_the_engines_report_the_same_on_binary_logs_of_several_groups(tmp_path):
+    write_binary_run(str(tmp_path), 16, 400, straggler=5, straggler_delay_us=3000.0, mismatch=(3, 7))
+    pandas, _ = assert_same_report(str(tmp_path))
+    assert len(pandas["sections"]["mismatches"]) == 1 and len(pandas["sections"]["p2p"]) > 1
+
+
+def test_the_engines_report_the_same_on_steps_found_from_the_pattern(tmp_path):
+    """No step boundary: steps from the repeating pattern, a set-up prefix of broadcasts (step 0)."""
+    from tests.test_step_pattern import pattern_log
+
+    df, _ = pattern_log()
+    for rank, part in df.groupby("rank"):
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+    pandas, _ = assert_same_report(str(tmp_path))
+    setup = [f["text"] for f in pandas["findings"] if f["kind"] == "setup"]
+    assert len(setup) == 1 and "set-up (step 0: the calls before the repeating pattern starts)" in setup[0]
+
+
+def test_the_engines_report_the_same_on_a_real_gloo_run(tmp_path):
+    from tests import steps_workers
+    from tests.multiproc import run_ranks
+
+    run_ranks(steps_workers.hand_written_dp, 2, timeout=120, out=str(tmp_path), iterations=8)
+    pandas, _ = assert_same_report(str(tmp_path))
+    assert "set-up (step 0: the calls before the repeating pattern starts)" in str(pandas["findings"])
+
+
+def test_differences_can_fail():
+    assert differences({"a": [1.0, "x"]}, {"a": [1.0 + 1e-9, "x"]}) == ["/a[0]: 1.0 against 1.000000001"]
+    assert differences({"a": 1}, {"a": 1.0, "b": 2}) == ["/b: only in duckdb", "/a: 1 against 1.0"]
+    assert differences([1], [1, 2]) == [": 1 items against 2"]
+
+
+def test_the_engine_gives_the_same_report_from_one_run_to_the_next(tmp_path):
+    """DuckDB adds a group's values on several threads in whatever order they come: its double sums
+    varied in the last bits from one run to the next (3 distinct reports of 3 on these logs)."""
+    write_binary_run(str(tmp_path), 8, 5000)
+    texts = set()
+    for _ in range(3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with commpatch.open(str(tmp_path), engine="duckdb") as run:
+                texts.add(run.json())
+    assert len(texts) == 1
