@@ -74,6 +74,10 @@ def test_support_table_rows_are_the_ci_cells_and_the_declared_range():
             name = ci.split()[-1]
             assert cells.get(name) == f"{row['Python']} {row['torch']}", (row, cells)
     assert len(rows) == len(cells) + 1
+    ci_run = open(os.path.join(ROOT, ".ci", "run")).read()
+    in_ci = re.search(r'^make matrix CELLS="([\w ]+)"', ci_run, re.M)
+    assert in_ci and set(in_ci.group(1).split()) == set(cells) | {"pure"}, "CI runs every cell of the table, and pure"
+    assert re.search(r"^make test$", ci_run, re.M)
     oldest = min(rows, key=lambda r: tuple(int(x) for x in r["torch"].split(".")))
     pyproject = open(os.path.join(ROOT, "pyproject.toml")).read()
     major_minor = ".".join(oldest["torch"].split(".")[:2])
