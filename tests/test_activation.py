@@ -27,18 +27,9 @@ def _env(**extra):
     return env
 
 
-def _torchrun(out, env, prefix=()):
-    cmd = list(prefix) + [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        TRAIN,
-        "--steps",
-        str(STEPS),
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
+def _torchrun(out, env, prefix=(), script=TRAIN, args=("--steps", str(STEPS))):
+    cmd = list(prefix) + [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script]
+    return subprocess.run(cmd + list(args), env=env, capture_output=True, text=True, timeout=120, cwd=str(out))
 
 
 def _check_rank_files(out):
@@ -90,11 +81,9 @@ def test_zero_code_ddp_job_is_bit_identical_and_gets_a_report(tmp_path, pth_hook
     import json
 
     ddp = os.path.join(ROOT, "examples", "train_ddp.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", ddp]
-    cmd += ["--steps", "6", "--hidden", "64"]
     digests = []
     for env in (_env(), _env(COMMPATCH="1", COMMPATCH_OUTPUT="logs/rank{rank}.csv")):
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+        res = _torchrun(tmp_path, env, script=ddp, args=("--steps", "6", "--hidden", "64"))
         assert res.returncode == 0, res.stderr[-3000:]
         digests += [line for line in res.stdout.splitlines() if line.startswith("parameters sha256 ")]
     assert len(digests) == 2 and digests[0] == digests[1], digests

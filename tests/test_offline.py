@@ -14,9 +14,11 @@ import sys
 import pytest
 
 import commpatch
-from commpatch import cli, offline
+from commpatch import offline
 from commpatch.analysis import engine
 from commpatch.testing import write_binary_run, write_rank_files
+
+from .test_report import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINES = ["pandas", pytest.param("duckdb", marks=pytest.mark.skipif(not engine.available(), reason="needs duckdb"))]
@@ -27,12 +29,6 @@ def logs(tmp_path_factory):
     out = tmp_path_factory.mktemp("logs")
     write_rank_files(str(out), 4, 8, p2p=True, straggler=3, mismatch=(1, 9))
     return str(out)
-
-
-def run_cli(capsys, *argv):
-    code = cli.main(["report", *map(str, argv), "--no-progress"])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # ---- the same report as the CLI --------------------------------------------------------------

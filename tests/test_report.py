@@ -22,7 +22,7 @@ def logs(tmp_path_factory):
 
 
 def run_cli(capsys, *argv):
-    code = cli.main(["report", *argv, "--no-progress"])
+    code = cli.main(["report", *map(str, argv), "--no-progress"])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
