@@ -99,7 +99,7 @@ def test_the_verdict_weighs_the_clocks_uncertainty():
         {
             "step": np.repeat(np.arange(30), 2),
             "rank": np.tile([0, 1], 30),
-            "arrival_us": np.column_stack([np.zeros(30), late]).ravel(),
+            "held_us": np.column_stack([np.zeros(30), late]).ravel(),
             "collectives": 2,
         }
     )

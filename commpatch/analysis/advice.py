@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from . import stragglers
 from .steps import _bucket_mask, per_step, steady_rows, steady_state
-from .stragglers import verdict
 from .summaries import size_bucket, transfer_durations
 
 # evidence: at least this many steady-state steps
@@ -399,11 +399,8 @@ def straggler(df, steps_table, st, cross, by_rank=None) -> list:
     """A rank late in most steps by a steady amount (``stragglers.verdict``): its own work, with its
     step-time breakdown against the other ranks' (``by_rank``: ``per_step(df, by_rank=True)`` when
     already computed)."""
-    arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
-    if arrivals is None:
-        return []
-    v = verdict(arrivals, steps_table)
-    if not v["straggler"]:
+    v = stragglers.of(cross, steps_table)
+    if v is None or not v["straggler"]:
         return []
     r = v["rank"]
     by_rank = per_step(df, by_rank=True) if by_rank is None else by_rank
@@ -431,8 +428,8 @@ def straggler(df, steps_table, st, cross, by_rank=None) -> list:
         ev[f"{name}_exposed_us"] = exposed
         ev[f"{name}_compute_us"] = med(frame.assign(c=frame["step_us"] - frame["exposed_us"]), "c")
     text = (
-        f"rank {r} was the last to reach the collectives in {v['last_steps']} of {v['steps']} steady-state steps, "
-        f"a median {_ms(v['late_median_us'])} after the others (p = {v['p_value']:.2g}): the others wait for it. "
+        f"rank {r} held the other ranks up a median {_ms(v['late_median_us'])} per step, the longest of all "
+        f"ranks in {v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g}): the others wait for it. "
         f"Its step outside communication takes {_ms(ev['rank_compute_us'])} against {_ms(ev['others_compute_us'])} "
         f"on the others, and it waits for communication {_ms(ev['rank_exposed_us'])} per step against "
         f"{_ms(ev['others_exposed_us'])}: the delay comes before it issues its collectives (its compute, data "

@@ -680,6 +680,7 @@ class Engine:
                        n = g.members AS complete, g.pos
                 FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
                              arg_max(rank, {self._ORDER}) AS straggler,
+                             (max({self._ORDER}, 2)[2] // 1048576)::BIGINT AS l2,
                              min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
                       FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
                 JOIN groups g ON c.g = g.g
@@ -754,11 +755,12 @@ class Engine:
         return out.sort_values(["late_us", "last_count"], ascending=False, kind="stable").reset_index(drop=True)
 
     def _step_arrivals(self):
-        """``stragglers.step_arrivals`` in SQL: per step and rank, the mean arrival after the first rank
-        over its collectives of two or more ranks."""
+        """``stragglers.step_arrivals`` in SQL: per step and rank, the longest time the rank alone held up
+        one of the step's collectives of two or more ranks (its issue time minus the latest other rank's:
+        the second-latest when it was the last)."""
+        late = "greatest(CASE WHEN r.rank = c.straggler THEN r.start_ns - c.l2 ELSE r.start_ns - c.ls END, 0) / 1e3"
         return self._df(f"""
-            SELECT r.step, r.rank::BIGINT AS rank, {_avg("(r.start_ns - c.fs) / 1e3")} AS arrival_us,
-                   count(*)::BIGINT AS collectives
+            SELECT r.step, r.rank::BIGINT AS rank, max({late}) AS held_us, count(*)::BIGINT AS collectives
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
 

@@ -10,10 +10,11 @@ import math
 from typing import NamedTuple
 
 from ..data.clock import MEASURED, SAME_MACHINE, UNMEASURED
+from . import stragglers
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import PATTERN, Found
 from .steps import setup_cost, steady_rows, steady_state
-from .stragglers import SETUP_LATE_US, verdict
+from .stragglers import NOISE_QUANTILE, SETUP_LATE_US
 from .summaries import summary
 
 # a collective's busbw below this fraction of the best of the same message size is named
@@ -301,8 +302,7 @@ def _straggler_text(ranks, cross, steps_table) -> str:
     """The straggler finding: who arrived last how often (descriptive: the verdict's candidate, else
     the first rank of the ranks table), then the verdict of ``stragglers.verdict`` (significance,
     consistency and size over the steady-state steps)."""
-    arrivals = getattr(cross, "step_arrivals", None)
-    v = verdict(arrivals, steps_table, getattr(cross, "clock", None)) if arrivals is not None else None
+    v = stragglers.of(cross, steps_table)
     rows = ranks[ranks["rank"] == v["rank"]] if v is not None and v["rank"] is not None else ranks
     r = rows.iloc[0] if len(rows) else ranks.iloc[0]
     text = (
@@ -315,16 +315,17 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             if v is not None
             else "; no per-step arrivals to tell a straggler from chance"
         )
-    elif not v["late_median_us"] > 0:  # no rank is the latest in most steps (4 ranks, symmetric)
+    elif not v["margin_median_us"] > 0:  # no rank holds the others up longest in most steps (symmetric)
         text += (
-            f"; no straggler: no rank is the last in most of the {v['steps']} steady-state steps (rank "
-            f"{v['rank']}, the latest by its median, in {v['last_steps']})"
+            f"; no straggler: no rank holds the others up longest in most of the {v['steps']} steady-state "
+            f"steps (rank {v['rank']}, the longest by its median, in {v['last_steps']})"
         )
     else:
         evidence = (
-            f"rank {v['rank']} was the last in {v['last_steps']} of {v['steps']} steady-state steps, "
-            f"a median {_signed_ms(v['late_median_us'])} after the latest other rank "
-            f"({_pct(v['share_of_step'])} of the step; p = {v['p_value']:.2g} against chance)"
+            f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step "
+            f"({_pct(v['share_of_step'])} of the step), the longest of all ranks in {v['last_steps']} of "
+            f"{v['steps']} steady-state steps (p = {v['p_value']:.2g} against chance; threshold "
+            f"{_ms(v['threshold_us'])}: the other ranks' {NOISE_QUANTILE:.0%} quantile)"
         )
         if v["straggler"]:
             text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
@@ -332,7 +333,7 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             why = {
                 "significance": "not more than chance and noise explain",
                 "consistency": "not in most steps",
-                "effect": "too little to matter",
+                "effect": "within the other ranks' own noise",
                 "clock": (
                     f"within the uncertainty of the clocks' offsets (+/-{_ms(v['clock_us'])})"
                     if not math.isnan(v["clock_us"])
@@ -347,14 +348,10 @@ def _straggler_text(ranks, cross, steps_table) -> str:
         and not (v["straggler"] and v["setup_rank"] == v["rank"])
     ):
         text += (
-            f"; in set-up (not counted) rank {v['setup_rank']} was {_ms(v['setup_late_us'])} later than the "
-            "latest other rank"
+            f"; in set-up (not counted) rank {v['setup_rank']} held the others up {_ms(v['setup_late_us'])} "
+            "longer than any other rank"
         )
     return text + "."
-
-
-def _signed_ms(us) -> str:
-    return ("-" + _ms(-us)) if us < 0 else _ms(us)
 
 
 def hang_findings(table, most: int = 3) -> list:

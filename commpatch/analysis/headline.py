@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 
+from . import stragglers
 from .steps import steady_state
-from .stragglers import verdict as straggler_verdict
 
 KEY_COLUMNS = ("collective", "op", "api", "size_bucket", "group", "dtype")
 
@@ -79,10 +79,9 @@ def _top(summary_table):
 
 
 def _straggler(cross, steps_table) -> dict:
-    arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
-    if arrivals is None:
+    v = stragglers.of(cross, steps_table)
+    if v is None:
         return dict(verdict="unknown", reason="one rank" if cross is None else "no per-step arrivals", rank=None)
-    v = straggler_verdict(arrivals, steps_table)
     if v["rank"] is None:
         state = "unknown"
     else:
@@ -93,6 +92,7 @@ def _straggler(cross, steps_table) -> dict:
         last_steps=int(v["last_steps"]),
         steps=int(v["steps"]),
         late_median_us=_num(v["late_median_us"]),
+        threshold_us=_num(v["threshold_us"]),
         share_of_step=_num(v["share_of_step"]),
         p_value=_num(v["p_value"]),
         reason=None if v["straggler"] else v["reason"],

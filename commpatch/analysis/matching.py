@@ -199,6 +199,14 @@ def _match(df):
     coll[order] = run_of
     last = np.zeros(len(sub), bool)
     last[l_rows[size > 1]] = True
+    # each row's issue time minus the latest other rank's of its collective (the straggler's evidence:
+    # positive only for the last rank, by how long it alone held the collective up); NaN alone
+    multi = size > 1
+    latest_other = np.repeat(start[l_rows], size)  # in sorted order
+    second = (first + size - 1)[multi] - 1  # sorted position of the second-latest arrival
+    latest_other[second + 1] = start[order[second]]
+    late = np.full(len(sub), np.nan)
+    late[order] = np.where(np.repeat(multi, size), (start[order] - latest_other) / 1e3, np.nan)
     # the arrival-free transfer time: from the last rank's issue (or the end of the row's queueing
     # behind earlier calls of its group, when later) to the row's completion; only where every
     # member of the group has a log here and the row's duration is on the host's clock
@@ -217,6 +225,8 @@ def _match(df):
             "rank": rank,
             "collective": coll,
             "arrival_us": arrival,
+            "late_us": late,
+            "start_ns": start,
             "wait_us": np.minimum(wait, duration),
             "duration_us": duration,
             "last": last,

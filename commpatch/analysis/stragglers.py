@@ -1,31 +1,38 @@
-"""The straggler verdict: is one rank late more than chance and noise explain, in the steady state?
+"""The straggler verdict: does one rank hold the others up more than chance and noise explain, in the
+steady state?
 
-Being the last to issue a collective is what some rank always is: on a symmetric run each rank is
-last about 1/n of the time, and the collectives of one step are not independent draws (a rank
-held up at the start of a step is late for all of them). So the unit of evidence is the step, and
-only steady-state steps count (a one-off delay in set-up is reported apart, never decides):
+The evidence is the time the other ranks wait for a rank, per step, at each collective: at each
+collective of two or more ranks, the last rank to issue it held it up alone from the latest other
+rank's issue to its own (``late_us`` of ``matching._match``'s per-row table: a row's issue time minus
+the latest other rank's, positive only for the last). Per step and rank, ``held_us`` is the longest
+such wait of the step. A rank that sleeps 30 ms before the step holds the first all-gather up 30 ms
+and nothing after it (FSDP absorbs the delay there): 30 ms, not 30 ms divided by the step's 14
+collectives (a mean over the step's collectives, as before, called that "too little to matter").
+A delay a rank carries over several collectives (DDP's buckets, issued without waiting) is counted
+once, and the jitter of many collectives does not add up (a sum of the waits at each collective
+made a 5 ms delay carried over 4 buckets 20 ms, and a symmetric job's jitter milliseconds).
 
-- per step and rank, the rank's mean arrival: its issue time minus the first rank's, averaged over
-  the step's collectives of two or more ranks (``step_arrivals``, from the matched collectives);
-- per steady step, ``late_us``: how much later the candidate arrived than the latest other rank
-  (negative when another was later). The candidate is the rank with the largest median late_us;
-- the verdict needs all of: significance (p below ``ALPHA``: the smaller p of a one-sided sign test,
-  last in more steady steps than the 1/n chance, and of a one-sided trimmed t-test, late_us above
-  0 against its noise over the steps (trimmed: a few steps where the machine held up some rank
-  neither hide a straggler nor make one); Bonferroni-corrected for the two tests and the n ranks
-  the candidate was picked from), consistency (last in at least ``STRAGGLER_SHARE`` of the steady
-  steps) and an effect that matters (a median late_us of at least ``STRAGGLER_LATE`` of the median
-  step time and at least ``MIN_LATE_US``).
+Being the last is what some rank always is, and the collectives of one step are not independent
+draws, so the unit of evidence is the steady-state step (a one-off delay in set-up is reported
+apart, never decides). Per steady step, the candidate's margin is its held_us minus the largest
+other rank's; the candidate is the rank with the largest median margin. The verdict needs all of:
+
+- significance: p below ``ALPHA`` (the smaller p of a one-sided sign test, holding the others up
+  longest in more steady steps than the 1/n chance, and of a one-sided trimmed t-test, the margin
+  above 0 against its noise over the steps; trimmed: a few steps where the machine held up some
+  rank neither hide a straggler nor make one; Bonferroni-corrected for the two tests and the n ranks
+  the candidate was picked from);
+- consistency: holding the others up longest in at least ``STRAGGLER_SHARE`` of the steady steps;
+- an effect above the run's own noise: the candidate's median held_us above ``threshold_us``, the
+  ``NOISE_QUANTILE`` quantile of the other ranks' held_us over the same steps (what the other ranks
+  hold each other up by in all but the worst tenth of the steps: no constant tuned to one machine),
+  and above the clocks' uncertainty.
 
 Arrivals compare issue times taken on different hosts' wall clocks, aligned to rank 0's where the
-offsets were measured (``data.clock``): a lateness within the offsets' uncertainty (the candidate's
+offsets were measured (``data.clock``): a held time within the offsets' uncertainty (the candidate's
 plus the largest other's) is no evidence (reason ``clock``), nor one involving a rank whose offset
 is unknown while others were measured. Logs with no measurement at all (older logs, CSV or
 synthetic input) are compared as they are, which the report says.
-
-A run of a few short steps cannot tell: one preemption of one process by the operating system can
-cover all of it (measured: with 11 steady steps of ~2 ms on a loaded machine, 4 of 80 verdicts
-were wrong; with 29 steps, 0 of 160).
 
 Pure functions: pandas in, a dict out (``findings`` words it).
 """
@@ -42,30 +49,27 @@ from ..data.clock import MEASURED, REFERENCE, SAME_MACHINE
 ALPHA = 1e-2
 # the share of the steps trimmed from each end before the t-test (Yuen's 20%)
 TRIM = 0.2
-# a straggler is last in at least this share of the steady-state steps...
+# a straggler holds the others up longest in at least this share of the steady-state steps...
 STRAGGLER_SHARE = 0.5
-# ... by a median of at least this share of the steady-state step time...
-STRAGGLER_LATE = 0.05
-# ... and of at least this much: below the time slices in which an operating system shares its
-# cores (Linux CFS: a minimum slice of 0.75 ms x (1 + log2 CPUs), 1.5 ms on 2 CPUs), a rank's lateness
-# on a loaded machine is the machine, not the job. Measured (2-rank DDP on gloo, 2 cores shared by
-# other jobs, 240 jobs of 30 steps): the median lateness of the latest rank of symmetric jobs 0.002-1.34
-# ms (significant in a few), with a 5 ms delay per step 3.2-8.3 ms
-MIN_LATE_US = 2000.0
-# a rank this much later than the others in set-up is mentioned (a one-off: it never decides the verdict)
+# ... by a median above this quantile of the other ranks' held times over the same steps (their noise)
+NOISE_QUANTILE = 0.9
+# a rank that held the others up this much longer than any other in set-up is mentioned (a one-off: it
+# never decides the verdict)
 SETUP_LATE_US = 1000.0
 
 
 def step_arrivals(waits):
-    """Per (step, rank): ``arrival_us``, the rank's issue time minus the first rank's, averaged over
-    its collectives of the step that two or more ranks issued; ``collectives``, how many.
-    ``waits``: ``matching._match``'s per-row table (rank, step, arrival_us, and ``ranks``: how many
-    ranks issued the row's collective)."""
+    """Per (step, rank): ``held_us``, the longest time the rank alone held up one of the step's
+    collectives that two or more ranks issued (0 when it was never the last); ``collectives``, how
+    many it issued. ``waits``: ``matching._match``'s per-row table (rank, step, late_us, and
+    ``ranks``: how many ranks issued the row's collective)."""
     w = waits[waits["ranks"].to_numpy() > 1]
-    out = w.groupby(["step", "rank"], sort=True).agg(
-        arrival_us=("arrival_us", "mean"), collectives=("arrival_us", "size")
+    held = w.assign(held_us=w["late_us"].clip(lower=0.0))
+    return (
+        held.groupby(["step", "rank"], sort=True)
+        .agg(held_us=("held_us", "max"), collectives=("held_us", "size"))
+        .reset_index()
     )
-    return out.reset_index()
 
 
 def clock_uncertainty(clock, ranks) -> dict:
@@ -82,16 +86,29 @@ def clock_uncertainty(clock, ranks) -> dict:
     return out
 
 
+def of(cross, steps_table) -> dict | None:
+    """The verdict of a cross-rank result (``matching.CrossRank`` or ``engine.Results``): from its
+    ``step_arrivals`` and clock offsets; None without per-step arrivals. Every output (findings,
+    headline, advice) takes it from here, so that they say the same."""
+    arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
+    if arrivals is None:
+        return None
+    return verdict(arrivals, steps_table, getattr(cross, "clock", None))
+
+
 def verdict(arrivals, steps_table, clock=None) -> dict:
     """The straggler verdict from ``step_arrivals`` and ``per_step`` (either form; its stage column
     says which steps are set-up and steady). Keys: ``rank`` (the candidate, or None), ``straggler``
-    (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those the
-    candidate was last in), ``late_median_us`` (its median late_us), ``p_value`` (Bonferroni
-    corrected), ``share_of_step`` (late_median_us over the median step time), ``reason`` (why not,
-    when not: ``steps``, ``significance``, ``consistency``, ``effect``, ``clock``), ``setup_rank`` and
-    ``setup_late_us`` (the latest rank of set-up and by how much it was later than the next),
-    ``clock_us`` (the uncertainty of the candidate's arrival against the others' from the clock
-    offsets: NaN when one of them is unknown). ``clock``: the per-rank ``data.clock`` summaries."""
+    (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those in which
+    the candidate held the others up longest), ``late_median_us`` (its median held_us per step: how
+    long the others waited for it), ``margin_median_us`` (its median held_us minus the largest
+    other's), ``threshold_us`` (the effect threshold: the other ranks' ``NOISE_QUANTILE`` held_us),
+    ``p_value`` (Bonferroni corrected), ``share_of_step`` (late_median_us over the median step time),
+    ``reason`` (why not, when not: ``steps``, ``significance``, ``consistency``, ``effect``,
+    ``clock``), ``setup_rank`` and ``setup_late_us`` (the rank that held set-up up longest and by how
+    much longer than the next), ``clock_us`` (the uncertainty of the candidate's arrival against the
+    others' from the clock offsets: NaN when one of them is unknown). ``clock``: the per-rank
+    ``data.clock`` summaries."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
     out: dict = dict(
@@ -100,6 +117,8 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         steps=0,
         last_steps=0,
         late_median_us=math.nan,
+        margin_median_us=math.nan,
+        threshold_us=math.nan,
         p_value=math.nan,
         share_of_step=math.nan,
         reason="steps",
@@ -108,43 +127,50 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         clock_us=0.0,
     )
     unc = clock_uncertainty(clock, arrivals["rank"].unique().tolist())
-    setup = _late(table[table["stage"] == "setup"])
+    setup = _held(table[table["stage"] == "setup"])
     if setup is not None and len(setup.columns):
-        best = setup.iloc[0].idxmax()
-        if float(setup.iloc[0][best]) > _relative(unc, best, setup.columns):  # else: within the clocks' uncertainty
-            out.update(setup_rank=int(best), setup_late_us=float(setup.iloc[0][best]))
-    late = _late(table[table["stage"] == "steady"])
-    if late is None or len(late) < 2:
-        out["steps"] = 0 if late is None else len(late)
+        margin = _margins(setup.iloc[:1])
+        best = margin.iloc[0].idxmax()
+        if float(margin.iloc[0][best]) > _relative(unc, best, margin.columns):  # else: within the clocks' uncertainty
+            out.update(setup_rank=int(best), setup_late_us=float(margin.iloc[0][best]))
+    held = _held(table[table["stage"] == "steady"])
+    if held is None or len(held) < 2:
+        out["steps"] = 0 if held is None else len(held)
         return out
-    ranks = late.columns
-    medians = late.median()
-    rank = medians.idxmax()
-    d = late[rank].to_numpy(np.float64)
+    margins = _margins(held)
+    ranks = margins.columns
+    rank = margins.median().idxmax()
+    d = margins[rank].to_numpy(np.float64)
     m = len(d)
+    own = held[rank].to_numpy(np.float64)
+    others = held.drop(columns=[rank]).to_numpy(np.float64).ravel()
+    others = others[~np.isnan(others)]
     steady = steps_table[steps_table["stage"] == "steady"]
     if "ranks" not in steps_table.columns:  # per rank: the mean over ranks per step
         steady = steady.groupby("step").mean(numeric_only=True)
     times = steady["step_us"].dropna()
     step_us = float(times.median()) if len(times) else math.nan  # as steady_state's step_p50_us
+    late = float(np.nanmedian(own))
     # Bonferroni: two tests, and the candidate was picked from n ranks
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
     out.update(
         rank=int(rank),
         steps=m,
         last_steps=int((d > 0).sum()),
-        late_median_us=float(medians[rank]),
+        late_median_us=late,
+        margin_median_us=float(np.nanmedian(d)),
+        threshold_us=float(np.quantile(others, NOISE_QUANTILE)) if len(others) else 0.0,
         p_value=p,
-        share_of_step=float(medians[rank]) / step_us if step_us > 0 else math.nan,
+        share_of_step=late / step_us if step_us > 0 else math.nan,
     )
     out["clock_us"] = _relative(unc, rank, ranks)
-    if out["late_median_us"] > 0 and not out["late_median_us"] > out["clock_us"]:  # NaN (an unknown offset) too
+    if late > 0 and not late > out["clock_us"]:  # NaN (an unknown offset) too
         out["reason"] = "clock"
     elif p >= ALPHA:
         out["reason"] = "significance"
     elif out["last_steps"] < STRAGGLER_SHARE * m:
         out["reason"] = "consistency"
-    elif not (out["share_of_step"] >= STRAGGLER_LATE and out["late_median_us"] >= MIN_LATE_US):
+    elif not late > out["threshold_us"]:
         out["reason"] = "effect"
     else:
         out.update(straggler=True, reason=None)
@@ -160,13 +186,19 @@ def _relative(unc, rank, ranks) -> float:
     )
 
 
-def _late(table):
-    """Per step (rows) and rank (columns) of ``table`` (step_arrivals rows): the rank's mean arrival
-    minus the latest mean arrival of the other ranks; None without steps of two or more ranks."""
-    wide = table.pivot_table(index="step", columns="rank", values="arrival_us", aggfunc="mean")
+def _held(table):
+    """held_us per step (rows) and rank (columns) of ``table`` (step_arrivals rows), for the steps
+    that two or more ranks reached (a rank with no collective in a step held nothing up: 0); None
+    without such steps."""
+    wide = table.pivot_table(index="step", columns="rank", values="held_us", aggfunc="sum")
     wide = wide[wide.notna().sum(axis=1) >= 2]
     if not len(wide):
         return None
+    return wide
+
+
+def _margins(wide):
+    """Per step and rank of a held_us table: the rank's held_us minus the largest other rank's."""
     values = wide.to_numpy(np.float64)
     filled = np.where(np.isnan(values), -np.inf, values)
     out = np.empty_like(values)
@@ -242,11 +274,11 @@ def _betainc(a: float, b: float, x: float) -> float:
 
 __all__ = [
     "ALPHA",
-    "MIN_LATE_US",
+    "NOISE_QUANTILE",
     "SETUP_LATE_US",
-    "STRAGGLER_LATE",
     "STRAGGLER_SHARE",
     "clock_uncertainty",
+    "of",
     "step_arrivals",
     "verdict",
 ]

@@ -41,8 +41,8 @@ MAX_CELL = 28  # a longer name (group, op, tag) is cut, ending in '~'
 
 STRAGGLER_WHY = {
     "significance": "not more than chance explains",
-    "consistency": "not late in most steps",
-    "effect": "too little to matter",
+    "consistency": "not the longest in most steps",
+    "effect": "within the other ranks' own noise",
     "steps": "too few steady-state steps",
 }
 
@@ -129,17 +129,18 @@ def headline_lines(h: dict) -> list:
         out.append(
             (
                 "straggler",
-                f"rank {s['rank']}: last in {s['last_steps']} of {s['steps']} steady-state steps, "
-                f"{_ms(s['late_median_us'])} late (median; {_pct(s['share_of_step'])} of the step; "
-                f"p = {s['p_value']:.2g})",
+                f"rank {s['rank']}: the others wait for it {_ms(s['late_median_us'])} per step (median; "
+                f"{_pct(s['share_of_step'])} of the step; the longest in {s['last_steps']} of {s['steps']} "
+                f"steady-state steps; p = {s['p_value']:.2g}; threshold {_ms(s.get('threshold_us'))})",
             )
         )
     elif s.get("verdict") == "none":
         out.append(
             (
                 "straggler",
-                f"none. Latest: rank {s['rank']}, last in {s['last_steps']} of {s['steps']} steps, "
-                f"{_signed(s['late_median_us'])} late (median); "
+                f"none. Longest: rank {s['rank']}, the others wait for it {_ms(s['late_median_us'])} per step "
+                f"(median; threshold {_ms(s.get('threshold_us'))}), the longest in {s['last_steps']} of "
+                f"{s['steps']} steps; "
                 f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
             )
         )
@@ -166,10 +167,6 @@ def headline_lines(h: dict) -> list:
             )
         )
     return out
-
-
-def _signed(us) -> str:
-    return "-" + _ms(-us) if us is not None and us < 0 else _ms(us)
 
 
 def headline_text(h: dict, width: int = WIDTH) -> list:
