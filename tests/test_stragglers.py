@@ -168,3 +168,12 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
         )  # set-up: the DDP constructor; the last step untimed
     assert named[:jobs_each] == [None] * jobs_each, named[:jobs_each]
     assert named[jobs_each:] == [f"rank {slow}"] * jobs_each, named[jobs_each:]
+
+
+def test_point_to_point_steps_are_no_steps_missing():
+    """A pipeline whose steady steps hold only point-to-point calls: no verdict, and the reason is that,
+    not "too few steady-state steps" beside 18 of them."""
+    empty = pd.DataFrame({"step": np.zeros(0, np.int64), "rank": np.zeros(0, np.int64), "held_us": np.zeros(0)})
+    v = verdict(empty, _steps(20))
+    assert v["rank"] is None and v["reason"] == "collectives", v
+    assert verdict(empty, _steps(3))["reason"] == "steps"

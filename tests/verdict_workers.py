@@ -134,8 +134,8 @@ class _Job:
 
 
 def truth_jobs(rank: int, n: int, jobs: list, calibrate_steps: int = 12):
-    """Run ``jobs`` in turn (dicts: kind, spot (None: no delay), share (of the kind's step time),
-    slow_rank, steps, seed); return per job (its log as a DataFrame, the delay in ms, the calibrated
+    """Run ``jobs`` in turn (dicts: kind, spot (None: no delay), share (of the kind's step time) or
+    delay_ms, slow_rank, steps, seed); return per job (its log as a DataFrame, the delay in ms, the calibrated
     step time in ms). Each kind is calibrated once, the first time it comes: the median step time of
     ``calibrate_steps`` undelayed steps (not recorded), agreed across ranks (rank 0's)."""
     import statistics
@@ -165,7 +165,7 @@ def truth_jobs(rank: int, n: int, jobs: list, calibrate_steps: int = 12):
                 step_ms[kind] = float(agreed)
                 del cal
             commpatch.reset()
-            delay = job.get("share", 0.0) * step_ms[kind] if job.get("spot") else 0.0
+            delay = job.get("delay_ms", job.get("share", 0.0) * step_ms[kind]) if job.get("spot") else 0.0
             j = _Job(kind, rank, n, seed=job.get("seed", 0))
             for _ in range(job.get("steps", 30)):
                 j.step(job.get("spot"), delay / 1e3 if rank == job.get("slow_rank") else 0.0)

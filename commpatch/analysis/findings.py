@@ -310,11 +310,15 @@ def _straggler_text(ranks, cross, steps_table) -> str:
         f"collectives, {_ms(r['late_us'])} late in total"
     )
     if v is None or v["rank"] is None:
-        text += (
-            "; too few steady-state steps to tell a straggler from chance"
-            if v is not None
-            else "; no per-step arrivals to tell a straggler from chance"
-        )
+        if v is None:
+            text += "; no per-step arrivals to tell a straggler from chance"
+        elif v["reason"] == "collectives":
+            text += (
+                "; no straggler verdict: the steady-state steps have no collective that two or more ranks issued "
+                "(point-to-point calls only) to compare the ranks' arrivals"
+            )
+        else:
+            text += "; too few steady-state steps to tell a straggler from chance"
     elif not v["margin_median_us"] > 0:  # no rank holds the others up longest in most steps (symmetric)
         text += (
             f"; no straggler: no rank holds the others up longest in most of the {v['steps']} steady-state "

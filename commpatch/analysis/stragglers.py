@@ -104,8 +104,9 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
     long the others waited for it), ``margin_median_us`` (its median held_us minus the largest
     other's), ``threshold_us`` (the effect threshold: the other ranks' ``NOISE_QUANTILE`` held_us),
     ``p_value`` (Bonferroni corrected), ``share_of_step`` (late_median_us over the median step time),
-    ``reason`` (why not, when not: ``steps``, ``significance``, ``consistency``, ``effect``,
-    ``clock``), ``setup_rank`` and ``setup_late_us`` (the rank that held set-up up longest and by how
+    ``reason`` (why not, when not: ``steps``, too few steady-state steps; ``collectives``, steady
+    steps but fewer than two with a collective of two or more ranks (a pipeline's point-to-point
+    calls only); ``significance``, ``consistency``, ``effect``, ``clock``), ``setup_rank`` and ``setup_late_us`` (the rank that held set-up up longest and by how
     much longer than the next), ``clock_us`` (the uncertainty of the candidate's arrival against the
     others' from the clock offsets: NaN when one of them is unknown). ``clock``: the per-rank
     ``data.clock`` summaries."""
@@ -136,6 +137,8 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
     held = _held(table[table["stage"] == "steady"])
     if held is None or len(held) < 2:
         out["steps"] = 0 if held is None else len(held)
+        if (steps_table["stage"] == "steady").sum() >= 2:  # steady steps, but not two with collectives to compare
+            out["reason"] = "collectives"
         return out
     margins = _margins(held)
     ranks = margins.columns

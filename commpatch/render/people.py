@@ -44,6 +44,7 @@ STRAGGLER_WHY = {
     "consistency": "not the longest in most steps",
     "effect": "within the other ranks' own noise",
     "steps": "too few steady-state steps",
+    "collectives": "no collective of two or more ranks in the steady state: point-to-point calls only",
 }
 
 

@@ -1,0 +1,166 @@
+"""The straggler verdict's truth table: real gloo jobs, symmetric and with one rank delayed, on a quiet
+machine and beside a CPU hog; per cell, how often the report names the right rank, a wrong rank, none.
+
+    python benchmarks/verdicts.py [--kinds ddp,fsdp2,tp,pipeline,zero] [--worlds 2,4] [--runs 10]
+                                  [--conditions quiet,hog] [--steps 30] [--json OUT.json]
+
+Jobs (tests/verdict_workers.py): DDP, FSDP2 (``fully_shard`` per block), tensor parallel (DTensor,
+Colwise / Rowwise per block), an n-stage GPipe pipeline, a ZeRO-style sharded optimizer
+(ZeroRedundancyOptimizer over DDP); 4 residual MLP blocks; 30 steps each. Cells: no delay, and one rank
+(a different one from run to run) delayed before the step, inside one block's forward, or before the
+optimizer, by 5% and 20% of the kind's step time (measured first in the same processes, in the same
+condition). ``hog``: one more process spins on the CPU (``while True: pass``) while the jobs run. Every
+run is one job in processes that run all runs of a kind in turn (a new model and log each).
+
+Goals (issue 32): the right rank in >= 95% of the delayed runs, a wrong rank never, a straggler in
+<= 2% of the symmetric runs. Prints the table (markdown) and the totals; exits 1 when a goal is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+CELLS = [(None, 0.0)] + [
+    (spot, share) for spot in ("before_step", "in_forward", "before_optimizer") for share in (0.05, 0.2)
+]
+
+
+EVIDENCE: list = []  # (cell, slow rank, step_arrivals, steps table) of every run, for --evidence
+
+
+def named_rank(df):
+    """The rank the report names as the straggler (None when it names none), and the verdict."""
+    from commpatch.analysis import cross_rank, per_step, stragglers
+    from commpatch.analysis.matching import _match
+
+    cross, steps = cross_rank(df), per_step(df, by_rank=False)
+    v = stragglers.of(cross, steps)
+    waits = _match(df)[1][["step", "rank", "collective", "late_us", "ranks", "start_ns"]]
+    EVIDENCE.append((cross.step_arrivals, steps[["step", "stage", "step_us"]], waits))
+    return (v["rank"] if v and v["straggler"] else None), v
+
+
+def run_kind(kind, n, runs, steps, timeout):
+    """All cells x ``runs`` of one kind in one set of ``n`` processes: [(cell, slow rank, named, verdict)]."""
+    import pandas as pd
+
+    from commpatch.data.frame import apply_schema
+    from tests.multiproc import run_ranks
+    from tests.verdict_workers import truth_jobs
+
+    jobs, meta = [], []
+    for run in range(runs):
+        for spot, share in CELLS:
+            slow = (run + CELLS.index((spot, share))) % n if spot else None
+            jobs.append(dict(kind=kind, spot=spot, share=share, slow_rank=slow, steps=steps, seed=run))
+            meta.append(((spot, share), slow))
+    logs = run_ranks(truth_jobs, n, timeout=timeout, jobs=jobs)
+    out = []
+    for j, (cell, slow) in enumerate(meta):
+        df = apply_schema(pd.concat([logs[r][j][0] for r in range(n)], ignore_index=True))
+        named, v = named_rank(df)
+        out.append((cell, slow, named, v, logs[0][j][1], logs[0][j][2]))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", default="ddp,fsdp2,tp,pipeline,zero")
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--conditions", default="quiet,hog")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--json", default=None, help="write every run's verdict here")
+    parser.add_argument(
+        "--evidence", default=None, help="pickle every run's verdict inputs here (step_arrivals, steps)"
+    )
+    args = parser.parse_args()
+    table: dict = {}
+    records = []
+    started = time.time()
+    for condition in args.conditions.split(","):
+        hog = None
+        if condition == "hog":
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            for n in map(int, args.worlds.split(",")):
+                for kind in args.kinds.split(","):
+                    t = time.time()
+                    results = run_kind(kind, n, args.runs, args.steps, args.timeout)
+                    print(f"# {condition} {kind} x{n}: {len(results)} jobs in {time.time() - t:.0f} s", flush=True)
+                    for cell, slow, named, v, delay_ms, step_ms in results:
+                        key = (kind, n, cell[0] or "none", cell[1], condition)
+                        c = table.setdefault(
+                            key, dict(right=0, wrong=0, none=0, runs=0, delay_ms=delay_ms, step_ms=step_ms)
+                        )
+                        c["runs"] += 1
+                        if slow is None:
+                            c["wrong" if named is not None else "right"] += 1
+                        else:
+                            c["right" if named == slow else ("none" if named is None else "wrong")] += 1
+                        records.append(
+                            dict(
+                                kind=kind,
+                                world=n,
+                                spot=cell[0],
+                                share=cell[1],
+                                condition=condition,
+                                slow=slow,
+                                named=named,
+                                delay_ms=delay_ms,
+                                step_ms=step_ms,
+                                verdict={k: (x if not isinstance(x, float) or x == x else None) for k, x in v.items()},
+                            )
+                        )
+        finally:
+            if hog is not None:
+                hog.kill()
+                hog.wait()
+    print(
+        "\n| job | ranks | delay | condition | runs | right | wrong rank | none named | delay (ms) / step (ms) |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    for (kind, n, spot, share, condition), c in sorted(table.items()):
+        delay = "none (symmetric)" if spot == "none" else f"{spot} {share:.0%}"
+        right = f"{c['right']}" if spot != "none" else f"{c['right']} (no straggler)"
+        wrong = f"{c['wrong']}" if spot != "none" else f"{c['wrong']} (a straggler named)"
+        print(
+            f"| {kind} | {n} | {delay} | {condition} | {c['runs']} | {right} | {wrong} | "
+            f"{c['none'] if spot != 'none' else '-'} | {c['delay_ms']:.2f} / {c['step_ms']:.1f} |"
+        )
+    delayed = [c for k, c in table.items() if k[2] != "none"]
+    symmetric = [c for k, c in table.items() if k[2] == "none"]
+    d_runs = sum(c["runs"] for c in delayed)
+    s_runs = sum(c["runs"] for c in symmetric)
+    right = sum(c["right"] for c in delayed)
+    wrong = sum(c["wrong"] for c in delayed)
+    false = sum(c["wrong"] for c in symmetric)
+    print(
+        f"\ndelayed runs: right rank {right} of {d_runs} ({right / max(d_runs, 1):.1%}), wrong rank {wrong}; "
+        f"symmetric runs: a straggler named in {false} of {s_runs} ({false / max(s_runs, 1):.1%}); "
+        f"{time.time() - started:.0f} s"
+    )
+    if args.evidence:
+        import pickle
+
+        with open(args.evidence, "wb") as f:
+            pickle.dump([dict(r, evidence=e) for r, e in zip(records, EVIDENCE)], f)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    ok = right >= 0.95 * d_runs and wrong == 0 and false <= 0.02 * s_runs
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

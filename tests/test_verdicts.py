@@ -1,0 +1,57 @@
+"""A slice of the straggler truth table (benchmarks/verdicts.py, docs/reporting.md): real gloo jobs in
+which one rank is delayed at a spot that one collective absorbs, and the same jobs symmetric."""
+
+import pandas as pd
+import pytest
+
+import commpatch
+from commpatch.analysis import cross_rank, per_step, stragglers
+from commpatch.data.frame import apply_schema
+
+from .multiproc import run_ranks
+from .test_engine_parity import reports
+from .verdict_workers import truth_jobs
+
+pytestmark = pytest.mark.slow
+
+
+def _verdicts(logs, jobs):
+    out = []
+    for j in range(len(jobs)):
+        df = apply_schema(pd.concat([logs[r][j][0] for r in range(len(logs))], ignore_index=True))
+        out.append((df, stragglers.of(cross_rank(df), per_step(df, by_rank=False))))
+    return out
+
+
+def test_a_straggler_that_fsdp_absorbs_is_named(tmp_path):
+    """FSDP2 (fully_shard per block), 2 ranks: rank 1 sleeps 30 ms before each step (a slow data loader),
+    which the step's first all-gather absorbs: rank 1 is the straggler, held the other up ~30 ms per step
+    (a mean over the step's collectives said 3 ms, "too little to matter"); the DuckDB engine says the
+    same; the symmetric job has none."""
+    jobs = [
+        dict(kind="fsdp2", spot="before_step", delay_ms=30.0, slow_rank=1, steps=30, seed=1),
+        dict(kind="fsdp2", spot=None, steps=30, seed=2),
+    ]
+    (delayed, v), (symmetric, s) = _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)
+    assert v["straggler"] and v["rank"] == 1, v
+    assert 25_000 <= v["late_median_us"] <= 60_000 and v["last_steps"] >= 0.9 * v["steps"], v
+    assert not s["straggler"], s
+    for rank, frame in delayed.groupby("rank", observed=True):
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
+    pandas, duckdb = reports(str(tmp_path))
+    assert pandas["headline"]["straggler"] == duckdb["headline"]["straggler"]
+    assert pandas["headline"]["straggler"]["rank"] == 1
+    said = [[f["text"] for f in r["findings"] if f["kind"] == "straggler"] for r in (pandas, duckdb)]
+    assert said[0] == said[1] and "the straggler" in said[0][0], said
+
+
+def test_delays_inside_a_block_and_before_the_optimizer_are_named():
+    """Tensor parallel (a Colwise / Rowwise pair per block: an all-reduce in each block's forward): rank 0
+    sleeps inside the second block's forward; ZeRO (ZeroRedundancyOptimizer over DDP): rank 1 sleeps
+    before the optimizer's step (its broadcasts absorb it); both 20% of the step: named."""
+    jobs = [
+        dict(kind="tp", spot="in_forward", share=0.2, slow_rank=0, steps=30, seed=3),
+        dict(kind="zero", spot="before_optimizer", share=0.2, slow_rank=1, steps=30, seed=4),
+    ]
+    verdicts = [v for _, v in _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)]
+    assert [(v["straggler"], v["rank"]) for v in verdicts] == [(True, 0), (True, 1)], verdicts
