@@ -14,6 +14,7 @@ run is one job in processes that run all runs of a kind in turn (a new model and
 
 Goals (issue 32): the right rank in >= 95% of the delayed runs, a wrong rank never, a straggler in
 <= 2% of the symmetric runs. Prints the table (markdown) and the totals; exits 1 when a goal is missed.
+``--demo N``: instead, ``make demo``'s job N times beside a CPU hog (goal: its straggler named N times).
 """
 
 from __future__ import annotations
@@ -72,6 +73,40 @@ def run_kind(kind, n, runs, steps, timeout):
     return out
 
 
+def demo_runs(runs: int) -> int:
+    """``make demo``'s job (examples/demo.py: 2 DDP ranks, rank 1 sleeps 5 ms before each step) ``runs``
+    times beside a CPU hog: how often its report names rank 1 the straggler (the JSON headline)."""
+    import tempfile
+
+    named = []
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as tmp:
+                subprocess.run(
+                    [sys.executable, os.path.join(ROOT, "examples", "demo.py"), "--out", tmp],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                (run_dir,) = [os.path.join(tmp, d) for d in os.listdir(tmp)]
+                report = subprocess.run(
+                    [sys.executable, "-m", "commpatch", "report", run_dir, "--format", "json", "--no-progress"],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                s = json.loads(report.stdout)["headline"]["straggler"]
+                named.append(s["rank"] if s["verdict"] == "straggler" else None)
+                print(f"# demo beside a CPU hog: {s}", flush=True)
+    finally:
+        hog.kill()
+        hog.wait()
+    right = sum(r == 1 for r in named)
+    print(f"\nthe demo beside a CPU hog: rank 1 named in {right} of {runs} runs ({named})")
+    return 0 if right == runs else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default="ddp,fsdp2,tp,pipeline,zero")
@@ -84,7 +119,10 @@ def main() -> int:
     parser.add_argument(
         "--evidence", default=None, help="pickle every run's verdict inputs here (step_arrivals, steps)"
     )
+    parser.add_argument("--demo", type=int, default=0, help="instead: run the demo this many times beside a CPU hog")
     args = parser.parse_args()
+    if args.demo:
+        return demo_runs(args.demo)
     table: dict = {}
     records = []
     started = time.time()
