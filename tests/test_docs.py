@@ -292,6 +292,7 @@ MEASURED = {
     "decisions/real-frameworks.md": ("tests/test_shares.py",),
     "decisions/report-at-scale.md": ("benchmarks/merge_scale.py", "benchmarks/engine_choice.py"),
     "decisions/steps-and-shares.md": ("benchmarks/steps_ground_truth.py",),
+    "decisions/straggler-verdict.md": ("benchmarks/verdicts.py",),
 }
 
 
