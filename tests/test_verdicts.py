@@ -28,6 +28,10 @@ def test_a_straggler_that_fsdp_absorbs_is_named(tmp_path):
     which the step's first all-gather absorbs: rank 1 is the straggler, held the other up ~30 ms per step
     (a mean over the step's collectives said 3 ms, "too little to matter"); the DuckDB engine says the
     same; the symmetric job has none."""
+    from .torch_compat import fsdp2_cpu_unsupported
+
+    if fsdp2_cpu_unsupported():
+        pytest.skip(fsdp2_cpu_unsupported())
     jobs = [
         dict(kind="fsdp2", spot="before_step", delay_ms=30.0, slow_rank=1, steps=30, seed=1),
         dict(kind="fsdp2", spot=None, steps=30, seed=2),
