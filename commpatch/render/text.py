@@ -222,7 +222,12 @@ def build_report(
                 "summary",
             ),
         )
-    rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
+    missing = _findings.missing_ranks(df, pre)
+    if missing:  # first of all: what the report cannot say (a host's directory left out)
+        rep.findings.insert(0, _findings.missing_logs_finding(missing, ranks))
+    rep.headline = _headline(
+        per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings, missing_logs=missing
+    )
     rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
 
