@@ -293,6 +293,23 @@ def clock_finding(clock) -> str:
             f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
             f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})"
         )
+    jumped = {r: c for r, c in measured.items() if c.get("jumps")}
+    if jumped:
+        r, c = max(jumped.items(), key=lambda kv: kv[1]["max_offset_us"] - kv[1]["min_offset_us"])
+        parts.append(
+            f"the offset of rank(s) {_ranks_text(sorted(jumped))} to rank 0 jumped between rounds of the exchange "
+            f"beyond their uncertainty (the most: rank {r}, from {_signed_ms(c['min_offset_us'])} to "
+            f"{_signed_ms(c['max_offset_us'])}): a stepped clock, or an exchange rewritten through the job's store "
+            "(not authenticated). The offsets are applied as measured (table: Clocks) and the rank's uncertainty "
+            "covers the jump: no straggler is named within it"
+        )
+    odd = {r: c for r, c in clock.items() if c.get("status") == SAME_MACHINE and c.get("inconsistent")}
+    if odd:
+        parts.append(
+            f"rank(s) {_ranks_text(sorted(odd))} run on rank 0's machine (same boot id): one wall clock, offset 0, "
+            f"though {sum(c['inconsistent'] for c in odd.values())} round(s) of their exchange excluded 0 (a "
+            "per-process clock shim, or an exchange rewritten through the job's store): not applied"
+        )
     return ("Clocks: " + "; ".join(parts) + ".") if parts else ""
 
 

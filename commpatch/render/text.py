@@ -234,12 +234,23 @@ def build_report(
 
 def _clock_table(clock):
     """The Clocks section: rank, status (``data.clock``: reference, same_machine, measured,
-    unmeasured), offset_us, uncertainty_us, measurements (rounds of the exchange in the log)."""
+    unmeasured), offset_us (the median applied), uncertainty_us, min_offset_us / max_offset_us (the
+    offsets applied over the run), jumps (rounds whose offset left the previous one's interval),
+    measurements (rounds of the exchange in the log)."""
     import pandas as pd
 
     return pd.DataFrame(
         [dict(rank=r, **c) for r, c in sorted(clock.items())],
-        columns=["rank", "status", "offset_us", "uncertainty_us", "measurements"],
+        columns=[
+            "rank",
+            "status",
+            "offset_us",
+            "uncertainty_us",
+            "min_offset_us",
+            "max_offset_us",
+            "jumps",
+            "measurements",
+        ],
     )
 
 
