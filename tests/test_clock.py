@@ -50,12 +50,24 @@ def test_rank_clock_bounds_interpolates_and_says_unknown():
     assert c.half == (5.0, 5.0)
     # rank 0 on this machine (same boot id) and every interval holding 0: one wall clock, offset 0 exactly
     c = rank_clock(2, 4, [(0, -5000, 7000, 1), (s, -6000, 1000, 1)])
-    assert c.summary() == dict(status="same_machine", offset_us=0.0, uncertainty_us=0.0, measurements=2)
+    zero = dict(offset_us=0.0, uncertainty_us=0.0, min_offset_us=0.0, max_offset_us=0.0, jumps=0)
+    assert c.summary() == dict(status="same_machine", **zero, inconsistent=0, measurements=2)
     assert not c.shift(np, np.array([5], np.int64)).any()
-    # ... unless an interval excludes 0: a per-process clock (libfaketime, an LD_PRELOAD shim)
-    assert rank_clock(2, 4, [(0, -5000, 7000, 1), (s, 2000, 9000, 1)]).summary()["status"] == "measured"
+    # ... also when an interval excludes 0, or a round says another machine (issue 33: a per-process
+    # clock shim, or answers rewritten through the store): never shifted, those rounds counted
+    c = rank_clock(2, 4, [(0, -5000, 7000, 1), (s, 2000, 9000, 1), (2 * s, 3 * s, 3 * s + 9, 0)])
+    assert c.summary() == dict(status="same_machine", **zero, inconsistent=2, measurements=3)
+    assert not c.shift(np, np.array([5, 3 * s], np.int64)).any()
     assert rank_clock(2, 4, [(0, -5000, 7000, 0)]).summary()["status"] == "measured"  # another machine
-    assert rank_clock(0, 4, []).summary() == dict(status="reference", offset_us=0.0, uncertainty_us=0.0, measurements=0)
+    assert rank_clock(0, 4, []).summary() == dict(status="reference", **zero, inconsistent=0, measurements=0)
+    # another machine whose offset jumps by 3 s between rounds beyond their intervals (a stepped clock or a
+    # tampered exchange): applied as measured, counted, and the uncertainty covers the jump
+    c = rank_clock(1, 2, [(0, -100, 100, 0), (s, -50, 60, 0), (2 * s, 3 * s - 100, 3 * s + 100, 0)])
+    info = c.summary()
+    assert info["jumps"] == 1 and c.jumps[0][0] == 2 * s and abs(c.jumps[0][1] - 3 * s) < 1000
+    assert info["min_offset_us"] < 1 and info["max_offset_us"] > 2.9e6 and info["uncertainty_us"] > 3e6
+    # drift within DRIFT between rounds is no jump
+    assert rank_clock(1, 2, [(0, -100, 100, 0), (100 * s, 40_000, 50_000, 0)]).summary()["jumps"] == 0
     unknown = rank_clock(3, 4, []).summary()
     assert (
         unknown["status"] == "unmeasured" and math.isnan(unknown["offset_us"]) and math.isnan(unknown["uncertainty_us"])
@@ -228,3 +240,47 @@ def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads
     assert not second.thread.is_alive() and not first.thread.is_alive()
     assert noted and all(lo <= 0 <= hi and same for _, lo, hi, same in noted), noted
     assert first.gone == set() and first.error == second.error == ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other_machine", [False, True], ids=["same_machine", "other_machine"])
+def test_answers_rewritten_through_the_store_make_no_straggler(tmp_path, other_machine):
+    """Issue 33: a process that can reach the job's TCPStore answers rank 1's exchange for rank 0,
+    rank 0's clock +3 s, from the second round on (the first is honest). Before: the report blamed
+    rank 1 as a ~3 s straggler with no clock warning. Now: on rank 0's machine (same boot id) rank 1
+    is never shifted (offset 0, the forged rounds counted); on another machine (rank 1's boot id
+    taken as another's) the jump between rounds is reported and covered by the uncertainty. No
+    straggler either way, and the Clocks table shows the offsets applied."""
+    import multiprocessing as mp
+    import time
+
+    from tests.clock_workers import rewrite_answers, tcp_job, warm
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(warm)
+        attack = pool.apply_async(rewrite_answers, (port, 1, 3_000_000_000, time.time() + 60))
+        run_ranks(
+            tcp_job, 2, timeout=180, out=str(tmp_path), port=port, seconds=4.0, boot_id="x" if other_machine else ""
+        )
+        written = attack.get(timeout=90)
+    assert written, "the attacker found no exchange key"
+    with open(tmp_path / "rank1.cplog", "rb") as f:
+        parsed = parse_log(f.read())
+    assert len(parsed.rank0_offsets) >= 2, parsed.rank0_offsets
+    forged = [o for o in parsed.rank0_offsets if o[1] > 2e9]  # the rounds the attacker answered
+    assert forged, parsed.rank0_offsets
+    df = read(str(tmp_path))
+    rep = report.build_report(df)
+    (text,) = [f.text for f in rep.findings if f.kind == "straggler"]
+    assert "the straggler" not in text, text
+    (clocks,) = [f.text for f in rep.findings if f.kind == "clock"]
+    row = rep.sections["clock"].set_index("rank").loc[1]
+    if other_machine:
+        assert row["status"] == "measured" and row["jumps"] >= 1, row
+        assert row["max_offset_us"] > 2e6 and row["uncertainty_us"] > 2e6, row
+        assert "jumped between rounds" in clocks, clocks
+    else:
+        assert row["status"] == "same_machine" and row["offset_us"] == 0 == row["max_offset_us"], row
+        assert "run on rank 0's machine" in clocks and "not applied" in clocks, clocks

@@ -1,5 +1,5 @@
 """The readers on fuzzed input: a seeded mutation loop over real logs written by commpatch's
-writer (``tests/writer_logs.py``), and the inputs that once crashed a reader, kept in
+writer (``tests/writer_logs.py``; binary, CSV, and Parquet made of its CSV: issue 33), and the inputs that once crashed a reader, kept in
 ``tests/fuzz_corpus/``. What must hold on every input (issue 24): ``commpatch.read_csv`` gives a
 DataFrame or one ``LogFileError``; ``commpatch report`` (and ``convert`` for binary logs) exits 0
 or 2 with no traceback and no terminal escape sequence from the file; no case runs past
@@ -27,7 +27,7 @@ import pytest
 
 CORPUS = Path(__file__).parent / "fuzz_corpus"
 SEED = 24
-BINARY_CASES, CSV_CASES = 200, 100
+BINARY_CASES, CSV_CASES, PARQUET_CASES = 200, 100, 60
 HANG_S = 20  # a case taking longer than this is a hang (they take ~0.1 s)
 PEAK_MB = 256
 ESCAPES = ("\x1b", "\x9b", "\x07")
@@ -281,6 +281,71 @@ def mutate_csv(rng: random.Random, text: str) -> bytes:
     return out.getvalue().encode("utf-8", "surrogateescape")
 
 
+PARQUET_VALUES = [
+    2**63 - 1,
+    -(2**63),
+    2**31,
+    -1,
+    None,
+    float("nan"),
+    float("inf"),
+    "\x1b[2J\x1b[31mred",
+    "\u202eevil",
+    "<!--<script>",
+    "0-99999999999",
+    "x" * 5000,
+    b"\xff\xfe",
+    True,
+]
+
+
+def mutate_parquet(rng: random.Random, table) -> bytes:
+    """A Parquet file of ``table`` (the writer's log read back) with hostile columns: a column's
+    values replaced (other types than the schema's, extremes, escapes, nulls), a column dropped or
+    renamed, or the file's bytes damaged afterwards."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for _ in range(rng.randint(1, 3)):
+        k = rng.randrange(4)
+        i = rng.randrange(table.num_columns)
+        name = table.column_names[i]
+        if k == 0:  # a column of one hostile value (any type)
+            value = rng.choice(PARQUET_VALUES)
+            try:
+                column = pa.array([value] * table.num_rows)
+            except (pa.ArrowInvalid, OverflowError):
+                column = pa.array([str(value)] * table.num_rows)
+            table = table.set_column(i, name, column)
+        elif k == 1 and table.num_columns > 1:
+            table = table.remove_column(i)
+        elif k == 2:
+            table = table.rename_columns(
+                [rng.choice(("seq", "", "rank", "\x1b[31m")) if j == i else c for j, c in enumerate(table.column_names)]
+            )
+        else:  # some rows only: a value of the column's own type at an extreme
+            rows = [rng.randrange(table.num_rows) for _ in range(rng.randint(1, 5))]
+            values = table.column(i).to_pylist()
+            for r in rows:
+                values[r] = rng.choice(EXTREMES) if pa.types.is_integer(table.schema.field(i).type) else None
+            try:
+                table = table.set_column(i, name, pa.array(values, type=table.schema.field(i).type))
+            except (pa.ArrowInvalid, OverflowError):
+                pass
+    out = io.BytesIO()
+    pq.write_table(table, out)
+    data = bytearray(out.getvalue())
+    if rng.random() < 0.3:  # bytes, not columns: flipped, or cut
+        if rng.random() < 0.5:
+            for _ in range(rng.randint(1, 8)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        else:
+            del data[rng.randrange(len(data)) :]
+    return bytes(data)
+
+
 @pytest.fixture(scope="module")
 def writer_log(tmp_path_factory):
     from tests import writer_logs
@@ -323,6 +388,29 @@ def test_fuzzed_logs_never_crash_hang_or_blow_memory(writer_log, tmp_path):
     outcomes = list(results.values())
     # the mutations reach both ends: files read (best effort) and files refused
     assert outcomes.count("ok") > 20 and outcomes.count("refused") > 20, outcomes
+    assert got["peak_mb"] - got["baseline_mb"] < PEAK_MB, got
+
+
+def test_fuzzed_parquet_never_crashes_hangs_or_blows_memory(writer_log, tmp_path):
+    """Issue 33: the Parquet reader on the writer's log with hostile columns (other types, extremes,
+    escapes, nulls, columns dropped or renamed) and damaged bytes: read or refused in one line."""
+    import pyarrow.csv
+
+    table = pyarrow.csv.read_csv(writer_log[1])
+    rng = random.Random(SEED)
+    cases = []
+    for i in range(PARQUET_CASES):
+        d = tmp_path / f"case{i:03d}"
+        d.mkdir()
+        path, data = d / "rank0.parquet", mutate_parquet(rng, table)
+        assert len(data) < 1 << 20
+        path.write_bytes(data)
+        cases.append(str(path))
+    got = run_child(cases, timeout=HANG_S * 5 + 300)
+    failed = _report(got["results"], tmp_path)
+    assert not failed, "\n".join(failed)
+    outcomes = list(got["results"].values())
+    assert outcomes.count("ok") > 5 and outcomes.count("refused") > 5, outcomes
     assert got["peak_mb"] - got["baseline_mb"] < PEAK_MB, got
 
 

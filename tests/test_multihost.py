@@ -1,7 +1,8 @@
 """Many hosts (issue 25): two torchrun "nodes" on 127.0.0.1 (``--nnodes 2``, c10d rendezvous,
 separate output directories as on hosts without shared storage), one node's wall clock shifted
 by an LD_PRELOAD shim built here with gcc (tests/faults/clockshift.c: CLOCK_REALTIME,
-gettimeofday and time; the monotonic clocks untouched, as on a real host). The report of the
+gettimeofday and time; the monotonic clocks untouched, as on a real host; and its boot id, as
+another machine's). The report of the
 directories must merge the run, align the clocks, name no false straggler, and still find a
 real one."""
 
@@ -45,6 +46,8 @@ def run_two_nodes(
     procs = []
     for node, out in enumerate(outs):
         env = _env(SHIM_CLOCK_SHIFT_NS=str(shift_ns if node == 1 else 0), LD_PRELOAD=shim)
+        if node == 1 and shift_ns:  # a host whose clock differs is another machine: another boot id
+            env["SHIM_BOOT_ID"] = "b0000000-0000-4000-8000-00000000000b"
         cmd = [
             sys.executable,
             "-m",

@@ -278,3 +278,32 @@ def test_trace_marks_each_rank_s_step_starts(logs, capsys, tmp_path):
     assert {tracks[(e["pid"], e["tid"])] for e in marks} == {"steps"}
     slices = [e for e in events if e["ph"] == "X"]
     assert not {(e["pid"], e["tid"]) for e in slices} & {(e["pid"], e["tid"]) for e in marks}
+
+
+@pytest.mark.parametrize("engine", ["pandas", "duckdb"])
+def test_a_forgotten_host_is_named_first(tmp_path, capsys, engine):
+    """Issue 33: a real 2-rank job whose rank-1 log is moved away (the other host's directory not
+    given): the report says first which rank of the world has no log, and the straggler line says
+    why it is unknown, with either engine (before: '1 rank(s)', 'straggler: unknown (one rank)')."""
+    from tests.clock_workers import exchange_job
+    from tests.multiproc import run_ranks
+
+    run_ranks(exchange_job, 2, timeout=120, out=str(tmp_path), seconds=0.5)
+    host_b = tmp_path / "hostB"
+    host_b.mkdir()
+    moved = [p for p in tmp_path.iterdir() if p.is_file() and p.name.startswith("rank1.")]
+    assert moved, sorted(p.name for p in tmp_path.iterdir())
+    for p in moved:
+        p.rename(host_b / p.name)
+    code, out, err = run_cli(capsys, tmp_path, "--engine", engine, "--format", "json")
+    assert code == 0, err
+    rep = json.loads(out)
+    first = rep["findings"][0]
+    assert first["kind"] == "missing_logs" and first["text"].startswith("no log for rank(s) 1 of this job"), first
+    assert rep["headline"]["missing_logs"] == [1]
+    code, out, err = run_cli(capsys, tmp_path, "--engine", engine)
+    assert code == 0, err
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("straggler:")]
+    assert "no log for rank(s) 1" in line, line
+    findings = block(out, "Findings:")
+    assert findings[0].startswith("no log for rank(s) 1 of this job"), findings[:2]

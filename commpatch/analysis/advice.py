@@ -312,22 +312,40 @@ def latency_fit(times, nbytes):
     """(latency_us, us_per_byte) of ``time = latency + bytes x us_per_byte`` fitted to the median time
     of each message size (power of two) with enough calls; None when the sizes are too few or too
     close, or the fit is not a positive latency and bandwidth."""
+    fits = latency_fits(np.zeros(len(times), np.int64), times, nbytes)
+    return (float(fits["latency_us"].iloc[0]), float(fits["us_per_byte"].iloc[0])) if len(fits) else None
+
+
+def latency_fits(key, times, nbytes):
+    """``latency_fit`` for every key at once (``key``: an integer per call): a DataFrame indexed by
+    the keys that have a fit, columns latency_us and us_per_byte. One groupby and a closed-form
+    least-squares line per key: the cost is linear in the calls, however many keys they have."""
     import pandas as pd
 
-    t = pd.DataFrame({"t": times, "s": size_bucket(nbytes), "b": np.asarray(nbytes, np.float64)})
+    t = pd.DataFrame({"k": key, "t": times, "s": size_bucket(nbytes), "b": np.asarray(nbytes, np.float64)})
     t = t[np.isfinite(t["t"]) & (t["b"] > 0)]
-    per = t.groupby("s").agg(t=("t", "median"), b=("b", "median"), n=("t", "size"))
-    per = per[per["n"] >= MIN_CALLS_PER_SIZE]
-    if len(per) < MIN_SIZES or per["b"].max() < MIN_SIZE_SPAN * per["b"].min():
-        return None
-    slope, intercept = np.polyfit(per["b"].to_numpy(), per["t"].to_numpy(), 1)
-    if not (slope > 0 and intercept > 0):
-        return None
-    return float(intercept), float(slope)
+    per = t.groupby(["k", "s"], sort=False).agg(t=("t", "median"), b=("b", "median"), n=("t", "size"))
+    per = per[per["n"] >= MIN_CALLS_PER_SIZE].reset_index()
+    by = per.groupby("k", sort=True)
+    mean = by[["b", "t"]].transform("mean")
+    dx, dy = per["b"] - mean["b"], per["t"] - mean["t"]
+    sxx, sxy = (dx * dx).groupby(per["k"]).sum(), (dx * dy).groupby(per["k"]).sum()
+    fit = pd.DataFrame({"n": by.size(), "lo": by["b"].min(), "hi": by["b"].max(), "bm": by["b"].mean()})
+    fit["tm"] = by["t"].mean()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fit["us_per_byte"] = sxy / sxx
+    fit["latency_us"] = fit["tm"] - fit["us_per_byte"] * fit["bm"]
+    ok = (fit["n"] >= MIN_SIZES) & (fit["hi"] >= MIN_SIZE_SPAN * fit["lo"]) & (sxx > 0)
+    ok &= (fit["us_per_byte"] > 0) & (fit["latency_us"] > 0)
+    return fit.loc[ok, ["latency_us", "us_per_byte"]]
 
 
 def small_messages(df, steps_table, st) -> list:
-    """Coalesce the calls below the latency-bound size on a group when they are many per step."""
+    """Coalesce the calls below the latency-bound size on a group when they are many per step.
+    Vectorised over the (group, collective) keys: a log with as many keys as calls costs no more
+    than one with a handful (issue 33)."""
+    import pandas as pd
+
     rows = steady_rows(df, steps_table)
     rows = rows[~_bucket_mask(rows) & (rows["bytes"].to_numpy() > 0)].reset_index(drop=True)
     if not len(rows):
@@ -335,41 +353,62 @@ def small_messages(df, steps_table, st) -> list:
     times = transfer_durations(rows)  # by position: rows' index is 0..n-1
     step_us = st["step_p50_us"]
     steps = rows["step"].nunique()
-    out = []
     keys = rows[["group", "collective"]].astype(str)
-    for (group, collective), part in rows.groupby([keys["group"], keys["collective"]], sort=True):
-        fit = latency_fit(times[part.index], part["bytes"])
-        if fit is None:
-            continue
-        latency_us, us_per_byte = fit
-        bound = latency_us / us_per_byte  # the latency-bound size: latency = transfer time
-        small = part[part["bytes"].to_numpy() < bound]
-        if not len(small):
-            continue
-        per_step = small.groupby(["rank", "step"]).size()
-        calls = float(per_step.groupby(level="rank").median().median()) if len(per_step) else 0.0
-        if calls < MIN_SMALL_CALLS or small["step"].nunique() < min(MIN_STEPS, steps):
-            continue
-        small_us = float(np.nansum(times[small.index])) / max(len(per_step), 1)
-        gain = (calls - 1) * latency_us
-        if gain < max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US):
-            continue
-        ops = sorted(set(small["op"].astype(str)))
+    code, pairs = pd.factorize(pd.MultiIndex.from_frame(keys), sort=True)
+    fits = latency_fits(code, times, rows["bytes"])
+    if not len(fits):
+        return []
+    bound = np.full(len(pairs), -np.inf)  # the latency-bound size: latency = transfer time
+    bound[fits.index.to_numpy()] = (fits["latency_us"] / fits["us_per_byte"]).to_numpy()
+    is_small = rows["bytes"].to_numpy() < bound[code]
+    small = pd.DataFrame(
+        {
+            "k": code[is_small],
+            "rank": rows["rank"].to_numpy()[is_small],
+            "step": rows["step"].to_numpy()[is_small],
+            "t": times[is_small],
+            "bytes": rows["bytes"].to_numpy()[is_small],
+            "op": rows["op"].astype(str).to_numpy()[is_small],
+        }
+    )
+    per_step = small.groupby(["k", "rank", "step"]).size()
+    by_key = pd.DataFrame(
+        {
+            "calls": per_step.groupby(level=["k", "rank"]).median().groupby(level="k").median(),
+            "rank_steps": per_step.groupby(level="k").size(),
+            "steps": small.groupby("k")["step"].nunique(),
+            "t": small.groupby("k")["t"].sum(),  # NaN skipped (as nansum)
+            "bytes": small.groupby("k")["bytes"].median(),
+        }
+    ).join(fits, how="inner")
+    by_key["gain"] = (by_key["calls"] - 1) * by_key["latency_us"]
+    by_key = by_key[
+        (by_key["calls"] >= MIN_SMALL_CALLS)
+        & (by_key["steps"] >= min(MIN_STEPS, steps))
+        & (by_key["gain"] >= max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US))
+    ]
+    ops = small[small["k"].isin(by_key.index)].groupby("k")["op"].unique()
+    out = []
+    for k, row in by_key.sort_index().iterrows():
+        group, collective = pairs[k]
+        calls, latency_us, us_per_byte, gain = (float(row[c]) for c in ("calls", "latency_us", "us_per_byte", "gain"))
+        bound_k = latency_us / us_per_byte
+        small_us = float(row["t"]) / max(int(row["rank_steps"]), 1)
         evidence = dict(
-            steps=int(small["step"].nunique()),
+            steps=int(row["steps"]),
             step_us=step_us,
-            calls_per_step=calls,
-            latency_us=latency_us,
-            us_per_mib=us_per_byte * MIB,
-            latency_bound_bytes=bound,
-            small_bytes_median=float(small["bytes"].median()),
+            calls_per_step=float(calls),
+            latency_us=float(latency_us),
+            us_per_mib=float(us_per_byte) * MIB,
+            latency_bound_bytes=float(bound_k),
+            small_bytes_median=float(row["bytes"]),
             small_us_per_step=small_us,
             latency_share=min(calls * latency_us / small_us, 1.0) if small_us > 0 else math.nan,
         )
         text = (
-            f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(ops)}) move messages below "
-            f"{_bytes(bound)}, the size where a call's fixed latency ({_ms(latency_us)}, fitted from this group's "
-            f"calls) equals its transfer time; they take {_ms(small_us)} per step, "
+            f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(sorted(ops[k]))}) move messages "
+            f"below {_bytes(bound_k)}, the size where a call's fixed latency ({_ms(latency_us)}, fitted from this "
+            f"group's calls) equals its transfer time; they take {_ms(small_us)} per step, "
             f"{_pct(evidence['latency_share'])} of it latency. One call for all of them saves about "
             f"{_ms(gain)} per step."
         )

@@ -38,6 +38,7 @@ from .matching import (
     P2P_SIDES,
     MismatchKind,
     collective_seq,
+    counts_by_group,
     log_end_rows,
     mismatch_table,
     reach_steps,
@@ -393,6 +394,10 @@ class Engine:
         else:
             summary, bus = self._summary(None), self._summary(bus_by, steady, sums_only=True)
         out = Results(summary=summary, per_step=per_step, rank_list=ranks, **self.counts)
+        members = set()  # with one rank's log too: the members named are the job's (a host left out)
+        for s in self.group_ranks.values():
+            members.update(expand_ranks(s))
+        out.missing_logs = sorted(members - set(ranks))
         out.bus_summary = bus
         out.setup, out.ops, out.unmeasured_ops = self._row_facts(out.per_step)
         if "steps" in self.tables:
@@ -451,10 +456,6 @@ class Engine:
             out.mismatches = mismatch_table(
                 collectives, lambda group, coll_seq: shown[(group, coll_seq)], self.p2p_firsts, set(ranks)
             )
-            members = set()
-            for s in self.group_ranks.values():
-                members.update(expand_ranks(s))
-            out.missing_logs = sorted(members - set(ranks))
             if arrivals_bins:
                 out.arrivals = self._arrivals(arrivals_bins)
         return out
@@ -692,7 +693,7 @@ class Engine:
         names = self.names.get("group", {})
         self.log_ends = log_end_rows(
             sorted(
-                (names[int(g)], {r: n for (gg, r), n in self.counts_of.items() if gg == int(g)}, int(last), int(n))
+                (names[int(g)], self.by_group.get(int(g), {}), int(last), int(n))
                 for g, last, n in zip(tail["g"], tail["last"], tail["n"])
             )
         )
@@ -713,6 +714,7 @@ class Engine:
             )
         )
         self.counts_of = {(int(g), int(r)): int(n) for g, r, n in zip(ends["g"], ends["rank"], ends["n"])}
+        self.by_group = counts_by_group(self.counts_of)
         present = set(self.seen_ranks)
         rows = []
         for code, name in self.names.get("group", {}).items():
@@ -720,8 +722,7 @@ class Engine:
                 continue
             members = [r for r in expand_ranks(self.group_ranks.get(name, "")) if r in present]
             alive = {r for r in members if last_ns.get(r, -1) > first_ns[code]}
-            counts = {r: n for (g, r), n in self.counts_of.items() if g == code}
-            rows += [(code, lo, n) for lo, n in reach_steps(members, counts, alive)]
+            rows += [(code, lo, n) for lo, n in reach_steps(members, self.by_group.get(code, {}), alive)]
         self.reach = pd.DataFrame(rows, columns=["g", "lo", "expected"]).astype(np.int64)
 
     def _join_wanted(self, wanted, sql):

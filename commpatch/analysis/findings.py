@@ -10,6 +10,7 @@ import math
 from typing import NamedTuple
 
 from ..data.clock import MEASURED, SAME_MACHINE, UNMEASURED
+from ..data.schema import compact_ranks, expand_ranks
 from . import stragglers
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import PATTERN, Found
@@ -21,10 +22,12 @@ from .summaries import summary
 SLOW_RATIO = 0.5
 # a rank's wall clock this far from rank 0's (us; and beyond the offset's uncertainty) is a finding
 CLOCK_NOTED_US = 1000.0
+# a world_size above this is not taken as a count of ranks whose logs are missing (a corrupt row)
+MAX_WORLD = 1 << 20
 
 
 class Finding(NamedTuple):
-    kind: str  # hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth, engine
+    kind: str  # missing_logs, hang, steps, overhead, setup, ends, clock, straggler, mismatch, bandwidth, engine
     text: str
     section: str  # the report table behind it
 
@@ -291,7 +294,58 @@ def clock_finding(clock) -> str:
             f"{_ms(abs(c['offset_us']))} {way}, measured to +/-{_ms(c['uncertainty_us'])}); issue times are "
             f"aligned to rank 0's clock (largest uncertainty +/-{_ms(largest)})"
         )
+    jumped = {r: c for r, c in measured.items() if c.get("jumps")}
+    if jumped:
+        r, c = max(jumped.items(), key=lambda kv: kv[1]["max_offset_us"] - kv[1]["min_offset_us"])
+        parts.append(
+            f"the offset of rank(s) {_ranks_text(sorted(jumped))} to rank 0 jumped between rounds of the exchange "
+            f"beyond their uncertainty (the most: rank {r}, from {_signed_ms(c['min_offset_us'])} to "
+            f"{_signed_ms(c['max_offset_us'])}): a stepped clock, or an exchange rewritten through the job's store "
+            "(not authenticated). The offsets are applied as measured (table: Clocks) and the rank's uncertainty "
+            "covers the jump: no straggler is named within it"
+        )
+    odd = {r: c for r, c in clock.items() if c.get("status") == SAME_MACHINE and c.get("inconsistent")}
+    if odd:
+        parts.append(
+            f"rank(s) {_ranks_text(sorted(odd))} run on rank 0's machine (same boot id): one wall clock, offset 0, "
+            f"though {sum(c['inconsistent'] for c in odd.values())} round(s) of their exchange excluded 0 (a "
+            "per-process clock shim, or an exchange rewritten through the job's store): not applied"
+        )
     return ("Clocks: " + "; ".join(parts) + ".") if parts else ""
+
+
+def missing_ranks(df, pre=None) -> list:
+    """The ranks of the job with no log here: the members of the groups the rows name, and every
+    rank below the rows' world_size, that have no row of their own (a host's directory left out of
+    ``commpatch report``: issue 33). ``pre``: the engine's results (its ``missing_logs``, from the
+    groups' members), ``df`` then None."""
+    if pre is not None:
+        return sorted(getattr(pre, "missing_logs", None) or [])
+    if df is None or not len(df):
+        return []
+    import numpy as np
+
+    world: set = set()
+    if "group_ranks" in df.columns:
+        for s in df["group_ranks"].astype("category").cat.categories:
+            world.update(expand_ranks(s))
+    if "world_size" in df.columns:
+        size = int(np.nanmax(np.asarray(df["world_size"], np.float64), initial=0))
+        if size <= MAX_WORLD:
+            world.update(range(size))
+    return sorted(world - set(np.unique(df["rank"]).tolist()))
+
+
+def missing_logs_finding(missing, present) -> Finding:
+    """The first finding when some ranks of the job have no log: what the rest of the report cannot say."""
+    return Finding(
+        "missing_logs",
+        f"no log for rank(s) {compact_ranks(missing)} of this job: its rows name {len(missing) + len(present)} "
+        f"rank(s) (world size, group members), and only rank(s) {compact_ranks(present)} have a log here. "
+        "Their collectives, stragglers, hangs and mismatches are not checked: give every host's directory "
+        "(`commpatch report HOST_A_DIR HOST_B_DIR`, docs/multi-host.md).",
+        "summary",
+    )
 
 
 def _ranks_text(ranks) -> str:
@@ -356,6 +410,10 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             "longer than any other rank"
         )
     return text + "."
+
+
+def _signed_ms(us) -> str:
+    return ("-" + _ms(-us)) if us < 0 else _ms(us)
 
 
 def hang_findings(table, most: int = 3) -> list:

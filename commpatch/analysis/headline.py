@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from ..data.schema import compact_ranks
 from . import stragglers
 from .steps import steady_state
 
@@ -36,7 +37,9 @@ def _num(x):
     return None if math.isnan(x) or math.isinf(x) else x
 
 
-def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=()) -> dict:
+def headline(
+    steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=(), missing_logs=()
+) -> dict:
     st = steady_state(steps_table)
     out = dict(
         ranks=int(ranks),
@@ -51,6 +54,12 @@ def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int 
     )
     out["top_collective"] = _top(summary_table)
     out["straggler"] = _straggler(cross, steps_table)
+    out["missing_logs"] = [int(r) for r in missing_logs]  # ranks of the job with no log here (findings.missing_ranks)
+    if missing_logs and out["straggler"]["verdict"] == "unknown":
+        why = out["straggler"]["reason"]
+        out["straggler"]["reason"] = f"no log for rank(s) {compact_ranks(missing_logs)}" + (
+            ": only one rank's log read" if why == "one rank" else f"; {why}" if why else ""
+        )
     out["hang"] = _hang(cross, findings)
     mm = getattr(cross, "mismatches", None) if cross is not None else None
     out["mismatches"] = int(len(mm)) if mm is not None else None

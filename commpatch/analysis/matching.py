@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data.attrs import shared
 from ..data.clock import CLOCK_ATTR
 from ..data.ops import P2P_OPS
 from ..data.schema import expand_ranks
@@ -160,9 +161,13 @@ def _match(df):
     gr_first = ranks_cat.cat.codes.to_numpy()[f_rows] if len(first) else np.zeros(0, np.int64)
     expected = np.zeros(len(first), np.int64)
     present_n = np.zeros(len(first), np.int64)
-    for code, grc in {(int(a), int(b)) for a, b in zip(g_first, gr_first)}:
-        at = (g_first == code) & (gr_first == grc)
-        steps = reach_steps(members[grc], {r: n for (g, r), n in counts.items() if g == code}, alive.get(code, ()))
+    by_group = counts_by_group(counts)
+    pair = g_first * (len(ranks_cat.cat.categories) + 1) + gr_first
+    order_pairs = np.argsort(pair, kind="stable")
+    bounds = np.flatnonzero(np.diff(pair[order_pairs])) + 1
+    for at in np.split(order_pairs, bounds) if len(first) else ():
+        code, grc = int(g_first[at[0]]), int(gr_first[at[0]])
+        steps = reach_steps(members[grc], by_group.get(code, {}), alive.get(code, ()))
         los = np.array([lo for lo, _ in steps])
         expected[at] = np.array([n for _, n in steps])[np.searchsorted(los, c_first[at], side="right") - 1]
         present_n[at] = len(members[grc])
@@ -189,8 +194,8 @@ def _match(df):
     )
     table["missing"] = table["ranks"] < table["expected_ranks"]
     table["ended"] = present_n - table["expected_ranks"].to_numpy()  # members whose log ended before it
-    table.attrs["log_ends"] = counts
-    table.attrs["group_names"] = dict(enumerate(str(c) for c in sub["group"].cat.categories))
+    table.attrs["log_ends"] = shared(counts)
+    table.attrs["group_names"] = shared(dict(enumerate(str(c) for c in sub["group"].cat.categories)))
     # time each rank waited for the last arrival, bounded by the call's own measured duration
     wait, skew, arrival, coll = np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub)), np.empty(len(sub), np.int64)
     wait[order] = (start[l_rows][run_of] - start[order]) / 1e3
@@ -261,7 +266,7 @@ def log_end_table(collectives):
     before the group's last collective (each with its last collective: '1 (#14), 2 (#22)'), the
     last collective of the shortest, the group's last, and how many collectives after the shortest
     end are matched over fewer ranks. Columns: group, ranks, last_coll_seq, group_last, unmatched."""
-    counts = collectives.attrs.get("log_ends", {})
+    by_group = counts_by_group(collectives.attrs.get("log_ends", {}))
     codes = {name: code for code, name in collectives.attrs.get("group_names", {}).items()}
     tail = collectives[collectives["ended"] > 0]
     parts = tail.groupby("group", observed=True, sort=True)["coll_seq"].agg(["max", "size"])
@@ -269,7 +274,7 @@ def log_end_table(collectives):
         [
             (
                 str(group),
-                {r: n for (g, r), n in counts.items() if g == codes.get(str(group))},
+                by_group.get(codes.get(str(group)), {}),
                 int(row["max"]),
                 int(row["size"]),
             )
@@ -299,6 +304,15 @@ def log_end_rows(groups):
             )
         )
     return pd.DataFrame(rows, columns=["group", "ranks", "last_coll_seq", "group_last", "unmatched"])
+
+
+def counts_by_group(counts) -> dict:
+    """``log_ends``' counts as {group code: {rank: collectives}}: gathered once (a scan of every
+    (group, rank) per group is quadratic in the groups: issue 33)."""
+    out: dict = {}
+    for (g, r), n in counts.items():
+        out.setdefault(g, {})[r] = n
+    return out
 
 
 def reach_steps(members, counts, alive):

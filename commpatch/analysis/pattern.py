@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..data.attrs import shared
 from ..data.schema import BOUNDARY_SOURCES, S_PATTERN, STEP_SOURCES, STEPLESS_ATTR
 
 MIN_MATCH = 0.9  # share of the steady part's positions that must repeat the period
@@ -125,7 +126,7 @@ def _find(df, warn):
             new_step[order[lo:hi]] = numbers
             changed[order[lo:hi]] = True
     out = df.copy(deep=False)
-    out.attrs = {**df.attrs, ATTR: results}
+    out.attrs = {**df.attrs, ATTR: shared(results)}
     if changed.any():
         out["step"] = new_step
         if "step_source" in out.columns:

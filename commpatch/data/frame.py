@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+from .attrs import shared
 from .clock import CLOCK_ATTR, RankClock, rank_clock
 from .logfile import parse
 from .ops import BY_NAME, NO_BW, OBJECT, OP_NAMES, bus_factor, describe_op
@@ -237,7 +238,7 @@ def dataframe(parsed, names=None):
     df.attrs["torn_records"] = parsed.torn
     rank = parsed.header.get("rank")
     if isinstance(rank, int) and rank >= 0:
-        df.attrs[CLOCK_ATTR] = {rank: parsed_clock(parsed).summary()}
+        df.attrs[CLOCK_ATTR] = shared({rank: parsed_clock(parsed).summary()})
     return df
 
 

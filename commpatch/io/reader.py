@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..data.attrs import shared
 from ..data.clock import CLOCK_ATTR
 from ..data.frame import own_times
 from ..data.logfile import IN_FLIGHT_ATTR
@@ -179,14 +180,16 @@ class _Parts:
             old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
             if old:
                 df["timing"] = df["timing"].cat.rename_categories({c: OLD_TIMING_NAMES[c] for c in old})
-        df.attrs["filled_columns"] = sorted(filled & self.plan.wanted)
+        df.attrs["filled_columns"] = shared(sorted(filled & self.plan.wanted))
         here = {k["rank"] for _, keys in self.keys for k in keys}  # the ranks read: their dumps only
         flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
-        df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
+        df.attrs[IN_FLIGHT_ATTR] = shared(
+            [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
+        )
         if self.clocks:
-            df.attrs[CLOCK_ATTR] = dict(sorted(self.clocks.items()))
+            df.attrs[CLOCK_ATTR] = shared(dict(sorted(self.clocks.items())))
         if self.plan.steps is not None:
-            df.attrs[STEPLESS_ATTR] = sorted(self.whole)
+            df.attrs[STEPLESS_ATTR] = shared(sorted(self.whole))
         return df
 
 

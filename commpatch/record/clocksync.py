@@ -20,10 +20,19 @@ not started yet is served in a later round). Each round's interval is noted in t
 machine, by its boot id); the reader aligns ``start_ns`` with it (``data.clock``). Any failure (no
 store, a peer without commpatch, the store gone at exit) ends the thread quietly: no record means
 "not measured".
+
+The keys of rank i's exchanges carry a random nonce of its own (``ready/i``'s value, read by rank 0
+once), so they cannot be guessed or written ahead by a process that knows the protocol but not the
+run. torch's store is not authenticated: a process that reads the store can still find them, and
+answer for rank 0. What holds against that is in the reader (``data.clock``): a rank on rank 0's
+machine is never shifted, and an offset that jumps between rounds is reported and widens the
+rank's uncertainty, so no straggler is named within it.
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 import threading
 import time
 
@@ -33,6 +42,7 @@ SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)  # waits between rounds; the last one repe
 WAIT_S = 10.0  # rank 0's wait for one request, a rank's for one answer
 TURN_S = max(SCHEDULE_S) + 120.0  # a rank's wait for its next turn (rank 0 gone quiet after it: the end)
 READY_S, READY_TRIES = 0.25, 8  # rank 0's next round while some rank's thread has not started
+NONCE = re.compile(rb"[0-9a-f]{32}")  # a rank's nonce: 16 random bytes in hex
 
 
 class ClockSync:
@@ -59,6 +69,8 @@ class ClockSync:
         self.round = 0  # rank i: its exchanges so far (the keys' number)
         self.rounds = 0  # rounds completed (served on rank 0, measured elsewhere)
         self.error = ""  # why the thread ended early ('' : it did not)
+        self.nonce = secrets.token_hex(16)  # rank i: in the keys of its exchanges (random per run)
+        self.nonces: dict = {}  # rank 0: each rank's nonce, read from its ready key once
         self.gone: set = set()  # rank 0: ranks that stopped or never answered, not asked again
         self.late: set = set()  # rank 0: ranks whose thread had not started within WAIT_S of the first round
         self.thread = threading.Thread(target=self._run, name="commpatch-clock", daemon=True)
@@ -73,7 +85,7 @@ class ClockSync:
         self.stop_event.set()
         keys = [self.waiting] if self.waiting else []
         if self.rank > 0:
-            key = f"{self.prefix}/{self.rank}/{self.round}"
+            key = f"{self.prefix}/{self.rank}/{self.nonce}/{self.round}"
             keys = [f"{self.prefix}/bye/{self.rank}"] + [f"{key}/q{j}" for j in range(PINGS)] + keys
         for key in keys:
             try:
@@ -93,7 +105,7 @@ class ClockSync:
             store = self.connect()  # its own connection: the user's store object is never waited on
             store.set_timeout(datetime.timedelta(seconds=TURN_S))
             if self.rank > 0:
-                store.set(f"{self.prefix}/ready/{self.rank}", b"")
+                store.set(f"{self.prefix}/ready/{self.rank}", self.nonce.encode())
             served = [0] * self.world_size  # rank 0: exchanges done with each rank
             k = tries = 0
             while not self.stop_event.is_set():
@@ -151,7 +163,13 @@ class ClockSync:
                     self.late.add(i)
                     pending = True
                     continue
-            key = f"{self.prefix}/{i}/{served[i]}"
+            if i not in self.nonces:
+                nonce = store.get(ready)
+                if not NONCE.fullmatch(nonce):  # not a rank's nonce (another writer): not asked
+                    self.gone.add(i)
+                    continue
+                self.nonces[i] = nonce.decode()
+            key = f"{self.prefix}/{i}/{self.nonces[i]}/{served[i]}"
             store.set(f"{key}/go", b"")
             for j in range(PINGS):
                 try:
@@ -170,7 +188,7 @@ class ClockSync:
 
     def _ask(self, store, n: int) -> bool:
         """Rank i: wait for its ``n``-th turn, then measure; False when stopped."""
-        key = f"{self.prefix}/{self.rank}/{n}"
+        key = f"{self.prefix}/{self.rank}/{self.nonce}/{n}"
         if not self._wait(store, f"{key}/go", TURN_S):
             return False
         store.delete_key(f"{key}/go")

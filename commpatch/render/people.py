@@ -38,6 +38,8 @@ COMPACT = {
     "p2p": ("group", "channel", "src", "dst", "pairs", "matched", "bytes_mismatch", "mean_skew_us", "max_skew_us"),
 }
 MAX_CELL = 28  # a longer name (group, op, tag) is cut, ending in '~'
+MAX_WORD = 1_000  # a longer word of a sentence (a name from a log) is cut, ending in '~'
+_LONG_WORD = re.compile(rf"\S{{{MAX_WORD + 1},}}")
 
 STRAGGLER_WHY = {
     "significance": "not more than chance explains",
@@ -81,7 +83,10 @@ def human_bytes(n) -> str:
 
 def wrap(text: str, first: str = "", rest: str = "  ", width: int = WIDTH) -> list:
     """``text`` as lines of at most ``width`` characters; a word longer than a line (a path) is kept
-    whole, on a line of its own."""
+    whole, on a line of its own, up to ``MAX_WORD`` characters (a longer one, a name of 200,000
+    characters in a log, is cut, ending in '~')."""
+    if len(text) > MAX_WORD:
+        text = _LONG_WORD.sub(lambda m: m.group()[: MAX_WORD - 1] + "~", text)
     return textwrap.wrap(
         text, width=width, initial_indent=first, subsequent_indent=rest, break_long_words=False, break_on_hyphens=False
     ) or [first.rstrip()]
@@ -148,6 +153,8 @@ def headline_lines(h: dict) -> list:
     else:
         why = s.get("reason")
         out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(str(why), why)})" if why else "")))
+    if h.get("missing_logs") and s.get("verdict") in ("straggler", "none"):
+        out[-1] = ("straggler", f"{out[-1][1]}; among the ranks with a log (none for {len(h['missing_logs'])} rank(s))")
     hang = h.get("hang") or {}
     word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
         str(hang.get("verdict")), "unknown"

@@ -222,19 +222,35 @@ def build_report(
                 "summary",
             ),
         )
-    rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
+    missing = _findings.missing_ranks(df, pre)
+    if missing:  # first of all: what the report cannot say (a host's directory left out)
+        rep.findings.insert(0, _findings.missing_logs_finding(missing, ranks))
+    rep.headline = _headline(
+        per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings, missing_logs=missing
+    )
     rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
 
 
 def _clock_table(clock):
     """The Clocks section: rank, status (``data.clock``: reference, same_machine, measured,
-    unmeasured), offset_us, uncertainty_us, measurements (rounds of the exchange in the log)."""
+    unmeasured), offset_us (the median applied), uncertainty_us, min_offset_us / max_offset_us (the
+    offsets applied over the run), jumps (rounds whose offset left the previous one's interval),
+    measurements (rounds of the exchange in the log)."""
     import pandas as pd
 
     return pd.DataFrame(
         [dict(rank=r, **c) for r, c in sorted(clock.items())],
-        columns=["rank", "status", "offset_us", "uncertainty_us", "measurements"],
+        columns=[
+            "rank",
+            "status",
+            "offset_us",
+            "uncertainty_us",
+            "min_offset_us",
+            "max_offset_us",
+            "jumps",
+            "measurements",
+        ],
     )
 
 

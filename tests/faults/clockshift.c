@@ -4,13 +4,24 @@
  * nanoseconds ahead (negative: behind); the monotonic clocks are untouched, as on a real host
  * whose NTP-disciplined wall clock differs from another host's. Python's time.time_ns() and
  * libstdc++'s system_clock go through clock_gettime(CLOCK_REALTIME). Built by the test with
- * gcc -shared -fPIC. */
+ * gcc -shared -fPIC.
+ *
+ * SHIM_BOOT_ID, when set, is the machine's boot id read from /proc/sys/kernel/random/boot_id
+ * (open / open64 / openat / openat64 of that path give a file holding it): another host has
+ * another boot id, and commpatch takes ranks that share one to share a wall clock. */
+#undef _FORTIFY_SOURCE
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
 #include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 static int64_t shift_ns(void)
 {
@@ -65,3 +76,54 @@ time_t time(time_t *out)
         *out = ts.tv_sec;
     return ts.tv_sec;
 }
+
+/* A file descriptor holding SHIM_BOOT_ID for the boot id's path; -2 for any other open. */
+static int boot_id_fd(const char *path)
+{
+    const char *id = getenv("SHIM_BOOT_ID");
+    if (!id || !path || strcmp(path, "/proc/sys/kernel/random/boot_id") != 0)
+        return -2;
+    int fd = memfd_create("boot_id", 0);
+    if (fd < 0)
+        return -2;
+    dprintf(fd, "%s\n", id);
+    lseek(fd, 0, SEEK_SET);
+    return fd;
+}
+
+#define SHIM_OPEN(name)                                                          \
+    int name(const char *path, int flags, ...)                                  \
+    {                                                                            \
+        static int (*real)(const char *, int, ...);                             \
+        va_list ap;                                                              \
+        va_start(ap, flags);                                                     \
+        mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;  \
+        va_end(ap);                                                              \
+        int fd = boot_id_fd(path);                                               \
+        if (fd != -2)                                                            \
+            return fd;                                                           \
+        if (!real)                                                               \
+            real = (int (*)(const char *, int, ...))dlsym(RTLD_NEXT, #name);     \
+        return real(path, flags, mode);                                          \
+    }
+
+#define SHIM_OPENAT(name)                                                           \
+    int name(int dirfd, const char *path, int flags, ...)                          \
+    {                                                                               \
+        static int (*real)(int, const char *, int, ...);                           \
+        va_list ap;                                                                 \
+        va_start(ap, flags);                                                        \
+        mode_t mode = (flags & (O_CREAT | O_TMPFILE)) ? va_arg(ap, mode_t) : 0;     \
+        va_end(ap);                                                                 \
+        int fd = boot_id_fd(path);                                                  \
+        if (fd != -2)                                                               \
+            return fd;                                                              \
+        if (!real)                                                                  \
+            real = (int (*)(int, const char *, int, ...))dlsym(RTLD_NEXT, #name);   \
+        return real(dirfd, path, flags, mode);                                      \
+    }
+
+SHIM_OPEN(open)
+SHIM_OPEN(open64)
+SHIM_OPENAT(openat)
+SHIM_OPENAT(openat64)
