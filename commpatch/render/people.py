@@ -147,7 +147,7 @@ def headline_lines(h: dict) -> list:
         why = s.get("reason")
         out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(str(why), why)})" if why else "")))
     hang = h.get("hang") or {}
-    word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
+    word = {"hang": "yes", "possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
         str(hang.get("verdict")), "unknown"
     )
     out.append(("hang", f"{word}: {terminal_safe(hang['text'])}" if hang.get("text") else word))

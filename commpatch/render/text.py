@@ -212,6 +212,7 @@ def build_report(
         if len(waits):
             rep.sections["hangs"] = waits
             rep.findings[:0] = _findings.hang_findings(waits)
+            _explained_ends(rep, waits, cr)
     elif getattr(pre, "in_flight", 0):  # the engine's count (the hang finding needs every row in one frame)
         rep.findings.insert(
             0,
@@ -225,6 +226,15 @@ def build_report(
     rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
     rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
+
+
+def _explained_ends(rep: Report, waits, cross) -> None:
+    """Logs that end early in groups where a hang says who waits for whom: the hang finding explains
+    them (the ranks are alive, waiting); the 'ends' finding would suggest a log cut short."""
+    ends = getattr(cross, "log_ends", None)
+    hung = set(waits.loc[waits["verdict"] == "hang", "group"].astype(str))
+    if ends is not None and len(ends) and set(ends["group"].astype(str)) <= hung:
+        rep.findings = [f for f in rep.findings if f.kind != "ends"]
 
 
 def _clock_table(clock):
