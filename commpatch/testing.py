@@ -201,6 +201,7 @@ BINARY_PATTERN = (
     ("all_reduce", "world", 8, "float32"),
     ("broadcast", "dp", 1 << 10, "int64"),
 )
+HANG_S = 60.0  # write_binary_run(hang=...): the ranks are alive this long after the hung call's issue
 _DTYPE_CODES = {"bfloat16": (2, 2), "float32": (3, 4), "int64": (4, 8)}  # code, element size
 
 
@@ -225,6 +226,7 @@ def write_binary_run(
     straggler_delay_us: float = 400.0,
     mismatch: tuple[int, int] | None = (5, 7),
     seed: int = 0,
+    hang: int | None = None,
 ) -> list[str]:
     """One binary rank log (``rank{r}.cplog``) per rank, framed exactly as ``record.log`` writes them
     (header, groups with their ranks once, dtypes, clock offset, rows in chunks of 16,384), with
@@ -232,7 +234,10 @@ def write_binary_run(
     point-to-point calls, a ``straggler`` that issues every call ``straggler_delay_us`` late, and
     on rank ``mismatch[0]`` the ``mismatch[1]``-th call moving twice the bytes. Issue times jitter
     per rank; a call ends when the last member of its group arrived plus the transfer time, so
-    each duration includes the wait for the slowest peer. One rank in memory at a time."""
+    each duration includes the wait for the slowest peer. ``hang``: that rank never issues the last
+    step's all_reduce on the world group; every other rank waits in it (an 'inflight' record, as
+    ``record.inflight`` writes it), no rank records anything after it, and every rank is alive
+    ``HANG_S`` later ('alive' records: the job was killed then). One rank in memory at a time."""
     import os
 
     world_size = max(2, world_size - world_size % 2)
@@ -307,6 +312,29 @@ def write_binary_run(
             )
         meta.append(logfile.meta("clock", seq=0, offset=unix0 - perf0))
         meta += [logfile.meta("dtype", code=code, name=name, size=size) for name, (code, size) in _DTYPE_CODES.items()]
+        if hang is not None:  # the last step's world all_reduce: nobody gets past it
+            k = n - per_step + BINARY_PATTERN.index(("all_reduce", "world", 8, "float32"))
+            issued_ns = int(data["start"][k]) + unix0 - perf0
+            data = data[:k]
+            if rank != hang:
+                meta.append(
+                    logfile.meta(
+                        "inflight",
+                        id=0,
+                        seq=k,
+                        below=k + 1,
+                        op=int(op_code[k]),
+                        gid=gids["world"],
+                        peer=-1,
+                        numel=int(numel[k]),
+                        bytes=8,
+                        start=issued_ns,
+                        seen=issued_ns + 200_000_000,
+                        thread="MainThread",
+                        stack=["train.py:12 in <module>"],
+                    )
+                )
+            meta.append(logfile.meta("alive", ns=issued_ns + int(HANG_S * 1e9)))
         raw = data.tobytes()
         chunk = ROW.size << 14
         body = [logfile.frame(logfile.ROWS, raw[i : i + chunk]) for i in range(0, len(raw), chunk)]

@@ -227,6 +227,12 @@ class Watchdog(threading.Thread):
             lines.append("  issued from (async call; the thread has moved on), most recent call last:")
             summary = [traceback.FrameSummary(*frame) for frame in issue_stack][-STACK_LIMIT:]
             stack = traceback.StackSummary.from_list(summary).format()
+        elif ident in frames and code == OP_CODE["ddp_bucket_allreduce"]:
+            lines.append(
+                "  stack of the thread that issued it (DDP's reducer, during the backward), which waits for it "
+                "in the reducer's finalize, most recent call last:"
+            )
+            stack = traceback.format_stack(frames[ident])[-STACK_LIMIT:]
         elif ident in frames:
             lines.append("  stack of the issuing thread, still inside the call, most recent call last:")
             stack = traceback.format_stack(frames[ident])[-STACK_LIMIT:]

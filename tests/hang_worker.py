@@ -6,7 +6,10 @@ STEPS send / recv pairs, then rank 0 sends once more (``send``, or ``isend`` the
 ``--async-send``) and rank 1 never receives it. ``--mode clean``: the STEPS all_reduce calls on
 every rank (the last rank SLOW_S late for one of them) and a normal exit. Every rank writes ``ready<rank>`` once it reached the point where
 it waits (rank ``world - 1`` of ``skip`` and rank 1 of ``recv`` then sleep, as a rank busy
-elsewhere would), and the test kills the job with SIGKILL.
+elsewhere would), and the test kills the job with SIGKILL. ``--mode ddp``: a DDP model trained
+STEPS steps, except that rank ``world - 1`` stops before the last one (a data loader that hangs):
+the others wait in the backward for its gradient buckets (issued by DDP's reducer, waited for in
+its finalize).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def main() -> None:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", required=True, choices=("skip", "recv", "clean"))
+    p.add_argument("--mode", required=True, choices=("skip", "recv", "clean", "ddp"))
     p.add_argument("--async-send", action="store_true")
     a = p.parse_args()
 
@@ -42,7 +45,22 @@ def main() -> None:
         with open(os.path.join(a.out, f"ready{a.rank}"), "w") as f:
             f.write(str(time.time()))
 
-    if a.mode in ("skip", "clean"):
+    if a.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(16, 64)
+        for step in range(STEPS):
+            if step == STEPS - 1:
+                ready()
+                if a.rank == a.world - 1:
+                    break  # its data loader hangs: it sleeps below, alive
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+    elif a.mode in ("skip", "clean"):
         last = a.world - 1
         for step in range(STEPS):
             if a.mode == "clean" and step == STEPS // 2 and a.rank == a.world - 1:

@@ -274,7 +274,9 @@ def test_real_demo_job_gets_no_bucket_advice_and_names_its_straggler(tmp_path):
     (finding,) = [f["text"] for f in data["findings"] if f["kind"] == "straggler"]
     named = "the straggler, the other ranks wait for it" in finding
     assert ("straggler" in rules) == named, finding
-    assert not named or (rules["straggler"]["evidence"]["rank"] == 1 and "Rank 1 held the other ranks up" in finding), finding
+    assert not named or (rules["straggler"]["evidence"]["rank"] == 1 and "Rank 1 held the other ranks up" in finding), (
+        finding
+    )
 
 
 def test_real_one_bucket_job_gets_a_smaller_cap(tmp_path):

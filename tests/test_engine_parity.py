@@ -1,10 +1,11 @@
 """Both engines give the same report: the full JSON of `commpatch.open(path, engine=...)` (every
 section, finding, headline and advice, key by key) is equal for pandas and DuckDB on logs with a
 straggler, point-to-point calls, mismatches, a skipped collective, several groups (binary logs),
-one rank, steps found from the pattern after a set-up broadcast, and a real 2-rank gloo run.
+one rank, steps found from the pattern after a set-up broadcast, DDP buckets and small messages
+(the advice rules that read rows), hangs (1,024 ranks too), and a real 2-rank gloo run.
 
-What differs by design is listed in BY_DESIGN with its reason, and the DuckDB report says it
-itself (a finding of kind "engine"). Floats are compared to a relative 1e-12: the same math,
+The only difference by design: beyond ``engine.ADVICE_ROWS`` steady-state calls the DuckDB engine
+leaves the small-message advice out, and its report says so (a finding of kind "engine"). Floats are compared to a relative 1e-12: the same math,
 summed in another order (pandas: pairwise over the rows in memory; DuckDB: each figure in a
 fixed order, so that its own results are the same from one run to the next)."""
 
@@ -17,19 +18,11 @@ import pytest
 
 import commpatch
 from commpatch.analysis import engine
-from commpatch.analysis.advice import ROW_RULES
-from commpatch.analysis.findings import ENGINE_LIMITS
 from commpatch.testing import write_binary_run, write_rank_files
 
 pytestmark = pytest.mark.skipif(not engine.available(), reason="needs duckdb (commpatch[scale])")
 
 FLOAT_RTOL = 1e-12  # the same sums in another order (see the module docstring)
-
-# What the DuckDB report does not compute, and why; its findings say so (kind "engine").
-BY_DESIGN = {
-    "advice ddp_bucket_size, ddp_grad_copy, small_messages": "these rules read every row (advice.ROW_RULES)",
-    "hangs section": "the engine counts the calls in flight at the end, not who waits for whom (docs/hangs.md)",
-}
 
 
 def differences(a, b, path: str = "") -> list[str]:
@@ -59,13 +52,7 @@ def reports(path) -> tuple[dict, dict]:
 
 def assert_same_report(path) -> tuple[dict, dict]:
     pandas, duckdb = reports(path)
-    said = [f for f in duckdb["findings"] if f["kind"] == "engine"]
-    assert [f["text"] for f in said] == [ENGINE_LIMITS]  # the differences by design, said in the report
-    assert not any(f["kind"] == "engine" for f in pandas["findings"])
-    # by design (BY_DESIGN): what the engine does not compute is absent from its report, never wrong
-    pandas = dict(pandas, advice=[a for a in pandas["advice"] if a["rule"] not in ROW_RULES])
-    duckdb = dict(duckdb, findings=[f for f in duckdb["findings"] if f["kind"] != "engine"])
-    assert "hangs" not in pandas["sections"]  # (no log here ends in a hang)
+    assert not any(f["kind"] == "engine" for f in pandas["findings"] + duckdb["findings"])  # nothing left out
     assert differences(pandas, duckdb) == []
     return pandas, duckdb
 
@@ -170,3 +157,59 @@ def test_the_engine_gives_the_same_report_from_one_run_to_the_next(tmp_path):
             with commpatch.open(str(tmp_path), engine="duckdb") as run:
                 texts.add(run.json())
     assert len(texts) == 1
+
+
+# ---- the advice rules that read rows (advice.ROW_RULES) -----------------------------------------
+def _export(df, directory) -> None:
+    for rank, part in df.groupby("rank"):
+        commpatch.export_csv(str(directory / f"rank{rank}.csv"), df=part.reset_index(drop=True))
+
+
+def test_the_engines_give_the_same_ddp_and_small_message_advice(tmp_path):
+    """One DDP bucket holding every gradient with a long finalize, then many small all_reduce calls:
+    the three rules that read rows advise, and the engine feeds them the same rows (issue 32, item 6)."""
+    from tests.test_advice import MIB, _calls_log, _ddp_log
+
+    _export(_ddp_log([(8 * MIB, 30_000.0, 10_000.0, 16)], finalize_us=3000.0), tmp_path / "ddp")
+    pandas, _ = assert_same_report(str(tmp_path / "ddp"))
+    assert {a["rule"] for a in pandas["advice"]} == {"ddp_bucket_size", "ddp_grad_copy"}
+    _export(_calls_log([64] * 20 + [MIB] * 3), tmp_path / "calls")
+    pandas, _ = assert_same_report(str(tmp_path / "calls"))
+    assert [a["rule"] for a in pandas["advice"]] == ["small_messages"]
+
+
+def test_the_engine_says_when_it_leaves_the_small_message_advice_out(tmp_path, monkeypatch):
+    from tests.test_advice import MIB, _calls_log
+
+    _export(_calls_log([64] * 20 + [MIB] * 3), tmp_path)
+    monkeypatch.setattr(engine, "ADVICE_ROWS", 100)
+    pandas, duckdb = reports(str(tmp_path))
+    said = [f["text"] for f in duckdb["findings"] if f["kind"] == "engine"]
+    assert len(said) == 1 and "the advice on small messages (" in said[0] and "more than the 100 it reads" in said[0]
+    assert [a["rule"] for a in pandas["advice"]] == ["small_messages"] and duckdb["advice"] == []
+
+
+# ---- hangs, and a straggler, at 1,024 ranks ----------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_engines_name_the_same_hang_and_straggler_at_1024_ranks(tmp_path):
+    """1,024 ranks, rank 5 a straggler (every call 3 ms late), then rank 9 never issues a world
+    all_reduce the others wait in (inflight records, every rank alive 60 s later): the same hang
+    finding and table, straggler and advice from both engines (one run: each costs minutes here)."""
+    write_binary_run(str(tmp_path), 1024, 100, straggler=5, straggler_delay_us=3000.0, mismatch=None, hang=9)
+    pandas, _ = assert_same_report(str(tmp_path))
+    first = pandas["findings"][0]
+    assert first["kind"] == "hang" and first["text"].startswith("hang: ranks 0-8 10-1023 wait in all_reduce #")
+    assert "rank 9 never issued it" in first["text"] and pandas["headline"]["hang"]["verdict"] == "hang"
+    assert [r["missing"] for r in pandas["sections"]["hangs"]] == ["9"]
+    assert pandas["headline"]["straggler"]["rank"] == 5
+
+
+def test_the_engines_report_the_same_real_ddp_hang(tmp_path):
+    """A real 2-rank gloo DDP job whose rank 1 stops before a step (tests/hang_worker.py): the bucket
+    rank 0 waits in, named alike by both engines."""
+    from tests.test_hangs import _run_until_hang
+
+    _run_until_hang(tmp_path, "ddp", 2)
+    pandas, _ = assert_same_report(str(tmp_path))
+    assert pandas["findings"][0]["text"].startswith("hang: rank 0 waits in ddp_bucket_allreduce #")

@@ -172,9 +172,54 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
             assert str(tmp_path / name) in first["text"]
     else:
         assert dumps == []
-    if importlib.util.find_spec("duckdb") is not None:  # the engine says what it cannot tell, first
-        first = _report(tmp_path, "json", "--engine", "duckdb")["findings"][0]
-        assert first["kind"] == "hang" and first["text"].startswith("3 call(s) were in flight at the end of the logs")
+    if importlib.util.find_spec("duckdb") is not None:  # the engine names the same hang (issue 32, item 6)
+        engine = _report(tmp_path, "json", "--engine", "duckdb")
+        assert engine["findings"][0] == first and engine["sections"]["hangs"] == rep["sections"]["hangs"]
+
+
+@pytest.mark.parametrize("watchdog", [False, True], ids=["no-watchdog", "watchdog"])
+def test_a_ddp_rank_stuck_before_a_step_is_named_first(tmp_path, watchdog):
+    """DDP, rank 1 stuck before its last step (a hung data loader): rank 0 waits for its gradient
+    bucket in the reducer's finalize, in no wrapper. The bucket is in flight (issue 32, item 5): the
+    precise finding, the dump, and nothing that says rank 1 died (both logs are alive to the end)."""
+    _run_until_hang(tmp_path, "ddp", 2, watchdog)
+    rep = _report(tmp_path)
+    first = rep["findings"][0]
+    row = _section(rep, "hangs").iloc[0]
+    assert (row["kind"], row["verdict"], row["group"], row["op"], row["waiting"], row["missing"]) == (
+        "collective",
+        "hang",
+        "0",
+        "ddp_bucket_allreduce",
+        "0",
+        "1",
+    ), rep["findings"]
+    n = int(row["number"])
+    assert first["text"].startswith(f"hang: rank 0 waits in ddp_bucket_allreduce #{n} of group 0 (issued "), first
+    assert (
+        f"rank 1 never issued it: its last collective in group 0 was ddp_bucket_allreduce #{n - 1} of group 0"
+        in (first["text"])
+    )
+    assert row["issued_exact"], "the bucket's pending entry gives its issue time"
+    assert rep["headline"]["hang"]["verdict"] == "hang"
+    everything = " ".join([f["text"] for f in rep["findings"]] + [rep["headline"]["hang"]["text"]])
+    assert "may have died" not in everything and "stops" not in everything and "cut short" not in everything
+    text = _report(tmp_path, "text")
+    assert "hang: possible" not in text and "hang: hang" not in text
+    with open(tmp_path / "rank0.cplog", "rb") as f:
+        calls = logfile.in_flight(parse_log(f.read()))["calls"]
+    assert [(c["op"], c["seq"] >= 0) for c in calls] == [("ddp_bucket_allreduce", True)], calls
+    assert any("backward" in line for line in calls[0]["stack"]), calls[0]["stack"]
+    dumps = sorted(p.name for p in tmp_path.glob("hang_rank*.txt"))
+    if watchdog:
+        assert dumps == ["hang_rank0.txt"]
+        dump = (tmp_path / "hang_rank0.txt").read_text()
+        stuck = [ln for ln in dump.splitlines() if ln.startswith("[STUCK]")]
+        assert len(stuck) == 1 and f"collective #{n} of group 0" in stuck[0], stuck
+        assert "ddp_bucket_allreduce" in stuck[0] and "backward" in dump
+        assert str(tmp_path / "hang_rank0.txt") in first["text"]
+    else:
+        assert dumps == []
 
 
 @pytest.mark.parametrize("how", ["send", "isend"])

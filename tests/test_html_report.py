@@ -83,7 +83,10 @@ def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
     shown = " ".join(" ".join(lines[3 : lines.index("Findings:")]).split())
     for label, sentence in people.headline_lines(h):
         assert f"{label}: {sentence}" in shown
-    assert f"step time: {people._ms(h['step_us'])} median" in shown and "straggler: rank 1: the others wait for it" in shown
+    assert (
+        f"step time: {people._ms(h['step_us'])} median" in shown
+        and "straggler: rank 1: the others wait for it" in shown
+    )
     # the page holds the same headline
     path = str(tmp_path / "r.html")
     assert report(logs, "--html", path)[0] == 0

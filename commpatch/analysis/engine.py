@@ -30,7 +30,9 @@ import numpy as np
 from ..data.clock import CLOCK_ATTR
 from ..data.logfile import IN_FLIGHT_ATTR
 from ..data.ops import describe_op
-from ..data.schema import expand_ranks
+from ..data.schema import STEPLESS_ATTR, expand_ranks
+from . import hangs as _hangs
+from .findings import ENGINE_LEFT_OUT
 from .hangs import merge_flights
 from .matching import (
     MISMATCH_FLAGS,
@@ -45,10 +47,29 @@ from .matching import (
 )
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import warn_refused, with_pattern_steps
-from .steps import SETUP_OPS, per_step, setup_from
+from .steps import SETUP_OPS, _bucket_mask, per_step, setup_from
 from .summaries import HOST_CLOCK_NAMES, durations, finish_summary, own_durations, size_bucket
 
 AUTO_BYTES = 256 << 20  # 'auto' takes the engine from this much input on (and when installed)
+# The advice rules that read rows (advice.ROW_RULES) get the rows they read: DDP's buckets whole, and
+# the steady-state calls with bytes (small messages), these columns, at most ADVICE_ROWS of them.
+ADVICE_COLUMNS = (
+    "rank",
+    "step",
+    "op",
+    "collective",
+    "group",
+    "bytes",
+    "start_ns",
+    "duration_us",
+    "own_us",
+    "async_op",
+    "sync_end_us",
+    "bucket_params",
+    "bucket",
+    "device",
+)
+ADVICE_ROWS = 5_000_000  # ~40 bytes each in memory: the small-message advice is left out beyond
 
 
 # Floating-point sums in a fixed order: DuckDB adds the values of a group on several threads in
@@ -101,6 +122,8 @@ class Staged:
     pattern: dict = field(default_factory=dict)  # rank -> pattern.Found or why not (no step boundary)
     in_flight: int = 0  # calls its logs say were in flight at the end (data.logfile.in_flight): a hang?
     clock: dict = field(default_factory=dict)  # rank -> data.clock summary (binary logs)
+    flights: list = field(default_factory=list)  # its data.logfile.in_flight dicts (watchdog dumps too)
+    hang_digest: Any = None  # hangs.Digest of its rows (None: read with a window of steps)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -155,6 +178,8 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()  # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
+    bucketed = _bucket_mask(df)
+    rows["bucketed"] = bucketed  # DDP's gradient buckets: the advice reads them apart (advice.bucket_steps)
     for i, key in enumerate(by):
         if key == "size_bucket":
             rows[f"k{i}"] = size_bucket(df["bytes"])
@@ -173,6 +198,21 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         row_group_size=1 << 20,
         use_dictionary=low,
     )
+    if bucketed.any():  # the bucket rows whole (a few per step), for the DDP advice
+        cols = [c for c in ADVICE_COLUMNS if c in df.columns]
+        sub = df.loc[bucketed, cols].reset_index(drop=True)
+        for column in sub.columns:
+            if sub[column].dtype.name == "category":
+                sub[column] = sub[column].astype(str)
+        sub = sub.assign(
+            g=rows["group"][bucketed],
+            cseq=rows["cseq"][bucketed],
+            own=rows["own"][bucketed],
+            dur=rows["dur"][bucketed],
+            host=rows["host"][bucketed],
+        )
+        os.makedirs(os.path.join(directory, "buckets"), exist_ok=True)
+        pq.write_table(pa.Table.from_pandas(sub, preserve_index=False), os.path.join(directory, "buckets", name))
     table = per_step(df, steps=steps)
     if len(table):
         os.makedirs(os.path.join(directory, "steps"), exist_ok=True)
@@ -198,6 +238,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         sub = df[["group", "group_ranks"]].drop_duplicates()
         group_ranks = dict(zip(sub["group"].astype(str), sub["group_ranks"].astype(str)))
     is_p2p = df["op"].isin(P2P_OPS).to_numpy()
+    flights = list(df.attrs.get(IN_FLIGHT_ATTR, ()))
     return Staged(
         names=names,
         group_ranks=group_ranks,
@@ -208,7 +249,10 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
         pattern=df.attrs.get(PATTERN_ATTR, {}),
         clock=df.attrs.get(CLOCK_ATTR, {}),
-        in_flight=sum(len(f["calls"]) for f in merge_flights(df.attrs.get(IN_FLIGHT_ATTR, ())).values()),
+        in_flight=sum(len(f["calls"]) for f in merge_flights(flights).values()),
+        flights=flights,
+        # what the hang attribution reads of its rows (a few; analysis.hangs), as the pandas path reads them
+        hang_digest=None if STEPLESS_ATTR in df.attrs else _hangs.digest(df, merge_flights(flights)),
     )
 
 
@@ -277,6 +321,9 @@ class Results:
     unmeasured_ops: Any = None  # the ops of steady-state calls without a duration (findings._unmeasured_ops)
     bus_summary: Any = None  # summary by collective and size_bucket of the steady state (findings.slowest_bus)
     in_flight: int = 0  # calls the logs say were in flight at the end (Staged.in_flight, summed)
+    hangs: Any = None  # hangs.hangs's table, from the ranks' digests
+    advice_rows: Any = None  # the rows the advice rules read (ADVICE_COLUMNS and transfer_us), or None
+    left_out: str = ""  # what the engine's report does not look at (said in a finding), or ''
     log_ends: Any = None  # matching.log_end_table
     clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
     rank_list: list = field(default_factory=list)
@@ -310,6 +357,8 @@ class Engine:
         self.clock: dict = {}  # rank -> data.clock summary (its offset to rank 0's clock)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
+        self.flights: list = []  # every rank's data.logfile.in_flight dicts
+        self.digests: list = []  # every rank's hangs.Digest (None for a rank read with a window of steps)
         self.matched: bool | None = None  # the collectives matched (the coll table): transfer times known
 
     def close(self) -> None:
@@ -341,6 +390,8 @@ class Engine:
             self.names.setdefault(column, {}).update(names)
         self.pattern.update(staged.pattern)
         self.clock.update(staged.clock)
+        self.flights += staged.flights
+        self.digests.append(staged.hang_digest)
 
     def _connect(self) -> None:
         import duckdb
@@ -354,7 +405,7 @@ class Engine:
             self.con.execute(f"SET {setting}='{value}'")
         if self.threads:
             self.con.execute(f"SET threads={int(self.threads)}")
-        for name in ("rows", "steps", "p2p"):
+        for name in ("rows", "steps", "p2p", "buckets"):
             if os.path.isdir(os.path.join(self.directory, name)):
                 pattern = os.path.join(self.directory, name, "*.parquet").replace("'", "''")
                 self.con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}')")
@@ -402,6 +453,8 @@ class Engine:
         out.setup, out.ops, out.unmeasured_ops = self._row_facts(out.per_step)
         if "steps" in self.tables:
             out.by_rank_steps = self._df("SELECT * FROM steps ORDER BY rank, step")
+        out.hangs = self._hangs()
+        out.advice_rows, out.left_out = self._advice_rows(steady)
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
@@ -460,6 +513,72 @@ class Engine:
                 out.arrivals = self._arrivals(arrivals_bins)
         return out
 
+    def _transfer_source(self, table: str = "rows", group: str = '"group"') -> str:
+        """``table`` with the arrival-free transfer time of each row (``transfer``: matching.transfer_times),
+        once the collectives are matched; ``group``: its column of group codes."""
+        if self.matched is None:
+            return f"(SELECT *, own AS transfer FROM {table})"
+        return f"""(
+            SELECT r.*, CASE WHEN c.complete AND r.host AND (r.start_ns - c.ls) / 1e3 + r.dur > 0
+                             THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
+            FROM {table} r LEFT JOIN coll c ON r.{group} = c.g AND r.cseq = c.cseq)"""
+
+    def _advice_rows(self, steady: str):
+        """(rows, left out): what the advice rules that read rows (advice.ROW_RULES) read of them, with
+        the columns they read: DDP's bucket rows whole, and the steady-state calls with bytes that are
+        no bucket (``steady``: their condition in SQL), when at most ADVICE_ROWS; else those are left
+        out, and the text says so."""
+        import pandas as pd
+
+        parts, left_out = [], ""
+        if "buckets" in self.tables:
+            b = self._df(f"SELECT * FROM {self._transfer_source('buckets', 'g')} ORDER BY rank, start_ns")
+            b["transfer_us"] = b.pop("transfer")
+            parts.append(b.drop(columns=["g", "cseq", "own", "dur", "host"]))
+        where = f"NOT bucketed AND bytes > 0 AND {steady}"
+        n = self.con.execute(f"SELECT count(*) FROM rows WHERE {where}").fetchone()[0]
+        if n > ADVICE_ROWS:
+            left_out = ENGINE_LEFT_OUT.format(rows=n, most=ADVICE_ROWS)
+        elif n:
+            r = self._df(f"""
+                SELECT rank, step, op, "group", bytes, start_ns, dur AS duration_us, own AS own_us,
+                       transfer AS transfer_us
+                FROM {self._transfer_source()} WHERE {where} ORDER BY rank, step, start_ns""")
+            self._decode(r, "op", "op")
+            self._decode(r, "group", "group")
+            r["collective"] = [describe_op(op)[0] for op in r["op"]]
+            r["async_op"] = False  # no bucket (the mask the rules apply: steps._bucket_mask)
+            parts.append(r)
+        if not parts:
+            return None, left_out
+        out = pd.concat(parts, ignore_index=True)
+        if "bucket" in out.columns:
+            out["bucket"] = out["bucket"].fillna(-1).astype(np.int64)
+        for column in ("op", "collective", "group", "device"):
+            if column in out.columns:
+                out[column] = out[column].fillna("").astype(str).astype("category")
+        return out, left_out
+
+    def _hangs(self):
+        """``hangs.hangs``'s table from the ranks' digests (each a few rows and counts) and flights; the
+        k-th send of a pair, when one was never received, from the p2p table."""
+        if any(d is None for d in self.digests):  # read with a window of steps, as hangs.hangs says
+            return _hangs.empty()
+        flights = merge_flights(self.flights)
+        d = _hangs.concat(self.digests)
+        p2p = d.counts[d.counts["op"].isin(list(P2P_SIDES)) & (d.counts["peer"] >= 0)]
+        unmatched = _hangs._unmatched_sends(p2p, set(self.seen_ranks), self._kth_send)
+        return _hangs.from_digest(d, flights, unmatched)
+
+    def _kth_send(self, rank: int, peer: int, group: str, channel: str, k: int) -> tuple:
+        """(op, start_ns) of ``rank``'s k-th send to ``peer`` on (group, channel), as ``hangs._kth_send``."""
+        row = self.con.execute(
+            'SELECT op, start_ns FROM p2p WHERE "group" = ? AND channel = ? AND src = ? AND dst = ? AND side = 0 '
+            "AND k = ?",
+            [code_of(group), int(channel == "tensor"), rank, peer, k],
+        ).fetchone()
+        return self.names["op"][int(row[0])], int(row[1])
+
     def summary(self, by=None):
         """``summaries.summary`` of every row added, by the engine's ``by`` keys (default) or by
         columns it stores (op, group, dtype, rank, step) and size_bucket."""
@@ -496,15 +615,7 @@ class Engine:
                 raise ValueError(f"the engine's summary is by {', '.join(self.by)} or by stored columns, not {key!r}")
         keys = [f"_k{i}" for i in range(len(by))]
         cols = ", ".join(f"{e} AS {k}" for (e, _), k in zip(exprs, keys))
-        # the arrival-free transfer time of a row (matching.transfer_times), once the collectives are matched
-        source = (
-            "(SELECT *, own AS transfer FROM rows)"
-            if self.matched is None
-            else """(
-            SELECT r.*, CASE WHEN c.complete AND r.host AND (r.start_ns - c.ls) / 1e3 + r.dur > 0
-                             THEN least(r.own, (r.start_ns - c.ls) / 1e3 + r.dur) ELSE r.own END AS transfer
-            FROM rows r LEFT JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq)"""
-        )
+        source = self._transfer_source()
 
         def sums(w: str, prefix: str = "") -> str:
             def when(x):

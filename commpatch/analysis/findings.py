@@ -59,7 +59,7 @@ def findings(df, steps_table, cross=None, pre=None) -> list:
     ``cross``: ``matching.cross_rank(df)`` for a log of several ranks. ``df`` None (the report
     computed at scale by the engine, without the rows in memory): what the findings need of the rows
     comes from ``pre`` (``engine.Results``: setup, ops, unmeasured_ops, bus_summary), and a
-    finding says what the engine's report leaves out (``ENGINE_LIMITS``)."""
+    finding says what the engine's report leaves out (``pre.left_out``: ``ENGINE_LEFT_OUT``)."""
     out: list[Finding] = []
     st = steady_state(steps_table)
     # what counted the steps of the steady state (the set-up's may differ: forwards counted before the
@@ -178,15 +178,17 @@ def findings(df, steps_table, cross=None, pre=None) -> list:
         slow = _slowest_bus(getattr(pre, "bus_summary", None))
     if slow is not None:
         out.append(slow)
-    if df is None:  # never a finding left out silently
-        out.append(Finding("engine", ENGINE_LIMITS, "summary"))
+    left_out = str(getattr(pre, "left_out", None) or "")
+    if df is None and left_out:  # never a finding left out silently
+        out.append(Finding("engine", left_out, "summary"))
     return out
 
 
-# what the report computed by the DuckDB engine (df None) does not look at, said in its findings
-ENGINE_LIMITS = (
-    "not looked at by the DuckDB engine (it does not hold every row in memory): the advice on DDP's "
-    "bucket size, DDP's gradient copy and small messages; `commpatch report --engine pandas` gives it "
+# what the report computed by the DuckDB engine (df None) does not look at, said in its findings: the
+# small-message advice beyond engine.ADVICE_ROWS calls (it reads them into memory)
+ENGINE_LEFT_OUT = (
+    "not looked at by the DuckDB engine: the advice on small messages ({rows:,} steady-state calls with "
+    "bytes, more than the {most:,} it reads into memory); `commpatch report --engine pandas` gives it "
     "(docs/reporting.md)."
 )
 
@@ -470,4 +472,4 @@ def _size(nbytes) -> str:
     return f"<= {int(nbytes)} B"
 
 
-__all__ = ["ENGINE_LIMITS", "Finding", "clock_finding", "findings", "hang_findings"]
+__all__ = ["ENGINE_LEFT_OUT", "Finding", "clock_finding", "findings", "hang_findings"]

@@ -24,6 +24,8 @@ Pure: DataFrame and plain records in, a DataFrame out; nothing printed.
 from __future__ import annotations
 
 import time as _time
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,22 +67,202 @@ def hangs(df, flights=None):
     the logs), issued_ns (the earliest issue, or first sight in flight when the issue time is not
     known: issued_exact False, and waited_s is then a lower bound), end_ns (end of the logs),
     detail (one clause per rank not waiting in it, joined by '; '). Empty for rows read with a
-    window of steps (``io.read(steps=...)``): a call's number counts every earlier row."""
+    window of steps (``io.read(steps=...)``): a call's number counts every earlier row.
+
+    What it reads of the rows is a ``Digest`` (``digest``: a few rows and counts per rank), so the
+    engine at scale (``analysis.engine``) computes the same table from the digests of its ranks."""
+    if STEPLESS_ATTR in df.attrs:  # read with a window of steps: the numbers need every row
+        return empty()
+    flights = merge_flights(df.attrs.get(IN_FLIGHT_ATTR, []) if flights is None else flights)
+    sends = p2p_counts(df)
+    ranks = set(df["rank"].unique().tolist()) if len(sends) and "rank" in df.columns else set()
+    unmatched = _unmatched_sends(sends, ranks, lambda *key: _kth_send(df, *key))
+    if not unmatched and not any(f["calls"] for f in flights.values()):
+        return empty()  # the usual case: nothing in flight, cheaply
+    return from_digest(digest(df, flights), flights, unmatched)
+
+
+def empty():
     import pandas as pd
 
-    if STEPLESS_ATTR in df.attrs:  # read with a window of steps: the numbers need every row
-        return pd.DataFrame(columns=list(COLUMNS))
-    flights = merge_flights(df.attrs.get(IN_FLIGHT_ATTR, []) if flights is None else flights)
-    unmatched = _unmatched_sends(df)
+    return pd.DataFrame(columns=list(COLUMNS))
+
+
+def from_digest(d: Digest, flights: dict, unmatched: list):
+    """The table of ``hangs`` from the rows' digest ``d``, the merged ``flights`` and the unmatched sends."""
+    import pandas as pd
+
     if not unmatched and not any(f["calls"] for f in flights.values()):
-        return pd.DataFrame(columns=list(COLUMNS))  # the usual case: nothing in flight, cheaply
-    view = _View(df, flights)
+        return empty()
+    view = _View(d, flights)
     rows = view.collectives() + view.p2p(unmatched)
     out = pd.DataFrame(rows, columns=list(COLUMNS))
     if len(out):
         out["_o"] = out["verdict"].map({"hang": 0, "unmatched": 1}).fillna(2)
         out = out.sort_values(["_o", "group", "number"], kind="stable").drop(columns="_o").reset_index(drop=True)
     return out
+
+
+# ---- what the attribution reads of the rows ---------------------------------------------------
+DIGEST_COLUMNS = ("rank", "seq", "op", "group", "peer", "start_ns", "dur", "cseq", "async_op")
+
+
+@dataclass
+class Digest:
+    """What ``hangs`` reads of the rows, a few per rank whatever the log's length: ``rows`` (columns
+    ``DIGEST_COLUMNS``: each rank's rows from its earliest call in flight on, and its last row
+    overall, per group (collectives, point-to-point) and per point-to-point op and peer);
+    ``counts`` (rank, group, op, peer, n: every row counted, peer -1 for collectives); ``longest``
+    (group -> its longest completed call, us); ``ends`` (rank -> end of its last row, ns);
+    ``members`` (group -> group_ranks). Digests of disjoint ranks concatenate (``concat``)."""
+
+    rows: Any
+    counts: Any
+    longest: dict
+    ends: dict
+    members: dict
+
+
+def digest(df, flights: dict) -> Digest:
+    """The ``Digest`` of ``df`` (any ranks) for the calls in flight of ``flights`` (``merge_flights``).
+    Vectorised on integer codes: the engine takes one per rank it stages."""
+    import pandas as pd
+
+    if not len(df) or not {"rank", "seq", "op", "group", "group_ranks", "peer", "start_ns"} <= set(df.columns):
+        rows = pd.DataFrame({c: pd.Series(dtype=object if c in ("op", "group") else np.int64) for c in DIGEST_COLUMNS})
+        counts = pd.DataFrame(columns=["rank", "group", "op", "peer", "n"])
+        return Digest(rows, counts, {}, {}, {})
+    df = df.copy(deep=False)
+    df.attrs = {}  # (pandas copies the attrs, the calls in flight among them, at every column read)
+    rank = df["rank"].to_numpy(np.int64)
+    seq = df["seq"].to_numpy(np.int64)
+    op_code, op_names = _factorize(df["op"])
+    group_code, group_names = _factorize(df["group"])
+    p2p_code = np.isin(op_names, P2P_OPS)
+    is_p2p = p2p_code[op_code]
+    peer = np.where(is_p2p, df["peer"].to_numpy(np.int64), -1)
+    start = df["start_ns"].to_numpy(np.int64)
+    dur = durations(df) if "duration_us" in df.columns else np.full(len(df), np.nan)
+    end = start + np.nan_to_num(dur) * 1e3
+    cut = {
+        r: min(c["seq"] if c["seq"] >= 0 else c["below"] for c in f["calls"]) for r, f in flights.items() if f["calls"]
+    }
+    keep = np.zeros(len(df), bool)
+    if cut:
+        keep = seq >= np.array([cut.get(r, np.iinfo(np.int64).max) for r in rank.tolist()], np.int64)
+    # the last row (by seq) per rank; per rank, group and kind; per rank, group, p2p op and peer
+    for keys, sel in (
+        ((rank,), None),
+        ((rank, group_code, is_p2p), None),
+        ((rank, group_code, op_code, peer), is_p2p),
+    ):
+        keep[_last_rows(keys, seq, sel)] = True
+    idx = np.flatnonzero(keep)
+    idx = idx[np.lexsort((seq[idx], rank[idx]))]
+    is_async = df["async_op"].to_numpy(bool) if "async_op" in df.columns else np.zeros(len(df), bool)
+    rows = pd.DataFrame(
+        {
+            "rank": rank[idx],
+            "seq": seq[idx],
+            "op": op_names[op_code[idx]],
+            "group": group_names[group_code[idx]],
+            "peer": peer[idx],
+            "start_ns": start[idx],
+            "dur": dur[idx],
+            "cseq": collective_seq(df)[idx],
+            "async_op": is_async[idx],
+        }
+    )
+    seen, n = np.unique(np.stack([rank, group_code, op_code, peer]), axis=1, return_counts=True)
+    counts = pd.DataFrame(
+        {"rank": seen[0], "group": group_names[seen[1]], "op": op_names[seen[2]], "peer": seen[3], "n": n}
+    )
+    longest = {}
+    for g in np.unique(group_code):
+        d = dur[group_code == g]
+        if (~np.isnan(d)).any():
+            longest[str(group_names[g])] = float(np.nanmax(d))
+    ends = {}
+    for r in np.unique(rank):
+        ends[int(r)] = int(end[rank == r].max())
+    granks = df["group_ranks"].astype(str).to_numpy()
+    members: dict = {}
+    for g in np.unique(group_code):
+        members[str(group_names[g])] = str(granks[np.argmax(group_code == g)])
+    return Digest(rows, counts, longest, ends, members)
+
+
+def _factorize(series):
+    """(int codes, names as an object array) of a column, categorical or not."""
+    if series.dtype.name == "category":
+        return series.cat.codes.to_numpy().astype(np.int64), np.asarray(series.cat.categories.astype(str), object)
+    import pandas as pd
+
+    codes, names = pd.factorize(series.astype(str))
+    return codes.astype(np.int64), np.asarray(names, object)
+
+
+def _last_rows(keys, seq, sel=None):
+    """Positions of the row with the largest ``seq`` of each distinct ``keys`` (among ``sel``)."""
+    idx = np.arange(len(seq)) if sel is None else np.flatnonzero(sel)
+    if not len(idx):
+        return idx
+    order = idx[np.lexsort((seq[idx],) + tuple(k[idx] for k in reversed(keys)))]
+    change = np.zeros(len(order), bool)
+    change[-1] = True
+    for k in keys:
+        ks = k[order]
+        change[:-1] |= ks[:-1] != ks[1:]
+    return order[change]
+
+
+def concat(digests) -> Digest:
+    """One ``Digest`` of the digests of disjoint sets of ranks."""
+    import pandas as pd
+
+    digests = [d for d in digests if d is not None]
+    if not digests:
+        return digest(pd.DataFrame(), {})
+    longest: dict = {}
+    members: dict = {}
+    ends: dict = {}
+    for d in digests:
+        for g, v in d.longest.items():
+            longest[g] = max(longest.get(g, v), v)
+        for g, m in d.members.items():
+            members.setdefault(g, m)
+        ends.update(d.ends)
+    rows = pd.concat([d.rows for d in digests if len(d.rows)] or [digests[0].rows], ignore_index=True)
+    counts = pd.concat([d.counts for d in digests if len(d.counts)] or [digests[0].counts], ignore_index=True)
+    return Digest(
+        rows.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True), counts, longest, ends, members
+    )
+
+
+def p2p_counts(df):
+    """Point-to-point calls with a peer, counted per (rank, group, op, peer): the ``Digest.counts`` of them."""
+    import pandas as pd
+
+    cols = {"rank", "peer", "op", "group"}
+    if not len(df) or not cols <= set(df.columns):
+        return pd.DataFrame(columns=["rank", "group", "op", "peer", "n"])
+    sel = df["op"].isin(list(P2P_SIDES)).to_numpy() & (df["peer"].to_numpy() >= 0)
+    sub = df.loc[sel, ["rank", "group", "op", "peer"]]
+    sub = sub.assign(group=sub["group"].astype(str), op=sub["op"].astype(str))
+    return sub.groupby(["rank", "group", "op", "peer"], sort=True).size().rename("n").reset_index()
+
+
+def _kth_send(df, rank: int, peer: int, group: str, channel: str, k: int) -> tuple:
+    """(op, start_ns) of rank's k-th send (from 0, in seq order) to peer on (group, channel)."""
+    ops = [o for o, (side, ch) in P2P_SIDES.items() if side == "send" and ch == channel]
+    mine = df[
+        (df["rank"] == rank).to_numpy()
+        & (df["peer"] == peer).to_numpy()
+        & (df["group"].astype(str) == group).to_numpy()
+        & df["op"].isin(ops).to_numpy()
+    ].sort_values("seq", kind="stable")
+    first = mine.iloc[k]
+    return str(first["op"]), int(first["start_ns"])
 
 
 def oldest_in_flight(flights, now_ns: int | None = None) -> dict | None:
@@ -97,50 +279,26 @@ def oldest_in_flight(flights, now_ns: int | None = None) -> dict | None:
     return None if best is None else best[1]
 
 
-def _unmatched_sends(df) -> list:
-    """Sends (send, isend, send_object_list) to a rank with a log here that received fewer from
-    that rank on that group: the first send never received, as {rank, peer, group, number, op,
-    start_ns}. Vectorised over the point-to-point rows only."""
-    if not len(df) or not {"rank", "peer", "op", "group", "seq", "start_ns"} <= set(df.columns):
+def _unmatched_sends(counts, ranks: set, kth_send) -> list:
+    """Sends (send, isend, send_object_list) to a rank with a log here (``ranks``) that received fewer
+    from that rank on that group: the first send never received, as {rank, peer, group, channel,
+    number, op, start_ns}. ``counts``: ``p2p_counts`` (of every rank); ``kth_send(rank, peer, group,
+    channel, k)``: (op, start_ns) of that send (``_kth_send``; the engine's from its p2p table)."""
+    if not len(counts):
         return []
-    sel = df["op"].isin(list(P2P_SIDES)).to_numpy() & (df["peer"].to_numpy() >= 0)
-    if not sel.any():
-        return []
-    sub = df.loc[sel, ["rank", "peer", "op", "group", "seq", "start_ns"]]
-    op = sub["op"].astype(str)
-    sub = sub.assign(
-        op=op,
-        group=sub["group"].astype(str),
-        side=op.map(lambda o: P2P_SIDES[o][0]),
-        channel=op.map(lambda o: P2P_SIDES[o][1]),
-    )
-    keys = ["rank", "peer", "group", "side", "channel"]
-    counts = sub.groupby(keys).size().to_dict()
-    ranks = set(df["rank"].unique().tolist())
+    totals: dict = {}
+    for r, g, op, peer, n in counts[["rank", "group", "op", "peer", "n"]].itertuples(index=False):
+        if op in P2P_SIDES and peer >= 0:
+            side, ch = P2P_SIDES[op]
+            key = (int(r), int(peer), str(g), side, ch)
+            totals[key] = totals.get(key, 0) + int(n)
     out = []
-    for (a, b, g, side, ch), n in counts.items():
-        received = counts.get((b, a, g, "recv", ch), 0)
+    for (a, b, g, side, ch), n in sorted(totals.items()):
+        received = totals.get((b, a, g, "recv", ch), 0)
         if side != "send" or b not in ranks or n <= received:
             continue
-        mine = sub[
-            (sub["rank"] == a)
-            & (sub["peer"] == b)
-            & (sub["group"] == g)
-            & (sub["side"] == "send")
-            & (sub["channel"] == ch)
-        ].sort_values("seq", kind="stable")
-        first = mine.iloc[received]
-        out.append(
-            {
-                "rank": int(a),
-                "peer": int(b),
-                "group": g,
-                "channel": ch,
-                "number": int(received),
-                "op": first["op"],
-                "start_ns": int(first["start_ns"]),
-            }
-        )
+        op, start = kth_send(a, b, g, ch, received)
+        out.append({"rank": a, "peer": b, "group": g, "channel": ch, "number": received, "op": op, "start_ns": start})
     return out
 
 
@@ -178,44 +336,31 @@ def _when(ns: int, end_ns: int) -> str:
 class _View:
     """The rows and calls in flight of every rank, indexed for the questions above."""
 
-    def __init__(self, df, flights) -> None:
+    def __init__(self, d: Digest, flights) -> None:
         self.flights = flights
-        cols = {"rank", "seq", "op", "group", "group_ranks", "group_seq", "peer", "start_ns"}
-        self.df = df if cols <= set(df.columns) else None
-        if self.df is not None and len(df):
-            self.rank = df["rank"].to_numpy()
-            self.seq = df["seq"].to_numpy()
-            self.op = df["op"].astype(str).to_numpy()
-            self.group = df["group"].astype(str).to_numpy()
-            self.peer = df["peer"].to_numpy()
-            self.start = df["start_ns"].to_numpy()
-            dur = durations(df) if "duration_us" in df.columns else np.full(len(df), np.nan)
-            self.dur = dur
-            self.end = self.start + np.nan_to_num(dur) * 1e3
-            self.cseq = collective_seq(df)
-            self.is_p2p = np.isin(self.op, P2P_OPS)
-            members: dict = {}
-            for g, gr in zip(df["group"].astype(str), df["group_ranks"].astype(str)):
-                members.setdefault(g, gr)
-            self.members = members
-        else:
-            self.rank = self.seq = self.peer = self.start = self.end = self.cseq = self.dur = np.zeros(0, np.int64)
-            self.op = self.group = np.zeros(0, object)
-            self.is_p2p = np.zeros(0, bool)
-            self.members = {}
-        self.is_async = (
-            df["async_op"].to_numpy(bool)
-            if self.df is not None and "async_op" in df.columns and len(df)
-            else np.zeros(len(self.rank), bool)
-        )
+        rows = d.rows
+        self.rank = rows["rank"].to_numpy(np.int64)
+        self.seq = rows["seq"].to_numpy(np.int64)
+        self.op = rows["op"].astype(str).to_numpy()
+        self.group = rows["group"].astype(str).to_numpy()
+        self.peer = rows["peer"].to_numpy(np.int64)
+        self.start = rows["start_ns"].to_numpy(np.int64)
+        self.cseq = rows["cseq"].to_numpy(np.int64)
+        self.is_async = rows["async_op"].to_numpy(bool)
+        self.is_p2p = np.isin(self.op, P2P_OPS)
+        c = d.counts
+        self.counts: dict = {}
+        for r, g, op, peer, n in c[["rank", "group", "op", "peer", "n"]].itertuples(index=False):
+            self.counts[(int(r), str(g), str(op), int(peer))] = int(n)
+        self.longest, self.ends = d.longest, d.ends
+        self.members = dict(d.members)
         for r, f in flights.items():  # a call whose row shows it completed is not in flight (killed
             f["calls"] = [c for c in f["calls"] if not self._completed_since(r, c)]  # before the note)
-            for c in f["calls"]:
-                self.members.setdefault(c["group"], c["group_ranks"])
-        self.ranks = sorted(set(self.rank.tolist()) | set(flights))
+            for call in f["calls"]:
+                self.members.setdefault(call["group"], call["group_ranks"])
+        self.ranks = sorted(set(d.ends) | set(flights))
         ends = [f["alive_ns"] for f in flights.values()]
-        if len(self.end):
-            ends.append(int(np.nanmax(self.end)))
+        ends += list(d.ends.values())
         ends += [_issued(c) for f in flights.values() for c in f["calls"]]
         self.end_ns = max(ends, default=0)
 
@@ -231,8 +376,7 @@ class _View:
     # ---- per rank ------------------------------------------------------------------------
     def rank_end(self, r: int) -> int:
         f = self.flights.get(r, {"alive_ns": 0})
-        mine = self.end[self.rank == r]
-        return max(f["alive_ns"], int(mine.max()) if len(mine) else 0)
+        return max(f["alive_ns"], self.ends.get(r, 0))
 
     def last_index(self, r: int, mask=None):
         """Position of rank ``r``'s last row (by seq) among ``mask``, or None."""
@@ -253,20 +397,29 @@ class _View:
     def last_call(self, r: int, mask=None) -> str:
         return self.call_text(self.last_index(r, mask))
 
+    def _count(self, r: int, group: str, ops=None, peer: int = -1) -> int:
+        """Rows of rank ``r`` on ``group``: of ``ops`` with ``peer`` (point-to-point), else its collectives."""
+        return sum(
+            n
+            for (rr, g, op, p), n in self.counts.items()
+            if rr == r and g == group and (op in ops and p == peer if ops is not None else op not in P2P_OPS)
+        )
+
     def coll_number(self, r: int, call) -> int:
         bound = call["seq"] if call["seq"] >= 0 else call["below"]
-        sel = (self.rank == r) & (self.group == call["group"]) & ~self.is_p2p & (self.seq < bound)
-        return int(sel.sum())
+        after = (self.rank == r) & (self.group == call["group"]) & ~self.is_p2p & (self.seq >= bound)
+        return self._count(r, call["group"]) - int(after.sum())  # the digest has every row from the bound on
 
     def completed(self, r: int, group: str) -> int:
-        return int(((self.rank == r) & (self.group == group) & ~self.is_p2p).sum())
+        return self._count(r, group)
 
     def p2p_count(self, r: int, group: str, side: str, channel: str, peer: int, bound=None) -> int:
         ops = [op for op, (s, ch) in P2P_SIDES.items() if s == side and ch == channel]
-        sel = (self.rank == r) & (self.group == group) & np.isin(self.op, ops) & (self.peer == peer)
-        if bound is not None:
-            sel &= self.seq < bound
-        return int(sel.sum())
+        total = self._count(r, group, ops, peer)
+        if bound is None:
+            return total
+        after = (self.rank == r) & (self.group == group) & np.isin(self.op, ops) & (self.peer == peer)
+        return total - int((after & (self.seq >= bound)).sum())
 
     def in_flight_text(self, r: int, exclude=None) -> str:
         calls = [c for c in self.flights.get(r, {"calls": []})["calls"] if c is not exclude]
@@ -280,9 +433,7 @@ class _View:
         return f"; it waits in {what} of group {c['group']} (in flight since {_when(_issued(c), self.end_ns)})"
 
     def longest_us(self, group: str) -> float:
-        d = self.dur[(self.group == group)] if len(self.dur) else np.zeros(0)
-        d = d[~np.isnan(d)] if len(d) else d
-        return float(d.max()) if len(d) else 0.0
+        return self.longest.get(group, 0.0)
 
     def verdict(self, issued: int, group: str) -> tuple[str, float]:
         waited = (self.end_ns - issued) / 1e9

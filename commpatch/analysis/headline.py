@@ -13,7 +13,9 @@ unknown figures are None, never 0):
   ``time_share``, ``total_us``, ``busbw_gbps``): the same figures as that row of the summary table;
 - ``straggler``: ``verdict`` straggler / none / unknown with the evidence of
   ``stragglers.verdict`` (rank, last_steps of steps, late_median_us, share_of_step, p_value, reason);
-- ``hang``: ``verdict`` possible (some ranks' logs stop before collectives the others issued) /
+- ``hang``: ``verdict`` hang (the logs say who waits in which call: ``analysis.hangs``) / possible
+  (calls in flight too briefly to call a hang, a send never received, or some ranks' logs stop
+  before collectives the others issued) /
   none_seen (every log reaches its groups' last collective) / unknown (one rank's log);
 - ``mismatches``: how many, and the first (kind, group, coll_seq, step, op).
 """
@@ -27,6 +29,7 @@ from . import stragglers
 from .steps import steady_state
 
 KEY_COLUMNS = ("collective", "op", "api", "size_bucket", "group", "dtype")
+HANG_PREFIX = "hang: "  # the start of a definite hang finding (findings.hang_findings)
 
 
 def _num(x):
@@ -110,8 +113,16 @@ def _straggler(cross, steps_table) -> dict:
 
 def _hang(cross, findings) -> dict:
     told = next((f for f in findings if getattr(f, "kind", None) == "hang"), None)
-    if told is not None:  # a hang finding of its own: it has the last word
-        return dict(verdict="possible", text=told.text, group=None, ranks=None, last_coll_seq=None, group_last=None)
+    if told is not None:  # a hang finding of its own: it has the last word (definite when it says 'hang: ')
+        definite = told.text.startswith(HANG_PREFIX)
+        return dict(
+            verdict="hang" if definite else "possible",
+            text=told.text[len(HANG_PREFIX) :] if definite else told.text,
+            group=None,
+            ranks=None,
+            last_coll_seq=None,
+            group_last=None,
+        )
     if cross is None:
         return dict(
             verdict="unknown",

@@ -58,11 +58,13 @@ import functools
 import threading
 import time
 import weakref
+from threading import get_ident
 
+from ..data.ops import OP_CODE
 from ..data.schema import P_BACKWARD, T_FUTURE
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from ..record.rows import SEQ, bucket_hook, on_device, packing
+from ..record.rows import SEQ, Pending, bucket_hook, on_device, packing
 from ..record.rows import peek_seq as _peek_seq
 from . import base, modules
 from .base import Integration, Needs, record, when_imported
@@ -114,6 +116,8 @@ def measured(log, ddp, hook, timing=None, pack=None):
     buckets = log.buckets
     syncs = log.syncs
     done = log.done
+    pending = log.pending  # a bucket is in flight until its future completes: what a hung rank waits in
+    code = OP_CODE["ddp_bucket_allreduce"]
 
     def last_bucket(ddp, timed_seq, start):
         """After the last bucket of a backward: DDP's finalize timed (for the CPU row ``timed_seq``,
@@ -141,7 +145,12 @@ def measured(log, ddp, hook, timing=None, pack=None):
             start = _pc()
             if pack is not None:
                 pack.launch(seq, start)
-            fut = _default_hook(slot, bucket, buf, (done, seq, start, pack))
+            pending[seq] = Pending(code, log.group_id(ddp.process_group), buf.numel(), get_ident(), start, None)
+            try:
+                fut = _default_hook(slot, bucket, buf, (done, pending, seq, start, pack))
+            except BaseException:
+                pending.pop(seq, None)
+                raise
             end = _pc()
             try:
                 record(
@@ -194,11 +203,13 @@ def measured(log, ddp, hook, timing=None, pack=None):
                 timed_seq = None
                 if _peek_seq(SEQ) == lo:  # nothing visible from Python: the C++ all-reduce ran
                     buf, group = bucket.buffer(), ddp.process_group if ddp else None
-                    seq = next(SEQ)
+                    seq, gid = next(SEQ), log.group_id(group)
+                    # in flight until timed (before then(): on a completed future it runs inline)
+                    pending[seq] = Pending(code, gid, buf.numel(), get_ident(), start, None)
                     if started is not None:
-                        tcode = timing.device_after(seq, log.group_id(group), started, fut)
+                        tcode = timing.device_after(seq, gid, started, fut)
                     else:
-                        fut.then(lambda _f, seq=seq, start=start: done.__setitem__(seq, _pc() - start))
+                        fut.then(functools.partial(_landed, done, pending, seq, start))
                         tcode = T_FUTURE
                     record(log, "ddp_bucket_allreduce", group, buf, buf.numel(), start, end, True, tcode, seq=seq)
                     if started is None and buf.is_cpu:
@@ -290,8 +301,8 @@ def _pow2(d: int) -> bool:
 def _default_hook(slot, bucket, buf=None, timed=None):
     """What the reducer does without a hook (reducer.cpp, mark_variable_ready_*): scale into the
     bucket with the divisor and the operation it would use, then its C++ all-reduce (SUM).
-    ``timed`` = (done, seq, start, pack): the completion callback also notes ``done[seq]`` and tells
-    ``pack`` (a ``rows.Packing`` or None)."""
+    ``timed`` = (done, pending, seq, start, pack): the completion callback also notes ``done[seq]``,
+    takes ``seq`` out of ``pending`` and tells ``pack`` (a ``rows.Packing`` or None)."""
     if buf is None:
         buf = bucket.buffer()
     d = slot.divisor()
@@ -315,8 +326,14 @@ def _bucket_tensor(fut):
     return value[0] if isinstance(value, list) else value
 
 
-def _timed_bucket_tensor(done, seq, start, pack, fut):
-    done[seq] = _pc() - start  # the log's completion time, as the rows' own callbacks note it
+def _landed(done, pending, seq, start, _fut=None) -> None:
+    """A bucket's completion: its duration noted (as the rows' own callbacks note it), no longer in flight."""
+    done[seq] = _pc() - start
+    pending.pop(seq, None)
+
+
+def _timed_bucket_tensor(done, pending, seq, start, pack, fut):
+    _landed(done, pending, seq, start)
     if pack is not None:
         pack.done()
     return _bucket_tensor(fut)

@@ -619,6 +619,7 @@ static PyTypeObject PackingType = {
 typedef struct {
     PyObject_HEAD
     PyObject *done;       /* dict: seq -> duration_ns (Log.done) */
+    PyObject *pending;    /* dict: Log.pending, the bucket is in it until this runs */
     PyObject *seq;        /* int */
     Packing *pack;        /* the model's packing books, or NULL */
     long long start;
@@ -643,6 +644,8 @@ Done_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     if (d == NULL || PyDict_SetItem(self->done, self->seq, d) < 0)
         PyErr_Clear();                  /* the duration is lost, never the reducer's result */
     Py_XDECREF(d);
+    if (PyDict_DelItem(self->pending, self->seq) < 0)
+        PyErr_Clear();                  /* not there: taken out already */
     if (self->pack != NULL)
         packing_done(self->pack);
     PyObject *value = PyObject_CallMethodNoArgs(args[0], s_value);   /* raises as the all-reduce did */
@@ -662,14 +665,14 @@ Done_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
 static int
 Done_traverse(Done *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->done); Py_VISIT(self->seq); Py_VISIT(self->pack);
+    Py_VISIT(self->done); Py_VISIT(self->pending); Py_VISIT(self->seq); Py_VISIT(self->pack);
     return 0;
 }
 
 static int
 Done_clear(Done *self)
 {
-    Py_CLEAR(self->done); Py_CLEAR(self->seq); Py_CLEAR(self->pack);
+    Py_CLEAR(self->done); Py_CLEAR(self->pending); Py_CLEAR(self->seq); Py_CLEAR(self->pack);
     return 0;
 }
 
@@ -705,12 +708,14 @@ typedef struct {
     PyObject *group_ids;  /* dict: group -> gid */
     PyObject *group_id;   /* Log.group_id: registers a group */
     PyObject *done;       /* dict: Log.done */
+    PyObject *pending;    /* dict: Log.pending (seq -> rows.Pending while the bucket is in flight) */
     PyObject *buckets;    /* list: Log.buckets */
     PyObject *where;      /* where(ddp) -> the row's module/phase code */
     PyObject *on_last;    /* on_last(ddp, seq, start) after the last bucket */
     PyObject *fail;       /* record.state.fail */
     PyObject *tensor;     /* torch.Tensor */
     PyObject *pack;       /* Packing, or None */
+    PyObject *code_obj;   /* the op code as an int (Pending's first field) */
     long code;            /* op code of ddp_bucket_allreduce */
     unsigned char flags;  /* flags byte: async, future-timed */
     vectorcallfunc vectorcall;
@@ -731,28 +736,15 @@ attr_is(PyObject *o, PyObject *name, PyObject *what)
 /* The row and span of a launched bucket; errors go to fail(). */
 static void
 bucket_books(BucketHook *self, PyObject *ddp, PyObject *bucket, PyObject *tensor, PyObject *seqobj, long long seq,
-             long long start, long long end, long long where)
+             long long start, long long end, long long where, long gid, long long numel)
 {
-    PyObject *group = NULL, *g = NULL, *dtype = NULL, *n = NULL, *index = NULL, *params = NULL, *span = NULL;
+    PyObject *dtype = NULL, *index = NULL, *params = NULL, *span = NULL;
     PyObject *last = NULL;
-    long gid, dc;
-    long long numel, step, tag;
-    if ((group = PyObject_GetAttr(ddp, s_pg)) == NULL)
-        goto fail;
-    g = PyDict_GetItemWithError(self->group_ids, group);
-    if (g != NULL)
-        Py_INCREF(g);
-    else if (PyErr_Occurred() || (g = PyObject_CallOneArg(self->group_id, group)) == NULL)
-        goto fail;
-    if ((gid = PyLong_AsLong(g)) == -1 && PyErr_Occurred())
-        goto fail;
+    long dc;
+    long long step, tag;
     if ((dtype = PyObject_GetAttr(tensor, s_dtype)) == NULL)
         goto fail;
     if ((dc = dtype_code(self->dtype_ids, self->dtype_id, dtype)) == -1 && PyErr_Occurred())
-        goto fail;
-    if ((n = PyObject_CallMethodNoArgs(tensor, s_numel)) == NULL)
-        goto fail;
-    if ((numel = PyLong_AsLongLong(n)) == -1 && PyErr_Occurred())
         goto fail;
     if (state_int(self->state, s_step, &step) < 0 || state_int(self->state, s_tag, &tag) < 0)
         goto fail;
@@ -783,8 +775,39 @@ bucket_books(BucketHook *self, PyObject *ddp, PyObject *bucket, PyObject *tensor
 fail:
     report_failure(self->fail, s_bucket);
 done:
-    Py_XDECREF(group); Py_XDECREF(g); Py_XDECREF(dtype); Py_XDECREF(n);
+    Py_XDECREF(dtype);
     Py_XDECREF(index); Py_XDECREF(params); Py_XDECREF(span); Py_XDECREF(last);
+}
+
+/* The bucket's Log.pending entry (op, gid, numel, thread, start, None), in flight until its Done
+ * runs; *gid and *numel for its row. 0, or -1 with an exception set (nothing put in pending). */
+static int
+bucket_pending(BucketHook *self, PyObject *ddp, PyObject *tensor, PyObject *seqobj, long long start, long *gid,
+               long long *numel)
+{
+    PyObject *group = NULL, *g = NULL, *n = NULL, *ident = NULL, *st = NULL, *entry = NULL;
+    int rc = -1;
+    if ((group = PyObject_GetAttr(ddp, s_pg)) == NULL)
+        goto out;
+    g = PyDict_GetItemWithError(self->group_ids, group);
+    if (g != NULL)
+        Py_INCREF(g);
+    else if (PyErr_Occurred() || (g = PyObject_CallOneArg(self->group_id, group)) == NULL)
+        goto out;
+    if ((*gid = PyLong_AsLong(g)) == -1 && PyErr_Occurred())
+        goto out;
+    if ((n = PyObject_CallMethodNoArgs(tensor, s_numel)) == NULL)
+        goto out;
+    if ((*numel = PyLong_AsLongLong(n)) == -1 && PyErr_Occurred())
+        goto out;
+    if ((ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident())) == NULL
+            || (st = PyLong_FromLongLong(start)) == NULL
+            || (entry = PyTuple_Pack(6, self->code_obj, g, n, ident, st, Py_None)) == NULL)
+        goto out;
+    rc = PyDict_SetItem(self->pending, seqobj, entry);
+out:
+    Py_XDECREF(group); Py_XDECREF(g); Py_XDECREF(n); Py_XDECREF(ident); Py_XDECREF(st); Py_XDECREF(entry);
+    return rc;
 }
 
 /* hook(slot, bucket) */
@@ -833,6 +856,7 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     if ((seq == -1 && PyErr_Occurred()) || (cb = PyObject_GC_New(Done, &DoneType)) == NULL)
         goto slow;
     Py_INCREF(self->done); cb->done = self->done;
+    Py_INCREF(self->pending); cb->pending = self->pending;
     Py_INCREF(seqobj); cb->seq = seqobj;
     cb->pack = NULL;
     if (self->pack != Py_None) {
@@ -844,6 +868,10 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     /* the reducer's arithmetic and its all-reduce: torch's errors propagate, as from the Python hook */
     long long start = now_ns();
     cb->start = start;
+    long gid = -1;
+    long long numel = 0;
+    if (bucket_pending(self, ddp, tensor, seqobj, start, &gid, &numel) < 0)
+        goto slow;                      /* nothing called yet (a number of the sequence is skipped) */
     if (cb->pack != NULL && packing_launch(cb->pack, seq, start) < 0)
         report_failure(self->fail, s_bucket);
     if (d != 1) {                       /* x * (1/d), as the reducer's copy into the bucket */
@@ -858,7 +886,7 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     long long end = now_ns();
     if ((out = PyObject_CallMethodOneArg(fut, s_then, (PyObject *)cb)) == NULL)
         goto error;
-    bucket_books(self, ddp, bucket, tensor, seqobj, seq, start, end, where);
+    bucket_books(self, ddp, bucket, tensor, seqobj, seq, start, end, where, gid, numel);
     goto cleanup;
 
 slow:                                   /* nothing called yet: the Python hook takes the bucket */
@@ -866,6 +894,13 @@ slow:                                   /* nothing called yet: the Python hook t
     out = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
     goto cleanup;
 error:                                  /* torch raised after the launch began: out is NULL, its error set */
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (PyDict_DelItem(self->pending, seqobj) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
 cleanup:
     Py_XDECREF(tensor); Py_XDECREF(wr); Py_XDECREF(ddp); Py_XDECREF(w); Py_XDECREF(size);
     Py_XDECREF(reducer); Py_XDECREF(fut); Py_XDECREF(seqobj); Py_XDECREF(scaled); Py_XDECREF(cb);
@@ -876,13 +911,13 @@ static int
 BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
 {
     PyObject *fallback, *default_hook, *state, *seq, *buf, *dtype_ids, *dtype_id, *group_ids, *group_id, *done;
-    PyObject *buckets, *where, *on_last, *fail, *tensor, *pack;
+    PyObject *pending, *buckets, *where, *on_last, *fail, *tensor, *pack, *code_obj;
     long code;
     int flags;
-    if (!PyArg_ParseTuple(args, "OOO!OO!O!OO!OO!O!OOOO!liO", &fallback, &default_hook, &PyDict_Type, &state, &seq,
+    if (!PyArg_ParseTuple(args, "OOO!OO!O!OO!OO!O!O!OOOO!liO", &fallback, &default_hook, &PyDict_Type, &state, &seq,
                           &PyByteArray_Type, &buf, &PyDict_Type, &dtype_ids, &dtype_id, &PyDict_Type, &group_ids,
-                          &group_id, &PyDict_Type, &done, &PyList_Type, &buckets, &where, &on_last, &fail,
-                          &PyType_Type, &tensor, &code, &flags, &pack))
+                          &group_id, &PyDict_Type, &done, &PyDict_Type, &pending, &PyList_Type, &buckets, &where,
+                          &on_last, &fail, &PyType_Type, &tensor, &code, &flags, &pack))
         return -1;
     if (pack != Py_None && !Py_IS_TYPE(pack, &PackingType)) {
         PyErr_SetString(PyExc_TypeError, "pack must be a Packing or None");
@@ -894,9 +929,12 @@ BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
     }
 #define KEEP(f) do { Py_INCREF(f); Py_XSETREF(self->f, f); } while (0)
     KEEP(fallback); KEEP(default_hook); KEEP(state); KEEP(seq); KEEP(buf); KEEP(dtype_ids); KEEP(dtype_id);
-    KEEP(group_ids); KEEP(group_id); KEEP(done); KEEP(buckets); KEEP(where); KEEP(on_last); KEEP(fail); KEEP(tensor);
-    KEEP(pack);
+    KEEP(group_ids); KEEP(group_id); KEEP(done); KEEP(pending); KEEP(buckets); KEEP(where); KEEP(on_last); KEEP(fail);
+    KEEP(tensor); KEEP(pack);
 #undef KEEP
+    if ((code_obj = PyLong_FromLong(code)) == NULL)
+        return -1;
+    Py_XSETREF(self->code_obj, code_obj);
     self->code = code;
     self->flags = (unsigned char)flags;
     self->vectorcall = BucketHook_vectorcall;
@@ -904,7 +942,8 @@ BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
 }
 
 #define BUCKET_FIELDS(F) F(fallback); F(default_hook); F(state); F(seq); F(buf); F(dtype_ids); F(dtype_id); \
-    F(group_ids); F(group_id); F(done); F(buckets); F(where); F(on_last); F(fail); F(tensor); F(pack)
+    F(group_ids); F(group_id); F(done); F(pending); F(buckets); F(where); F(on_last); F(fail); F(tensor); F(pack); \
+    F(code_obj)
 
 static int
 BucketHook_traverse(BucketHook *self, visitproc visit, void *arg)

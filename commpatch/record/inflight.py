@@ -10,8 +10,10 @@ it was first seen has a lower seq), the issuing thread and a short stack. When i
 flight), so a killed job's log says until when the process was alive.
 
 Two sources, neither of which costs the recording thread anything:
-- ``Log.pending`` (async calls until their completion callback fires; every call while the
-  watchdog runs): exact seq and issue time, and the issue stack of async calls;
+- ``Log.pending`` (async calls until their completion callback fires, DDP's gradient buckets
+  among them: the training thread waits for those in the reducer's finalize, in no wrapper; every
+  call while the watchdog runs): exact seq and issue time, and the issue stack of async calls (a
+  bucket's: its thread's stack when first seen in flight);
 - the stacks of the process's threads (``sys._current_frames()``): a thread inside a commpatch
   wrapper is in that call. The wrapper's locals give the group, the tensor and the peer (and the
   seq and issue time on the Python path; the C recorder numbers a call when it returns). A thread
@@ -65,9 +67,12 @@ class InFlight:
         wall = now + log.offsets[1][-1]  # perf -> Unix ns, as the rows' start_ns
         out, live = [], {}
         pending = log.pending.copy()  # one C call: safe against concurrent updates
+        frames = None
         for seq, e in pending.items():  # (op, gid, numel, thread, start, stack): rows.Pending
             if now - e[4] > self.period_ns:
-                live[("seq", seq)] = lambda seq=seq, e=e: dict(
+                if not e[5] and frames is None:  # no issue stack (a DDP bucket): where its thread is now
+                    frames = sys._current_frames()
+                live[("seq", seq)] = lambda seq=seq, e=e, frames=frames: dict(
                     seq=seq,
                     below=seq + 1,
                     op=e[0],
@@ -77,7 +82,7 @@ class InFlight:
                     bytes=-1,
                     start=e[4] + log.offsets[1][-1],
                     thread=_thread_name(e[3]),
-                    stack=_stack_lines(e[5]) if e[5] else [],
+                    stack=_stack_lines(e[5]) if e[5] else _thread_stack(frames, e[3]),
                 )
         counter = peek_seq(SEQ)
         me = threading.get_ident()
@@ -168,6 +173,13 @@ def _from_frame(log, frame, local, ident, first, offset) -> dict | None:
         thread=_thread_name(ident),
         stack=_stack_lines(traceback.extract_stack(frame.f_back, limit=STACK_FRAMES)),
     )
+
+
+def _thread_stack(frames, ident) -> list:
+    """The stack of thread ``ident`` now (``frames``: ``sys._current_frames()``), or [] when it is gone.
+    A DDP bucket's thread waits for it in the reducer's finalize, under the user's backward()."""
+    frame = frames.get(ident) if frames else None
+    return _stack_lines(traceback.extract_stack(frame, limit=STACK_FRAMES)) if frame is not None else []
 
 
 def _stack_lines(frames) -> list:

@@ -84,6 +84,7 @@ def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type, packin
         log.group_ids,
         log.group_id,
         log.done,
+        log.pending,
         log.buckets,
         where,
         on_last,

@@ -156,7 +156,7 @@ def headline_lines(h: dict) -> list:
     if h.get("missing_logs") and s.get("verdict") in ("straggler", "none"):
         out[-1] = ("straggler", f"{out[-1][1]}; among the ranks with a log (none for {len(h['missing_logs'])} rank(s))")
     hang = h.get("hang") or {}
-    word = {"possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
+    word = {"hang": "yes", "possible": "possible", "none_seen": "no sign", "unknown": "unknown"}.get(
         str(hang.get("verdict")), "unknown"
     )
     out.append(("hang", f"{word}: {terminal_safe(hang['text'])}" if hang.get("text") else word))

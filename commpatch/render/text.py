@@ -207,29 +207,30 @@ def build_report(
             "one rank only: no cross-rank matching (give every rank's file for stragglers and mismatches)."
         )
     rep.findings = _findings.findings(df, per_step, cr, pre=pre)
-    if df is not None:  # first: what the ranks wait in at the end of the logs (analysis.hangs)
-        waits = hangs.hangs(df)
-        if len(waits):
-            rep.sections["hangs"] = waits
-            rep.findings[:0] = _findings.hang_findings(waits)
-    elif getattr(pre, "in_flight", 0):  # the engine's count (the hang finding needs every row in one frame)
-        rep.findings.insert(
-            0,
-            _findings.Finding(
-                "hang",
-                f"{pre.in_flight} call(s) were in flight at the end of the logs (a hang?): the DuckDB engine does "
-                "not tell who waits for whom; `commpatch report --engine pandas` does (docs/hangs.md).",
-                "summary",
-            ),
-        )
+    # first: what the ranks wait in at the end of the logs (analysis.hangs; the engine's from its digests)
+    waits = hangs.hangs(df) if df is not None else getattr(pre, "hangs", None)
+    if waits is not None and len(waits):
+        rep.sections["hangs"] = waits
+        rep.findings[:0] = _findings.hang_findings(waits)
+        _explained_ends(rep, waits, cr)
     missing = _findings.missing_ranks(df, pre)
     if missing:  # first of all: what the report cannot say (a host's directory left out)
         rep.findings.insert(0, _findings.missing_logs_finding(missing, ranks))
     rep.headline = _headline(
         per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings, missing_logs=missing
     )
-    rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
+    rows = df if pre is None else pre.advice_rows  # the engine's: the rows the rules read (engine._advice_rows)
+    rep.advice = _advice.advice(rows, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
+
+
+def _explained_ends(rep: Report, waits, cross) -> None:
+    """Logs that end early in groups where a hang says who waits for whom: the hang finding explains
+    them (the ranks are alive, waiting); the 'ends' finding would suggest a log cut short."""
+    ends = getattr(cross, "log_ends", None)
+    hung = set(waits.loc[waits["verdict"] == "hang", "group"].astype(str))
+    if ends is not None and len(ends) and set(ends["group"].astype(str)) <= hung:
+        rep.findings = [f for f in rep.findings if f.kind != "ends"]
 
 
 def _clock_table(clock):
