@@ -13,8 +13,6 @@ import re
 import resource
 import subprocess
 import sys
-import tempfile
-import threading
 
 import pytest
 
@@ -37,31 +35,42 @@ NAMES = {
 }
 
 
-def bounded(argv, timeout_s: float, mem_gb: float = 4.0, env=None):
-    """``argv`` in a child process under an address-space limit of ``mem_gb``, killed after
+# runs the Python arguments after it (-m MODULE ... or -c CODE ...), then says its peak resident
+# memory: VmHWM is this process's own (ru_maxrss would count the forking parent's too)
+_PEAK = """
+import runpy, sys
+args = sys.argv[1:]
+try:
+    if args[0] == "-m":
+        sys.argv = args[1:]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = ["-c", *args[2:]]
+        exec(compile(args[1], "<string>", "exec"), {"__name__": "__main__"})
+finally:
+    hwm = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    sys.stderr.write(f"\\ncommpatch-test-peak-kb {hwm}\\n")
+"""
+
+
+def bounded(args, timeout_s: float, mem_gb: float = 4.0):
+    """``python ARGS`` in a child process under an address-space limit of ``mem_gb``, killed after
     ``timeout_s``: (exit status, stdout, stderr, peak resident MB)."""
     limit = int(mem_gb * (1 << 30))
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, preexec_fn=cap, env=env)
-        timer = threading.Timer(timeout_s, p.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return (
-            p.returncode,
-            out.read().decode(errors="replace"),
-            err.read().decode(errors="replace"),
-            usage.ru_maxrss / 1024,
-        )
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=timeout_s,
+    )
+    err, _, peak = done.stderr.rpartition("\ncommpatch-test-peak-kb ")
+    return done.returncode, done.stdout, err, int(peak) / 1024 if peak.strip().isdigit() else float("inf")
 
 
 # what would have run, the title, and the texts of the skew table's op column as the page shows them
@@ -102,9 +111,7 @@ def test_html_page_with_hostile_names_draws_and_runs_nothing_of_them(case, tmp_p
     folder = "run" + ("<!--<script>" if case != "long" else "") + name.replace("/", "_")[:60]
     run = named_run(str(tmp_path / folder), name)
     page = str(tmp_path / "r.html")
-    code, _, err, peak = bounded(
-        [sys.executable, "-m", "commpatch", "report", run, "--html", page, "--no-progress"], timeout_s=240
-    )
+    code, _, err, peak = bounded(["-m", "commpatch", "report", run, "--html", page, "--no-progress"], timeout_s=240)
     assert code == 0, err[-2000:]
     assert peak < 1500, peak
     out = load(page, probe=PROBE, timeout_ms=30_000)
@@ -132,3 +139,99 @@ def _strings(value):
     elif isinstance(value, list):
         for v in value:
             yield from _strings(v)
+
+
+# ---- commpatch watch: records pointing away from every row --------------------------------------
+def late_flood(path: str, frames: int, pairs: int = 1 << 16, first_seq: int = 10**12) -> str:
+    """A rank log written as commpatch writes it (``write_binary_run``: 40 steps of rows), then
+    ``frames`` LATE and OWN frames of ``pairs`` (seq, ns) pairs each, for seqs far above any row
+    (a damaged or hostile file: no row will ever claim them)."""
+    import numpy as np
+
+    from commpatch.data import logfile
+    from commpatch.testing import write_binary_run
+
+    write_binary_run(os.path.dirname(path), 2, 400, straggler=None, mismatch=None)
+    with open(path, "ab") as f:
+        for i in range(frames):
+            seq = np.arange(first_seq + i * pairs, first_seq + (i + 1) * pairs, dtype="<i8")
+            payload = np.stack((seq, np.full(pairs, 1000, "<i8")), axis=1).tobytes()
+            f.write(logfile.frame(logfile.LATE if i % 2 == 0 else logfile.OWN, payload))
+    return path
+
+
+def test_follower_holds_no_more_pairs_than_its_window_whatever_the_file_holds(tmp_path):
+    """2M LATE / OWN pairs for rows that never come: the follower keeps the window's pairs and at
+    most ``max_rows`` waiting ones, and the rows it shows keep their durations."""
+    from commpatch.data.follow import Follower
+    from commpatch.data.frame import parsed_frame
+
+    path = late_flood(str(tmp_path / "run" / "rank0.cplog"), frames=32)
+    data = open(path, "rb").read()
+    rows_end = len(data) - 32 * (5 + 16 * (1 << 16))
+    follower = Follower(max_rows=1000, keep_steps=4)
+    most_held = 0
+    for i in range(0, len(data), 1 << 20):
+        follower.feed(data[i : i + (1 << 20)])
+        held = len(follower.late) + len(follower.own)
+        most_held = max(most_held, held)
+        assert held <= 2 * (len(follower.window) + follower.max_rows), (i, held)
+        assert len(follower.pending) <= 16  # no frame waits whole: its pairs are taken as they come
+    assert follower.bytes_read == len(data) and follower.skipped_bytes == 0
+    assert most_held <= 4000
+    # the window's rows with their durations, as the whole file's reader gives them
+    whole = parsed_frame(data[:rows_end])
+    live = follower.dataframe().sort_values("seq")
+    last = whole[whole["seq"].isin(live["seq"])].sort_values("seq")
+    assert len(live) and live["duration_us"].tolist() == last["duration_us"].tolist()
+
+
+def test_watch_memory_is_bounded_by_its_window_on_a_flood_of_late_frames(tmp_path):
+    """A 128 MiB log of LATE / OWN frames (8M pairs, seqs far above any row) read by ``watch``'s
+    follower in a child process: its resident memory grows by far less than the file (before the
+    fix every pair was kept: ~1 GB)."""
+    path = late_flood(str(tmp_path / "run" / "rank0.cplog"), frames=128)
+    size = os.path.getsize(path)
+    assert size > 128 << 20
+    code = (
+        "import json, sys\n"
+        "import numpy\n"
+        "from commpatch.io.follow import FileFollower\n"
+        "from commpatch.watch import WINDOW_ROWS, WINDOW_STEPS\n"
+        "before = next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmHWM'))\n"
+        "f = FileFollower(sys.argv[1], keep_steps=WINDOW_STEPS, max_rows=WINDOW_ROWS)\n"
+        "while f.poll():\n"
+        "    pass\n"
+        "live = f.follower\n"
+        "print(json.dumps(dict(before_mb=before / 1024, read=f.offset, rows=len(live.window),\n"
+        "                      pairs=len(live.late) + len(live.own), error=f.error)))\n"
+    )
+    status, out, err, peak = bounded(["-c", code, path], timeout_s=300, mem_gb=3)
+    assert status == 0, err[-2000:]
+    got = json.loads(out.splitlines()[-1])
+    assert got["read"] == size and got["error"] == "" and got["rows"] > 0
+    assert got["pairs"] <= 2 * (1 << 16)
+    assert peak - got["before_mb"] < 150, (peak, got)  # the file: 128 MiB; the window: a few MB
+
+
+def test_metrics_exporter_counts_no_more_pairs_than_its_window(tmp_path):
+    """The in-process metrics exporter decodes the frames the flusher writes with the same
+    follower: a flood of LATE frames keeps its memory bounded too."""
+    pytest.importorskip("prometheus_client", reason="the metrics extra (prometheus-client) is not installed")
+    import types
+
+    from commpatch.data import logfile
+    from commpatch.metrics import Exporter
+
+    path = late_flood(str(tmp_path / "run" / "rank0.cplog"), frames=16)
+    data = open(path, "rb").read()[len(logfile.MAGIC) :]  # the flusher's frames come without the file's magic
+    pieces = [data[i : i + (1 << 20)] for i in range(0, len(data), 1 << 20)]
+    exporter = Exporter(
+        types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: pieces[:1] and [pieces.pop(0)])
+    )
+    while pieces:
+        exporter.update()
+        live = exporter.follower
+        assert len(live.late) + len(live.own) <= 2 * (len(live.window) + live.max_rows)
+    exporter.update(final=True)
+    assert sum(v[0] for v in exporter.counts.values()) == exporter.follower.rows_seen > 0
