@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from tests.test_watch import _watch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = "n" * 200_000
 # what a name may hold to break a page or a terminal; the markers name what would run
@@ -235,3 +237,149 @@ def test_metrics_exporter_counts_no_more_pairs_than_its_window(tmp_path):
         assert len(live.late) + len(live.own) <= 2 * (len(live.window) + live.max_rows)
     exporter.update(final=True)
     assert sum(v[0] for v in exporter.counts.values()) == exporter.follower.rows_seen > 0
+
+
+# ---- commpatch watch: a log replaced or rewritten while followed ----------------------------------
+@pytest.fixture(scope="module")
+def two_logs(tmp_path_factory):
+    """Two different rank logs (of a 2-rank and of a 4-rank run: their first bytes differ), as
+    commpatch writes them, the second longer."""
+    from commpatch.testing import write_binary_run
+
+    out = tmp_path_factory.mktemp("two")
+    write_binary_run(str(out / "a"), 2, 400, straggler=None, mismatch=None)
+    write_binary_run(str(out / "b"), 4, 1200, straggler=None, mismatch=None, seed=1)
+    a, b = (open(out / d / "rank0.cplog", "rb").read() for d in ("a", "b"))
+    assert a[:256] != b[:256] and len(b) > len(a)
+    return a, b
+
+
+def _follow(path):
+    from commpatch.io.follow import FileFollower
+
+    return FileFollower(str(path), max_rows=1 << 20, keep_steps=1 << 20)
+
+
+def _rows_of(data):
+    from commpatch.data.frame import parse_log
+
+    return parse_log(data).rows
+
+
+@pytest.mark.parametrize("how", ["replaced", "truncated", "rewritten"])
+def test_file_follower_starts_over_on_a_log_replaced_or_rewritten(two_logs, tmp_path, how):
+    """Half of log A is read; then the path holds log B: moved over it (a new inode), or A cut
+    to nothing and B written (shorter than what was read), or B written over A in place (longer:
+    only A's first bytes tell). The follower reads B from its start: its rows are B's, none of A's."""
+    import numpy as np
+
+    a, b = two_logs
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(a[: len(a) // 2])
+    f = _follow(path)
+    assert f.poll() == len(a) // 2 and len(f.follower.window)
+    if how == "replaced":
+        (tmp_path / "new").write_bytes(b)
+        os.replace(tmp_path / "new", path)
+    elif how == "truncated":
+        with open(path, "r+b") as out:
+            out.truncate(0)
+            out.write(b[:1000])  # shorter than what was read
+    else:
+        with open(path, "r+b") as out:
+            out.write(b)  # in place: as long as before and longer
+    f.poll()
+    if how == "truncated":
+        with open(path, "ab") as out:
+            out.write(b[1000:])
+        f.poll()
+    assert f.restarts == 1 and f.restarted == {"replaced": "replaced by a new file"}.get(how, how)
+    assert f.offset == len(b) and f.error == ""
+    assert np.array_equal(f.follower.window, _rows_of(b))
+    assert f.follower.parsed.header["world_size"] == 4
+    f.poll()  # nothing changed since: no new start
+    assert f.restarts == 1
+    f.close()
+
+
+def test_a_log_that_was_not_a_rank_log_is_read_once_replaced(two_logs, tmp_path):
+    """A file that is no rank log stops its reading; replaced by a rank log, it is read."""
+    path = tmp_path / "rank0.cplog"
+    path.write_bytes(b"not a log at all\n" * 10)
+    f = _follow(path)
+    f.poll()
+    assert "not a commpatch binary log" in f.error
+    f.poll()
+    assert f.restarts == 0  # the same file: not read again and again
+    (tmp_path / "new").write_bytes(two_logs[0])
+    os.replace(tmp_path / "new", path)
+    f.poll()
+    assert f.error == "" and f.restarts == 1 and len(f.follower.window) == len(_rows_of(two_logs[0]))
+    f.close()
+
+
+def _write_slowly(path, first, second, seconds, then):
+    """Append ``first`` to ``path`` in pieces over ``seconds / 2``; then move a new empty file over
+    it and append ``second`` the same way; at the end write ``then`` (the export at exit)."""
+    import time
+
+    for data in (first, second):
+        if data is second:
+            open(str(path) + ".new", "wb").close()
+            os.replace(str(path) + ".new", path)
+        with open(path, "ab") as out:
+            step = -(-len(data) // 20)
+            for at in range(0, len(data), step):
+                out.write(data[at : at + step])
+                out.flush()
+                time.sleep(seconds / 40)
+    open(then, "w").close()
+
+
+def test_watch_follows_a_log_replaced_while_it_runs_until_the_job_ends(two_logs, tmp_path):
+    """A rank log is replaced half-way by a new file that goes on growing (a restarted rank):
+    ``watch --idle 3`` follows the new file until the export appears (before: it kept reading the
+    old, deleted file and ended saying no log grew). In a pipe, it says what it follows."""
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    path = run / "rank0.cplog"
+    path.write_bytes(b"")
+    watch = _watch(str(run), "--interval", "0.3", "--idle", "3")
+    try:
+        time.sleep(1.0)
+        _write_slowly(path, two_logs[0], two_logs[1], 8.0, then=run / "rank0.csv")
+        out, err = watch.communicate(timeout=60)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0, err
+    assert "Traceback" not in out + err
+    assert "the job ended: every rank wrote its export at exit" in err, err
+    assert f"{path}: replaced by a new file: read again from its start" in err
+    assert "following 1 rank log(s)" in err
+    table = [ln for ln in out.splitlines() if ln.startswith("│")]
+    assert table and table[-1].split("│")[1].strip() == "0", out
+
+
+def test_watch_in_a_pipe_says_what_it_waits_for_while_it_waits(tmp_path):
+    """Not a terminal: rich draws nothing until the end, so ``watch`` says in a line, at once,
+    that it waits for rank logs, and where."""
+    import selectors
+    import time
+
+    watch = _watch(str(tmp_path), "--interval", "0.2", "--idle", "60")
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(watch.stderr, selectors.EVENT_READ)
+        deadline, line = time.monotonic() + 60, ""
+        while not line and time.monotonic() < deadline and watch.poll() is None:
+            if sel.select(timeout=1.0):
+                line = watch.stderr.readline()
+        assert watch.poll() is None  # said while waiting, not at the end
+        assert line.strip() == f"commpatch watch: waiting for rank logs (*.cplog) in {tmp_path} (for 60 s at most)"
+    finally:
+        watch.kill()
+        watch.communicate()
