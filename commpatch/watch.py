@@ -15,6 +15,7 @@ from .analysis.live import in_flight, rank_live, slowest
 from .io.follow import RunFollower
 from .io.paths import export_path
 from .render.live import screen
+from .render.people import terminal_safe
 
 WINDOW_STEPS = 4  # steps of rows kept per rank
 WINDOW_ROWS = 1 << 16  # at most this many rows per rank
@@ -118,7 +119,7 @@ class _Status:
         self.quiet = False
 
     def line(self, text: str) -> None:
-        print(f"commpatch watch: {text}", file=sys.stderr, flush=True)
+        print(f"commpatch watch: {terminal_safe(text)}", file=sys.stderr, flush=True)  # paths from the disk
 
     def update(self, follower: RunFollower, seen: bool, quiet: float, idle: float) -> None:
         where = follower.directory()

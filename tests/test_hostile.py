@@ -383,3 +383,68 @@ def test_watch_in_a_pipe_says_what_it_waits_for_while_it_waits(tmp_path):
     finally:
         watch.kill()
         watch.communicate()
+
+
+# ---- commpatch watch: hostile names on the screen -------------------------------------------------
+def hostile_log(path: str, name: str) -> None:
+    """A rank log as commpatch writes it whose process groups are all named ``name`` and whose
+    last call is an async all_reduce still in flight (no duration arrived)."""
+    import json as _json
+
+    import numpy as np
+
+    from commpatch.data import logfile
+    from commpatch.data.schema import F_ASYNC, T_SHIFT, TIMINGS, row_dtype
+    from commpatch.testing import write_binary_run
+    from tests.test_fuzz import _frames
+
+    write_binary_run(os.path.dirname(path), 2, 400, straggler=None, mismatch=None)
+    data = open(path, "rb").read()
+    out = bytearray(logfile.MAGIC)
+    frames = _frames(data)
+    for i, (kind, lo, hi) in enumerate(frames):
+        payload = data[lo + 5 : hi]
+        if kind == logfile.META and _json.loads(payload).get("k") == "group":
+            record = _json.loads(payload)
+            record["name"] = name
+            payload = _json.dumps(record).encode()
+        elif kind == logfile.ROWS and i == max(j for j, f in enumerate(frames) if f[0] == logfile.ROWS):
+            rows = np.frombuffer(payload, dtype=row_dtype(np)).copy()
+            rows["flags"][-1] = F_ASYNC | (TIMINGS.index("future") << T_SHIFT)
+            payload = rows.tobytes()
+        out += logfile.frame(kind, payload)
+    open(path, "wb").write(bytes(out))
+
+
+@pytest.mark.parametrize("case", sorted(NAMES))
+def test_watch_shows_hostile_names_as_printable_text(case, tmp_path):
+    """A call in flight on a group named with markup, escapes, bidi controls or 200,000
+    characters: the live view lists it with the name shown escaped and cut (as the text report
+    does), and nothing a terminal acts on reaches it from the file."""
+    import io
+
+    from rich.console import Console
+
+    from commpatch.io.follow import RunFollower
+    from commpatch.render.live import screen
+    from commpatch.render.people import _cut, terminal_safe
+    from commpatch.watch import snapshot
+
+    name = NAMES[case]
+    run = tmp_path / ("run" + name.replace("/", "_")[:60])
+    hostile_log(str(run / "rank0.cplog"), name)
+    follower = RunFollower(str(run))
+    follower.poll()
+    assert follower.by_rank()[0].offset == os.path.getsize(run / "rank0.cplog")
+    snap = snapshot(follower, now_ns=1 << 62, stuck_s=1.0)
+    follower.close()
+    assert snap["stuck"]["group"].tolist() == [name]  # the data holds the name as it is
+    snap["title"] = f"commpatch watch {run}"
+    buf = io.StringIO()
+    Console(file=buf, force_terminal=True, width=120, color_system=None).print(screen(snap))
+    shown = buf.getvalue()
+    assert f"on group {terminal_safe(_cut(name))} (seq " in shown
+    for c in "\x07\x9b\u2028\u2029\u202e\u2066\u200f":
+        assert c not in shown, repr(c)
+    assert "\x1b" not in shown  # no styles asked (color_system=None): any ESC would be the file's
+    assert max(map(len, shown.splitlines())) <= 120
