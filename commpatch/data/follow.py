@@ -16,11 +16,12 @@ skipped as it streams by).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+from typing import Any
 
 from .frame import Cat, columns
-from .logfile import _FRAME, LATE, MAGIC, META, OWN, ROWS, Parsed, _Bad, _meta
-from .ops import OP_NAMES
-from .schema import F_ERROR, ROW, T_DEVICE, T_FUTURE, T_NCCL, T_SHIFT, TIMINGS, row_dtype
+from .logfile import _FRAME, LATE, MAGIC, META, OWN, ROWS, Parsed, _Bad, _header_sizes, _meta, _valid_rows
+from .schema import F_ERROR, ROW, T_DEVICE, T_FUTURE, T_NCCL, T_SHIFT, row_dtype
 
 MAX_FRAME = 1 << 28  # a frame longer than this is damage, not a flush (a flush is < 16 MB)
 MAX_META = 1 << 24  # a registry record longer than this is skipped (counted), not held to be decoded
@@ -131,29 +132,25 @@ class Follower:
             if type(m) is dict and m.get("k") == "header" and self.parsed.header:
                 # a new file of this rank (a re-initialised process group): its registries anew
                 self.parsed = Parsed()
-            _meta(self.parsed, m, 1 << 30)
+            _meta(self.parsed, m, self._limit())
         except (ValueError, KeyError, TypeError, RecursionError, _Bad):
             self.bad_records += 1
 
+    def _limit(self) -> int:
+        """The largest registry code this log can hold so far (each record takes 16 bytes or more),
+        as the file's reader bounds them: a code past it is damage, never a list to allocate."""
+        return self.bytes_read // 16 + 16
+
     def _add_rows(self, raw: bytes) -> int:
         np = self.np
-        rows = np.frombuffer(raw, dtype=self.dtype)
-        h = self.parsed.header
-        n_ops, n_timings = len(h.get("ops", OP_NAMES)), len(h.get("timings", TIMINGS))
-        ok = (
-            (rows["seq"] >= 0)
-            & (rows["op"] >= 0)
-            & (rows["op"] < n_ops)
-            & (rows["gid"] >= 0)
-            & (rows["dtype"] >= 0)
-            & (rows["start"] > 0)
-            & (rows["flags"] >> T_SHIFT < n_timings)
-            & (rows["tag"] >= 0)
-            & (rows["where"] >= 0)
-        )
-        if not ok.all():
-            self.bad_rows += int((~ok).sum())
-            rows = rows[ok]
+        # the file reader's checks: impossible values and codes out of range left out (counted),
+        # codes never registered given a '?' entry, so every row's codes index its registries
+        p = self.parsed
+        ops, timings = _header_sizes(p.header)
+        scan: Any = SimpleNamespace(ops=ops, timings=timings, limit=self._limit())  # what _valid_rows reads
+        before = p.bad_rows + p.zero_rows + p.repeated_rows
+        rows = _valid_rows(np, p, raw, self.dtype, ROW.size, scan)
+        self.bad_rows += p.bad_rows + p.zero_rows + p.repeated_rows - before
         if not len(rows):
             return 0
         window = np.concatenate((self.window, rows))
