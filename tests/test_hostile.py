@@ -188,6 +188,47 @@ def test_follower_holds_no_more_pairs_than_its_window_whatever_the_file_holds(tm
     assert len(live) and live["duration_us"].tolist() == last["duration_us"].tolist()
 
 
+_INFLIGHT = dict(k="inflight", below=0, op=0, gid=0, peer=-1, numel=1, bytes=4, start=1, seen=1, thread="t", stack=[])
+NOTES = {  # a registry record per call, of each kind a log holds, for seq ``i``
+    "syncs": lambda i: dict(k="sync", seq=i, end=1),
+    "packs": lambda i: dict(k="pack", seq=i, ns=1, alone=1),
+    "buckets": lambda i: dict(k="bucket", lo=i, hi=i + 1, index=0, params=1),
+    "clock": lambda i: dict(k="clock", seq=i, offset=0),
+    "step_sources": lambda i: dict(k="step_source", seq=i, source=1),
+    "lost": lambda i: dict(k="lost", rows=1, first_seq=i, last_seq=i, why="x"),
+    "rank0_offsets": lambda i: dict(k="rank0_offset", at=i, lo=0, hi=1),
+    "inflight": lambda i: dict(_INFLIGHT, id=i, seq=i),
+    "landed": lambda i: dict(k="landed", id=i, ns=1),
+}
+
+
+def test_follower_holds_a_bounded_number_of_registry_records_whatever_the_file_holds(tmp_path):
+    """After the rows, 20,000 records of each per-call kind (DDP syncs, packs, buckets, clock
+    offsets, step sources, rows lost, calls in flight...), for seqs beyond any row: the follower
+    keeps at most twice its window of each, and the rows it shows are the same."""
+    from commpatch.data import logfile
+    from commpatch.data.follow import Follower
+    from commpatch.testing import write_binary_run
+
+    write_binary_run(str(tmp_path / "run"), 2, 400, straggler=None, mismatch=None)
+    data = (tmp_path / "run" / "rank0.cplog").read_bytes()
+    flood = b"".join(
+        logfile.frame(logfile.META, json.dumps(make(10**9 + i)).encode())
+        for i in range(20_000)
+        for make in NOTES.values()
+    )
+    follower = Follower(max_rows=1000, keep_steps=4)
+    follower.feed(data)
+    window = follower.window.copy()
+    for i in range(0, len(flood), 1 << 20):
+        follower.feed(flood[i : i + (1 << 20)])
+        for name in NOTES:
+            held = len(getattr(follower.parsed, name))
+            assert held <= 2 * follower.max_rows, (name, held)
+    assert follower.bad_records == 0 and (follower.window == window).all()
+    assert follower.dataframe()["duration_us"].notna().all()
+
+
 def test_watch_memory_is_bounded_by_its_window_on_a_flood_of_late_frames(tmp_path):
     """A 128 MiB log of LATE / OWN frames (8M pairs, seqs far above any row) read by ``watch``'s
     follower in a child process: its resident memory grows by far less than the file (before the

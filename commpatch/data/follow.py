@@ -15,6 +15,7 @@ skipped as it streams by).
 
 from __future__ import annotations
 
+import bisect
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -183,6 +184,33 @@ class Follower:
         low = int(seqs[0]) if len(seqs) else 0  # rows have seq >= 0
         for pairs in (self.late, self.own):
             pairs.bound(low, seqs, self.max_rows)
+        self._bound_notes(low)
+
+    def _bound_notes(self, low: int) -> None:
+        """The registry's per-call records bounded too (each list is looked at once it holds more
+        than twice ``max_rows``): notes on one call (DDP syncs, packs) and spans (buckets) of the
+        window's rows and of the next ones; marks that hold from their seq on (clock offsets, step
+        sources) from the one in force at the window's start; what only the file's reader uses
+        (calls noted in flight, their completions, rows lost, rank 0 offsets): the latest."""
+        p, most = self.parsed, self.max_rows
+        for name in ("syncs", "packs"):
+            notes = getattr(p, name)
+            if len(notes) > 2 * most:
+                setattr(p, name, sorted(n for n in notes if n[0] >= low)[:most])
+        if len(p.buckets) > 2 * most:
+            p.buckets = sorted(b for b in p.buckets if b[1] > low)[:most]
+        for name in ("clock", "step_sources"):
+            marks = getattr(p, name)
+            if len(marks) > 2 * most:
+                marks = sorted(marks)
+                first = max(0, bisect.bisect_right([m[0] for m in marks], low) - 1)
+                setattr(p, name, marks[first : first + most])
+        for name in ("lost", "rank0_offsets"):
+            if len(getattr(p, name)) > 2 * most:
+                del getattr(p, name)[:-most]
+        for name in ("inflight", "landed"):
+            if len(getattr(p, name)) > 2 * most:
+                setattr(p, name, dict(list(getattr(p, name).items())[-most:]))
 
     # ---- what was read -------------------------------------------------------------------
     def frame(self, rows=None, names=None):
