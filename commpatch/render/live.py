@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from .people import _cut, terminal_safe
+
 
 def _ms(us: float) -> str:
     return "?" if us is None or math.isnan(us) else f"{us / 1e3:.1f} ms"
@@ -21,8 +23,6 @@ def screen(snapshot: dict):
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
-
-    from .people import _cut, terminal_safe
 
     # names and paths come from the files: only printable text reaches the terminal, names cut
     table = Table(title=terminal_safe(snapshot.get("title", "commpatch watch")), title_justify="left", expand=False)
