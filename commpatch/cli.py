@@ -39,7 +39,8 @@ def cmd_run(args) -> int:
     if args.summary:
         env["COMMPATCH_SUMMARY"] = "1"
     try:
-        settings = _config.resolve(environ=env)
+        # a bad monitoring setting is each process's warning when it starts: not the launcher's refusal
+        settings = _config.resolve(environ=env, warn=lambda message: None)
         if settings["output"]:
             from .io.paths import check_writable  # lazy: the CLI's other commands never load numpy / pandas
 

@@ -2,7 +2,9 @@
 
 This is the only module that reads ``os.environ`` for settings. Precedence:
 ``enable(**kwargs)`` > environment > defaults. A bad value raises ``ConfigError``
-naming the variable and what is allowed.
+naming the variable and what is allowed; a bad monitoring setting (``Setting.monitoring``: the
+live metrics) never stops a job: given a ``warn`` callback, ``resolve`` says it there and leaves
+the setting off.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class Setting:
     default: Any
     parse: Callable[[str, str, Any], Any]
     help: str
+    monitoring: bool = False  # a bad value is a warning (to resolve's warn) and the setting off
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -236,7 +239,8 @@ SETTINGS: tuple[Setting, ...] = (
         _parse_metrics_port,
         "Serve live Prometheus metrics over HTTP on PORT (or HOST:PORT; all interfaces by default) plus the "
         "process's LOCAL_RANK, computed by the flusher thread, off the training thread (docs/live.md). "
-        "Needs pip install 'commpatch[metrics]'. 0: none.",
+        "Needs pip install 'commpatch[metrics]'. 0: none. A bad value is a warning: the job runs without metrics.",
+        monitoring=True,
     ),
     Setting(
         "metrics_file",
@@ -245,14 +249,20 @@ SETTINGS: tuple[Setting, ...] = (
         _parse_metrics_file,
         "Write the same metrics every 2 s (and at exit) to this .prom file per rank ({rank}, {pid} expand; {run} too) for "
         "node-exporter's textfile collector; replaced whole each time. Needs pip install 'commpatch[metrics]'. "
-        "'none': no file.",
+        "'none': no file. A bad value is a warning: the job runs without the file.",
+        monitoring=True,
     ),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
 
-def resolve(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Settings after precedence: overrides > environment > defaults; every value parsed."""
+def resolve(
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Settings after precedence: overrides > environment > defaults; every value parsed. With
+    ``warn``, a monitoring setting's bad value is said there (one line) and the setting left off."""
     environ = os.environ if environ is None else environ
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(BY_NAME))
@@ -267,7 +277,13 @@ def resolve(overrides: dict[str, Any] | None = None, environ: dict[str, str] | N
         else:
             out[s.name] = s.parse(s.name, s.env, s.default) if s.default is not None else None
             continue
-        out[s.name] = s.parse(s.name, where, raw)
+        try:
+            out[s.name] = s.parse(s.name, where, raw)
+        except ConfigError as exc:
+            if not (s.monitoring and warn):
+                raise
+            warn(f"commpatch: {exc}; the job runs without it")
+            out[s.name] = s.parse(s.name, s.env, s.default)
     return out
 
 

@@ -9,14 +9,22 @@ the rows whose duration is known to numpy counters; the per-step figures come fr
 reads the counters when scraped. The calls in flight are read from the log's ``pending`` calls
 at scrape time. Label values are bounded: at most ``MAX_GROUPS`` group names and ``MAX_DTYPES``
 dtypes per rank keep their name, later ones are counted as "other".
+
+The HTTP server is commpatch's own (``_Server``), not prometheus-client's thread per connection:
+it answers ``GET /metrics`` only (404 elsewhere), one request per connection, serves at most
+``MAX_CONNECTIONS`` connections at once (more are closed as they come: no thread for them) and
+gives each ``REQUEST_S`` seconds; it never prints into the job's stderr.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import socketserver
 import threading
 import time
+from http.server import BaseHTTPRequestHandler
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -39,6 +47,8 @@ STEP_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 HORIZON_S = 10.0  # an async call's row waits this long for its duration, then counts as unmeasured
 STEPS_EVERY_S = 2.0  # per-step figures and the text file, at most this often (per_step: ~50 ms a pass)
 KEEP_STEPS = 16  # steps of rows kept for the per-step figures
+MAX_CONNECTIONS = 8  # connections served at once (a scrape is one short request); more are closed at once
+REQUEST_S = 5.0  # a connection has this long to send its request (and each write of the answer)
 COUNTED = ("seq", "collective", "group", "phase", "dtype", "bytes", "duration_us", "own_us", "busbw_gbps")
 
 # name -> (type, help): every metric this module exposes (the Grafana dashboard's test reads it)
@@ -136,19 +146,19 @@ class Exporter:
 
     # ---- serving -----------------------------------------------------------------------------
     def serve(self, port) -> None:
-        from prometheus_client import start_http_server
-
         host, base = port
         local = os.environ.get("LOCAL_RANK", "0")
         number = base + (int(local) if local.isdigit() else 0)
         try:
-            self.server, _ = start_http_server(number, addr=host, registry=self.registry)
-            self.address = (host, number)
+            server = _Server(host, number, self.registry)
         except (OSError, OverflowError) as exc:
             self.warn(
                 f"commpatch: metrics not served on {host}:{number} (COMMPATCH_METRICS_PORT {base} + local rank "
                 f"{local}): {getattr(exc, 'strerror', None) or exc}; the job runs on"
             )
+            return
+        threading.Thread(target=server.serve_forever, args=(0.5,), name="commpatch-metrics", daemon=True).start()
+        self.server, self.address = server, (host, server.server_address[1])
 
     def close(self) -> None:
         server, self.server = self.server, None
@@ -314,6 +324,77 @@ class Exporter:
                 lost.add_metric(list(self.who), float(self.follower.dropped_unsettled))
                 out.append(lost)
         return out
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """``GET /metrics`` (HEAD too): the registry in the format the scraper accepts; anything else
+    a 404. HTTP/1.0: one request per connection."""
+
+    timeout = REQUEST_S
+    server_version = "commpatch"
+    sys_version = ""
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path != "/metrics":
+            self._answer(404, b"commpatch serves /metrics only\n", "text/plain; charset=utf-8")
+            return
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        self._answer(200, encoder(self.server.registry), content_type)  # type: ignore[attr-defined]
+
+    do_HEAD = do_GET
+
+    def _answer(self, code: int, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
+        """Nothing into the job's stderr."""
+
+
+class _Server(socketserver.TCPServer):
+    """The metrics endpoint: a thread per connection, at most ``MAX_CONNECTIONS`` of them; a
+    connection beyond that is closed as it is accepted (an idle or slow client holds its slot
+    ``REQUEST_S`` seconds at most)."""
+
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, host: str, port: int, registry) -> None:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        self.address_family = family
+        self.registry = registry
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(address[:2], _Handler)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed, no thread started
+            return
+        try:
+            threading.Thread(
+                target=self._serve, args=(request, client_address), name="commpatch-metrics-conn", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had: this scrape is lost, the job goes on
+            self.shutdown_request(request)
+            self.slots.release()
+
+    def _serve(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a client that went away: nothing to say in the job's stderr
+            pass
+        finally:
+            self.shutdown_request(request)
+            self.slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """Nothing into the job's stderr (the base class prints a traceback)."""
 
 
 def in_flight(log) -> tuple[int, float]:

@@ -55,7 +55,7 @@ class Session:
             if state.enabled:
                 state.recording = True
                 return
-            resolved = config.resolve(settings)
+            resolved = config.resolve(settings, warn=self._warn_once)
             output = resolved["output"]
             problem = ""
             if output:
@@ -77,9 +77,10 @@ class Session:
                     and "{rank}" not in template
                     and "{pid}" not in template
                 ):
-                    raise config.ConfigError(
-                        f"{env}={template!r} has no {{rank}} in a {world}-rank job: every rank "
-                        "writes its own file, e.g. 'commpatch_rank{rank}.prom'"
+                    resolved[key] = ""  # monitoring never stops the job (config.Setting.monitoring)
+                    self._warn_once(
+                        f"commpatch: {env}={template!r} has no {{rank}} in a {world}-rank job: every rank "
+                        "writes its own file, e.g. 'commpatch_rank{rank}.prom'; the job runs without it"
                     )
             state.settings = resolved
             log = self.log

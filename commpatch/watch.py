@@ -15,6 +15,7 @@ from .analysis.live import in_flight, rank_live, slowest
 from .io.follow import RunFollower
 from .io.paths import export_path
 from .render.live import screen
+from .render.people import terminal_safe
 
 WINDOW_STEPS = 4  # steps of rows kept per rank
 WINDOW_ROWS = 1 << 16  # at most this many rows per rank
@@ -40,7 +41,7 @@ def snapshot(follower: RunFollower, now_ns: int, stuck_s: float) -> dict:
                 f"rank {rank}: {live.skipped_bytes} byte(s) that are no frame, {live.bad_rows} impossible "
                 f"row(s), {live.bad_records} bad record(s) skipped"
             )
-    notes += follower.errors()
+    notes += follower.errors() + follower.restarts()
     frames = [s for s in stuck if len(s)]
     return dict(
         ranks=ranks,
@@ -64,6 +65,8 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
 
     console = console or Console()
     follower = RunFollower(directory, keep_steps=WINDOW_STEPS, max_rows=WINDOW_ROWS)
+    # rich redraws a terminal only: elsewhere (a pipe, a file, CI) the state is said in lines
+    say = _Status() if not console.is_terminal else None
     grew = time.monotonic()
     seen = False
     reason = ""
@@ -80,6 +83,8 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
                     snap["notes"].append(
                         f"waiting for rank logs (*.cplog) in {follower.directory()} (for {idle:g} s at most)"
                     )
+                if say is not None:
+                    say.update(follower, seen, quiet, idle)
                 live.update(screen(snap), refresh=True)
                 if seen and finished(follower):
                     reason = "the job ended: every rank wrote its export at exit"
@@ -99,3 +104,37 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
         follower.close()
     print(f"commpatch watch: stopped at {time.strftime('%H:%M:%S')}: {reason}", file=sys.stderr)
     return 0
+
+
+class _Status:
+    """What ``watch`` waits for and what it follows, a line to stderr each time it changes (where
+    the screen is not redrawn): waiting for logs, following N of them, a log read again from its
+    start, no growth for a while."""
+
+    QUIET_S = 5.0  # no growth for this long is said (once per quiet spell)
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+        self.files = -1
+        self.quiet = False
+
+    def line(self, text: str) -> None:
+        print(f"commpatch watch: {terminal_safe(text)}", file=sys.stderr, flush=True)  # paths from the disk
+
+    def update(self, follower: RunFollower, seen: bool, quiet: float, idle: float) -> None:
+        where = follower.directory()
+        if not seen:
+            if "waiting" not in self.said:
+                self.said.add("waiting")
+                self.line(f"waiting for rank logs (*.cplog) in {where} (for {idle:g} s at most)")
+            return
+        if len(follower.files) != self.files:
+            self.files = len(follower.files)
+            self.line(f"following {self.files} rank log(s) in {where}; the table is printed when watch stops")
+        for text in follower.restarts() + follower.errors():
+            if text not in self.said:
+                self.said.add(text)
+                self.line(text)
+        if quiet >= self.QUIET_S and not self.quiet:
+            self.line(f"no rank's log grew for {quiet:.0f} s: waiting (for {idle:g} s at most)")
+        self.quiet = quiet >= self.QUIET_S

@@ -77,18 +77,7 @@ def _run_case(path: str, convert: bool) -> str:
 
 
 def child(cases: list[str]) -> dict:
-    import resource
-    import signal
-
-    class Hang(Exception):
-        pass
-
-    def alarm(*_):
-        raise Hang()
-
-    vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
-    limit = vm + (3 << 30)  # imports still to come, the arenas of numpy / Arrow: a bound, not the check
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    limit_memory()
     import numpy  # noqa: F401 - the libraries a case loads, loaded before the baseline
     import pandas  # noqa: F401
     import pyarrow.compute  # noqa: F401
@@ -99,21 +88,49 @@ def child(cases: list[str]) -> dict:
     from commpatch import analysis, cli  # noqa: F401
     from commpatch.render import text  # noqa: F401
 
+    return each_case(cases, lambda path, _: _run_case(path, path.endswith(".cplog")))
+
+
+def limit_memory() -> None:
+    """An address-space limit 3 GB above what this process maps now: a runaway allocation fails
+    there (it does not swap the machine)."""
+    import resource
+
+    vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+    limit = vm + (3 << 30)  # imports still to come, the arenas of numpy / Arrow: a bound, not the check
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _hwm_mb() -> float:
+    """This process's peak resident memory (VmHWM: its own, where ru_maxrss counts the parent's too)."""
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) / 1024
+
+
+def each_case(cases: list[str], run) -> dict:
+    """``run(path, index)`` for every case, each stopped after ``HANG_S``: what each gave, and the
+    peak resident memory before the first case and after the last."""
+    import signal
+
+    class Hang(Exception):
+        pass
+
+    def alarm(*_):
+        raise Hang()
+
     signal.signal(signal.SIGALRM, alarm)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = _hwm_mb()
     results = {}
-    for path in cases:
+    for i, path in enumerate(cases):
         signal.alarm(HANG_S)
         try:
-            results[path] = _run_case(path, path.endswith(".cplog"))
+            results[path] = run(path, i)
         except Hang:
             results[path] = f"hang: more than {HANG_S} s"
         except MemoryError:
             results[path] = "MemoryError (past the address-space bound)"
         finally:
             signal.alarm(0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"results": results, "baseline_mb": baseline / 1024, "peak_mb": peak / 1024}
+    return {"results": results, "baseline_mb": baseline, "peak_mb": _hwm_mb()}
 
 
 def run_child(cases: list[str], timeout: float, reader: str = "pyarrow") -> dict:

@@ -148,9 +148,10 @@ def _browser():
     return pw
 
 
-def load(path, screenshot=None):
+def load(path, screenshot=None, probe=None, timeout_ms=60_000):
     """Open the page in headless Chromium with the network off (an offline context, and every
-    request that is not the file itself aborted); returns what the page did."""
+    request that is not the file itself aborted); returns what the page did (``probe``: a
+    function evaluated in the page once drawn, its value as ``out["probe"]``)."""
     pw = _browser()
     out = dict(console=[], requests=[])
     with pw.sync_playwright() as p:
@@ -172,7 +173,7 @@ def load(path, screenshot=None):
             )
             page.on("pageerror", lambda e: out["console"].append(f"pageerror: {e}"))
             page.goto("file://" + os.path.abspath(path))
-            page.wait_for_selector("html[data-ready='1']", timeout=60_000)
+            page.wait_for_selector("html[data-ready='1']", timeout=timeout_ms)
             out["plots"] = page.evaluate("""() => [...document.querySelectorAll('[data-plot]')].map(p => {
                 const svg = p.querySelector('svg'), cv = p.querySelector('canvas');
                 let marks = 0, inked = 0;
@@ -189,6 +190,7 @@ def load(path, screenshot=None):
             out["markers"] = page.eval_on_selector_all("[data-step-marker]", "els => els.length")
             out["advice"] = page.eval_on_selector_all("#advice .advice", "els => els.map(e => e.innerText)")
             out["sort"] = _sort_check(page) if page.query_selector("table[data-table='ranks']") else None
+            out["probe"] = page.evaluate(probe) if probe else None
             if screenshot:
                 page.screenshot(path=screenshot, full_page=True)
         finally:

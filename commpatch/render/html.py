@@ -241,10 +241,22 @@ def compare_data(table, by_op, title: str) -> dict:
     )
 
 
+# Inside <script> the HTML parser looks for "</script" and, after "<!--", for "<script" (its
+# "double escaped" state, where "</script>" no longer ends the block): a name holding "<!--<script>"
+# would swallow report.js. No "<" may reach the block, nor ">" or "&"; U+2028 / U+2029 (line ends
+# to older JavaScript) are escaped by ensure_ascii already and here again. JSON reads the same.
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def script_json(data) -> str:
+    """``data`` as JSON that no string in it can end or re-open the ``<script>`` block holding it."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).translate(_SCRIPT_SAFE)
+
+
 def render(data: dict) -> str:
-    """The page: the data as JSON (``</`` escaped so no string can close the script), the style
-    sheet and the script inline."""
-    blob = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    """The page: the data as JSON (``script_json``: no markup character in it), the style sheet and
+    the script inline."""
+    blob = script_json(data)
     title = _html.escape(data["title"])
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

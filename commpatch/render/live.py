@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from .people import _cut, terminal_safe
+
 
 def _ms(us: float) -> str:
     return "?" if us is None or math.isnan(us) else f"{us / 1e3:.1f} ms"
@@ -22,7 +24,8 @@ def screen(snapshot: dict):
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=snapshot.get("title", "commpatch watch"), title_justify="left", expand=False)
+    # names and paths come from the files: only printable text reaches the terminal, names cut
+    table = Table(title=terminal_safe(snapshot.get("title", "commpatch watch")), title_justify="left", expand=False)
     for name, justify in (
         ("rank", "right"),
         ("step", "right"),
@@ -61,10 +64,11 @@ def screen(snapshot: dict):
         worst = stuck.sort_values("age_s", ascending=False).head(5)
         for row in worst.itertuples():
             lines.append(
-                f"in flight for {row.age_s:.1f} s: rank {row.rank} {row.op} on group {row.group} (seq {row.seq})"
+                f"in flight for {row.age_s:.1f} s: rank {row.rank} {_cut(str(row.op))} on group "
+                f"{_cut(str(row.group))} (seq {row.seq})"
             )
     idle = snapshot.get("idle_s")
     if idle is not None and idle >= 2:
         lines.append(f"no rank's log grew for {idle:.0f} s")
     lines += snapshot.get("notes", [])
-    return Group(table, *(Text(line) for line in lines))
+    return Group(table, *(Text(terminal_safe(line)) for line in lines))
