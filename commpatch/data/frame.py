@@ -170,6 +170,7 @@ def columns(parsed, names=None) -> dict:
         "sync_end_us": lambda: _noted_us(np, raw["seq"], parsed.syncs, 1),  # end of DDP's finalize
         "pack_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 1),
         "pack_alone_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 2),
+        "wait_us": lambda: _noted_us(np, raw["seq"], parsed.waits, 1),  # the thread's wait_tensor
     }
     wanted = [name for name in COLUMNS if names is None or name in names]
     return _build(out, wanted, n)

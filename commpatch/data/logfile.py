@@ -96,6 +96,7 @@ class Parsed:
         self.step_sources: list[tuple[int, int]] = []  # (first seq, data.schema.STEP_SOURCES code)
         self.syncs: list[tuple[int, int]] = []  # (seq of a last bucket's row, finalize end ns after its start)
         self.packs: list[tuple[int, int, int]] = []  # (seq of a bucket's first row, packing ns, of which alone)
+        self.waits: list[tuple[int, int]] = []  # (seq of a functional collective's row, ns the thread waited for it)
         self.torn = 0  # frames cut short (a crash, a short write): their whole rows kept
         self.damaged = 0  # stretches of bytes that are no frame (zeros, garbage): skipped
         self.skipped_bytes = 0  # bytes of torn frames and damaged stretches left out
@@ -476,6 +477,8 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.syncs.append((_int(m, "seq"), _int(m, "end")))
     elif kind == "pack":
         out.packs.append((_int(m, "seq"), _int(m, "ns"), _int(m, "alone")))
+    elif kind == "wait":
+        out.waits.append((_int(m, "seq"), _int(m, "ns")))
     elif kind == "inflight":  # a call in flight longer than the flusher's period (record.inflight)
         out.inflight[_int(m, "id", 0)] = {
             "seq": _int(m, "seq", -1),
