@@ -9,8 +9,15 @@ unknown figures are None, never 0):
 - ``comm_share`` / ``exposed_share``: medians over the steady state, as in the per-step table;
   ``shares_at_least``: True when some steady-state calls have no duration (the shares are lower
   bounds);
-- ``top_collective``: the summary row with the most communication time (its key columns,
-  ``time_share``, ``total_us``, ``busbw_gbps``): the same figures as that row of the summary table;
+- ``wait_share`` / ``framework_share``: the exposed share split (medians over the steady state):
+  the training thread waiting for communication, and a framework's own work on it counted exposed
+  (DDP's packing of gradients into its buckets and its finalize after the last bucket: copies,
+  not waiting); None where unknown;
+- ``top_collective``: the row with the most communication time of the steady-state summary
+  (``steady_summary``: set-up steps and set-up calls left out, as everywhere else; the whole
+  log's summary where there is no steady state: ``steady_state`` False): its key columns,
+  ``time_share``, ``total_us``, ``busbw_gbps``, ``count``; calls without a duration (unknown
+  time) are never the top;
 - ``straggler``: ``verdict`` straggler / none / unknown with the evidence of
   ``stragglers.verdict`` (rank, last_steps of steps, late_median_us, share_of_step, p_value, reason);
 - ``hang``: ``verdict`` possible (some ranks' logs stop before collectives the others issued) /
@@ -21,6 +28,8 @@ unknown figures are None, never 0):
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from .steps import steady_state
 from .stragglers import verdict as straggler_verdict
@@ -36,7 +45,9 @@ def _num(x):
     return None if math.isnan(x) or math.isinf(x) else x
 
 
-def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=()) -> dict:
+def headline(
+    steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=(), steady_summary=None
+) -> dict:
     st = steady_state(steps_table)
     out = dict(
         ranks=int(ranks),
@@ -48,8 +59,12 @@ def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int 
         comm_share=_num(st["comm_share"]),
         exposed_share=_num(st["exposed_share"]),
         shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False,
+        **_exposed_split(steps_table),
     )
-    out["top_collective"] = _top(summary_table)
+    steady = _top(steady_summary)
+    out["top_collective"] = steady if steady is not None else _top(summary_table)
+    if out["top_collective"] is not None:
+        out["top_collective"]["steady_state"] = steady is not None
     out["straggler"] = _straggler(cross, steps_table)
     out["hang"] = _hang(cross, findings)
     mm = getattr(cross, "mismatches", None) if cross is not None else None
@@ -67,10 +82,30 @@ def headline(steps_table, summary_table, cross=None, ranks: int = 1, calls: int 
     return out
 
 
+def _exposed_split(steps_table) -> dict:
+    """The exposed share of the steady state split into waiting and framework work (medians)."""
+    steady = steps_table[steps_table["stage"] == "steady"]
+    if not len(steady) or "ddp_pack_us" not in steady:
+        return dict(wait_share=None, framework_share=None)
+    step = steady["step_us"].to_numpy(float)
+    own = (steady["ddp_pack_us"].fillna(0) + steady["ddp_finalize_us"].fillna(0)).to_numpy(float)
+    exposed = steady["exposed_us"].to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        framework, wait = own / step, np.clip(exposed - own, 0, None) / step
+
+    def median(x):
+        x = x[np.isfinite(x)]
+        return float(np.median(x)) if len(x) else None
+
+    return dict(wait_share=median(wait), framework_share=median(framework))
+
+
 def _top(summary_table):
     if summary_table is None or not len(summary_table) or "total_us" not in summary_table:
         return None
-    row = summary_table.loc[summary_table["total_us"].fillna(-1).idxmax()]
+    if not summary_table["total_us"].notna().any():  # no call with a duration: no top
+        return None
+    row = summary_table.loc[summary_table["total_us"].idxmax()]
     top = {c: (row[c].item() if hasattr(row[c], "item") else row[c]) for c in KEY_COLUMNS if c in summary_table.columns}
     top = {c: (str(v) if not isinstance(v, (int, float)) else v) for c, v in top.items()}
     for col in ("time_share", "total_us", "busbw_gbps", "count"):

@@ -222,9 +222,28 @@ def build_report(
                 "summary",
             ),
         )
-    rep.headline = _headline(per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings)
+    rep.headline = _headline(
+        per_step,
+        table,
+        cr,
+        ranks=len(ranks),
+        calls=calls,
+        findings=rep.findings,
+        steady_summary=_steady_summary(df, per_step, by, pre),
+    )
     rep.advice = _advice.advice(df, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
     return rep
+
+
+def _steady_summary(df, per_step, by, pre):
+    """The summary of the steady state (set-up steps and calls left out) by ``by``, for the
+    headline; None where there is no steady state (the engine has it by collective and size)."""
+    if not (per_step["stage"] == "steady").any():
+        return None
+    if pre is not None:
+        return pre.bus_summary if list(by) == ["collective", "size_bucket"] else None
+    rows = _steps.steady_rows(df, per_step)
+    return summaries.summary(rows, by=by) if len(rows) else None
 
 
 def _clock_table(clock):
