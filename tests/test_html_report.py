@@ -414,7 +414,7 @@ def test_headline_shows_waiting_and_ddps_own_work_apart():
     assert h["exposed_share"] == pytest.approx(0.4)
     assert h["wait_share"] == pytest.approx(0.25) and h["framework_share"] == pytest.approx(0.15)
     sentence = dict(people.headline_lines(h))["communication"]
-    assert "exposed 40% (the training thread waits 25%; DDP's own work on it 15%" in sentence
+    assert "exposed 40% (the overhead: the training thread waits 25%, DDP's own work on it 15%: packing" in sentence
     assert (
         "in flight 70% of the step (each call from its issue to its completion, its wait in the backend's" in sentence
     )

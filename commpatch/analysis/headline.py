@@ -9,10 +9,10 @@ unknown figures are None, never 0):
 - ``comm_share`` / ``exposed_share``: medians over the steady state, as in the per-step table;
   ``shares_at_least``: True when some steady-state calls have no duration (the shares are lower
   bounds);
-- ``wait_share`` / ``framework_share``: the exposed share split (medians over the steady state):
-  the training thread waiting for communication, and a framework's own work on it counted exposed
-  (DDP's packing of gradients into its buckets and its finalize after the last bucket: copies,
-  not waiting); None where unknown;
+- ``wait_share`` / ``framework_share``: ``exposed_share`` split in two: a framework's own work on
+  the training thread counted exposed (DDP's packing of gradients into its buckets and its
+  finalize after the last bucket: copies, not waiting; the median over the steady state), and the
+  rest, the thread waiting for communication; None where unknown;
 - ``top_collective``: the row with the most communication time of the steady-state summary
   (``steady_summary``: set-up steps and set-up calls left out, as everywhere else; the whole
   log's summary where there is no steady state: ``steady_state`` False): its key columns,
@@ -59,7 +59,7 @@ def headline(
         comm_share=_num(st["comm_share"]),
         exposed_share=_num(st["exposed_share"]),
         shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False,
-        **_exposed_split(steps_table),
+        **_exposed_split(steps_table, st["exposed_share"]),
     )
     steady = _top(steady_summary)
     out["top_collective"] = steady if steady is not None else _top(summary_table)
@@ -82,22 +82,20 @@ def headline(
     return out
 
 
-def _exposed_split(steps_table) -> dict:
-    """The exposed share of the steady state split into waiting and framework work (medians)."""
+def _exposed_split(steps_table, exposed_share: float) -> dict:
+    """``exposed_share`` (the steady state's median) split into waiting and framework work, which
+    add up to it."""
     steady = steps_table[steps_table["stage"] == "steady"]
-    if not len(steady) or "ddp_pack_us" not in steady:
+    if not len(steady) or "ddp_pack_us" not in steady or _num(exposed_share) is None:
         return dict(wait_share=None, framework_share=None)
-    step = steady["step_us"].to_numpy(float)
     own = (steady["ddp_pack_us"].fillna(0) + steady["ddp_finalize_us"].fillna(0)).to_numpy(float)
-    exposed = steady["exposed_us"].to_numpy(float)
     with np.errstate(divide="ignore", invalid="ignore"):
-        framework, wait = own / step, np.clip(exposed - own, 0, None) / step
-
-    def median(x):
-        x = x[np.isfinite(x)]
-        return float(np.median(x)) if len(x) else None
-
-    return dict(wait_share=median(wait), framework_share=median(framework))
+        framework = own / steady["step_us"].to_numpy(float)
+    framework = framework[np.isfinite(framework)]
+    if not len(framework):
+        return dict(wait_share=None, framework_share=None)
+    part = min(float(np.median(framework)), exposed_share)
+    return dict(wait_share=exposed_share - part, framework_share=part)
 
 
 def _top(summary_table):

@@ -106,7 +106,7 @@ def headline_lines(h: dict) -> list:
                 "communication",
                 f"in flight {least}{_pct(h['comm_share'])} of the step (each call from its issue to its completion, "
                 f"its wait in the backend's queue included); exposed {least}{_pct(h['exposed_share'])} "
-                f"({_exposed_parts(h, least)}: the overhead)",
+                f"(the overhead: {_exposed_parts(h, least)})",
             )
         )
     else:
@@ -177,7 +177,7 @@ def _exposed_parts(h: dict, least: str) -> str:
     if wait is None or not own:
         return "the training thread waits or communicates"
     return (
-        f"the training thread waits {least}{_pct(wait)}; DDP's own work on it {_pct(own)}: packing gradients "
+        f"the training thread waits {least}{_pct(wait)}, DDP's own work on it {_pct(own)}: packing gradients "
         "into its buckets, its finalize"
     )
 
