@@ -418,3 +418,18 @@ def test_headline_shows_waiting_and_ddps_own_work_apart():
     assert (
         "in flight 70% of the step (each call from its issue to its completion, its wait in the backend's" in sentence
     )
+
+
+def test_straggler_unknown_says_how_many_steady_steps_it_could_compare():
+    """Pipelining (point-to-point calls only): "straggler: unknown (too few steady-state steps)"
+    beside "18 steady-state steps"; the sentence now says which steps the verdict could use."""
+    h = dict(
+        steps=20,
+        steady_steps=18,
+        step_us=1000.0,
+        step_p95_us=1100.0,
+        straggler=dict(verdict="unknown", rank=None, steps=0, last_steps=0, reason="steps"),
+    )
+    lines = dict(people.headline_lines(h))
+    assert "(18 steady-state steps of 20)" in lines["step time"]
+    assert lines["straggler"].startswith("unknown: 0 of the 18 steady-state steps have a collective that two or more")

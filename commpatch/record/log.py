@@ -500,7 +500,9 @@ class Log:
             (
                 "step_sources",
                 state.STEP_SOURCE_MARKS,
-                lambda i, mark: logfile.meta("step_source", seq=mark[0], source=mark[1]),
+                lambda i, mark: logfile.meta(
+                    "step_source", seq=mark[0], source=mark[1], **dict(zip(("micro", "switched"), mark[2:]))
+                ),
             ),
         ):
             start, stop = w.get(key, 0), len(items)

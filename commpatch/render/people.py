@@ -146,6 +146,15 @@ def headline_lines(h: dict) -> list:
                 f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
             )
         )
+    elif s.get("reason") == "steps" and s.get("steps") is not None:  # say which steps it could compare
+        out.append(
+            (
+                "straggler",
+                f"unknown: {s['steps']} of the {h['steady_steps']} steady-state steps have a collective that two or "
+                "more ranks issued to compare their arrivals (point-to-point calls are matched pairwise, not "
+                "compared); too few",
+            )
+        )
     else:
         why = s.get("reason")
         out.append(("straggler", "unknown" + (f" ({STRAGGLER_WHY.get(str(why), why)})" if why else "")))
