@@ -362,7 +362,7 @@ def test_headline_top_collective_is_the_steady_states_not_set_up():
     )
     assert top["total_us"] == pytest.approx(want["total_us"]) and top["time_share"] == pytest.approx(want["time_share"])
     sentence = dict(people.headline_lines(rep.headline))["top collective"]
-    assert sentence.startswith("all_reduce <= 4.19 MB:") and "of steady-state communication time" in sentence
+    assert sentence.startswith("all_reduce <= 4.19 MB:") and "of communication time (steady state, " in sentence
 
 
 def test_untimed_calls_have_unknown_time_never_0_and_are_never_the_top():
@@ -414,10 +414,8 @@ def test_headline_shows_waiting_and_ddps_own_work_apart():
     assert h["exposed_share"] == pytest.approx(0.4)
     assert h["wait_share"] == pytest.approx(0.25) and h["framework_share"] == pytest.approx(0.15)
     sentence = dict(people.headline_lines(h))["communication"]
-    assert "exposed 40% (the overhead: the training thread waits 25%, DDP's own work on it 15%: packing" in sentence
-    assert (
-        "in flight 70% of the step (each call from its issue to its completion, its wait in the backend's" in sentence
-    )
+    assert "exposed 40% (the overhead: the training thread waits 25%, DDP's packing and finalize on it 15%)" in sentence
+    assert "in flight 70% of the step (issue to completion, backend queue included)" in sentence
 
 
 def test_straggler_unknown_says_how_many_steady_steps_it_could_compare():

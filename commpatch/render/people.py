@@ -104,9 +104,8 @@ def headline_lines(h: dict) -> list:
         out.append(
             (
                 "communication",
-                f"in flight {least}{_pct(h['comm_share'])} of the step (each call from its issue to its completion, "
-                f"its wait in the backend's queue included); exposed {least}{_pct(h['exposed_share'])} "
-                f"(the overhead: {_exposed_parts(h, least)})",
+                f"in flight {least}{_pct(h['comm_share'])} of the step (issue to completion, backend queue included); "
+                f"exposed {least}{_pct(h['exposed_share'])} (the overhead{_exposed_parts(h, least)})",
             )
         )
     else:
@@ -119,12 +118,12 @@ def headline_lines(h: dict) -> list:
             if c in top
         )
         bw = f", busbw {top['busbw_gbps']:.3g} GB/s" if top.get("busbw_gbps") is not None else ""
-        steady = "steady-state " if top.get("steady_state") else ""
+        steady = "steady state, " if top.get("steady_state") else ""
         out.append(
             (
                 "top collective",
-                f"{name}: {_pct(top['time_share'])} of {steady}communication time ({_ms(top['total_us'])} over all "
-                f"ranks{' and steady-state steps' if steady else ''}){bw}",
+                f"{name}: {_pct(top['time_share'])} of communication time ({steady}{_ms(top['total_us'])} over all "
+                f"ranks){bw}",
             )
         )
     s = h.get("straggler") or {}
@@ -184,11 +183,8 @@ def _exposed_parts(h: dict, least: str) -> str:
     """What the exposed share is: the thread waiting, and a framework's own work apart."""
     wait, own = h.get("wait_share"), h.get("framework_share")
     if wait is None or not own:
-        return "the training thread waits or communicates"
-    return (
-        f"the training thread waits {least}{_pct(wait)}, DDP's own work on it {_pct(own)}: packing gradients "
-        "into its buckets, its finalize"
-    )
+        return ""
+    return f": the training thread waits {least}{_pct(wait)}, DDP's packing and finalize on it {_pct(own)}"
 
 
 def _signed(us) -> str:
