@@ -294,9 +294,12 @@ def _step_notes(per_step) -> list:
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
     notes.append(
-        "comm_share: communication under way (busy_us, DDP's finalize and packing included) / step time. "
+        "comm_share: communication under way (busy_us: each call from its issue to its completion, its wait in "
+        "the backend's queue included, as DDP's buckets before gloo starts them; DDP's finalize and packing "
+        "included) / step time. "
         "exposed_share: time the training thread spent on communication or waited for it / step time (the "
-        "overhead): blocking calls for their whole duration, DDP gradient buckets from the issue of the last "
+        "overhead): blocking calls for their whole duration, functional collectives (DTensor, tensor parallel) "
+        "for the thread's wait_tensor on them (wait_us), DDP gradient buckets from the issue of the last "
         "bucket to the end of DDP's finalize (its wait for the buckets and copy into .grad), DDP's packing "
         "of gradients into its buckets (ddp_pack_us, CPU models). overlap_unknown_us: "
         "other async or device-timed calls, whose wait the log does not show."
