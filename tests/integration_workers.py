@@ -619,3 +619,45 @@ def module_attribution(rank, world_size):
     summary = commpatch.summary(cap.df, by=("module", "phase"))
     commpatch.disable()
     return cap.df, witness_counts(prof), summary, commpatch.internal_errors()
+
+
+WAIT_EVENT = "_c10d_functional::wait_tensor"
+
+
+def tp_waits(rank, world_size, late_rank=-1, delay_s=0.0, steps=8):
+    """A tensor-parallel MLP trained for ``steps`` optimizer steps under torch.profiler; rank
+    ``late_rank`` sleeps ``delay_s`` before each forward, so the others wait for it in the
+    ``wait_tensor`` of the forward's all-reduce. Returns the rows, and per rank the profiler's
+    time in ``_c10d_functional::wait_tensor`` (the union of its events, us) and the number of
+    those events."""
+    import time
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.profiler import profile
+
+    import commpatch
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    commpatch.enable(output="none")
+    with commpatch.capture() as cap, profile() as prof:
+        for _ in range(steps):
+            if rank == late_rank:
+                time.sleep(delay_s)
+            opt.zero_grad()
+            mlp(x).sum().backward()
+            opt.step()
+    commpatch.disable()
+    # only the training thread calls wait_tensor (gloo's threads run the collectives)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == WAIT_EVENT)
+    union, reach = 0.0, float("-inf")
+    for lo, hi in spans:  # nested events of one wait (a redispatch) counted once
+        union += max(0.0, hi - max(lo, reach))
+        reach = max(reach, hi)
+    return cap.df, union, len(spans)

@@ -63,7 +63,7 @@ def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
     assert h["step_us"] == pytest.approx((times[2] + times[3]) / 2)  # the median steady step
     assert h["exposed_share"] == pytest.approx(statistics.median(s["exposed_share"] for s in steps))
     assert h["comm_share"] == pytest.approx(statistics.median(s["comm_share"] for s in steps))
-    top = max(rep["sections"]["summary"], key=lambda r: r["total_us"])  # the summary's row, as it is there
+    top = _steady_top_of(logs)  # the steady-state summary's row, as the analysis API gives it
     assert {k: h["top_collective"][k] for k in ("collective", "size_bucket", "count")} == {
         k: top[k] for k in ("collective", "size_bucket", "count")
     }
@@ -318,3 +318,121 @@ def test_engine_report_has_the_same_headline_and_a_timeline(tmp_path):
     timeline = page_data(path)["plots"]["timeline"]
     assert timeline["of_ranks"] == 32 and 9 in timeline["ranks"] and len(timeline["ranks"]) == html.EXCERPT_RANKS
     assert {c[0] for c in timeline["calls"]} == set(timeline["ranks"])
+
+
+# ---- figures users misread (issue 32, item 9) -----------------------------------------------------
+def _steady_top_of(logs):
+    """The steady-state summary's top row of the logs in ``logs``, with the report's bandwidth
+    (the arrival-free transfer time)."""
+    import warnings
+
+    import commpatch
+    from commpatch.analysis import matching
+    from commpatch.render.text import build_report
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = commpatch.read_csv(logs)
+    return _steady_top(matching.with_transfer(df), build_report(df))
+
+
+def _steady_top(df, rep):
+    """The steady-state summary's row with the most time, as the analysis API computes it."""
+    from commpatch.analysis import steps, summaries
+
+    rows = steps.steady_rows(df, rep.sections["steps"])
+    s = summaries.summary(rows, by=["collective", "size_bucket"])
+    return s.loc[s["total_us"].idxmax()]
+
+
+def test_headline_top_collective_is_the_steady_states_not_set_up():
+    """A set-up all_gather (step 0: DDP's parameter check) that takes longer than every steady-state
+    call together was the headline's top collective."""
+    from commpatch.render.text import build_report
+    from commpatch.testing import make_log
+
+    df = make_log(2, 10)
+    setup = (df["step"] == 0) & (df["op"] == "all_gather_into_tensor")
+    df.loc[setup, "duration_us"] *= 1000
+    df.loc[setup, "own_us"] *= 1000
+    rep = build_report(df)
+    whole = rep.sections["summary"]
+    assert str(whole.loc[whole["total_us"].idxmax(), "collective"]) == "all_gather"  # set-up dominates the run
+    top, want = rep.headline["top_collective"], _steady_top(df, rep)
+    assert top["steady_state"] and (top["collective"], top["size_bucket"]) == ("all_reduce", 1 << 22)
+    assert (top["collective"], top["size_bucket"], top["count"]) == (
+        want["collective"],
+        want["size_bucket"],
+        want["count"],
+    )
+    assert top["total_us"] == pytest.approx(want["total_us"]) and top["time_share"] == pytest.approx(want["time_share"])
+    sentence = dict(people.headline_lines(rep.headline))["top collective"]
+    assert sentence.startswith("all_reduce <= 4.19 MB:") and "of communication time (steady state, " in sentence
+
+
+def test_untimed_calls_have_unknown_time_never_0_and_are_never_the_top():
+    """gloo's isend / irecv have no duration: the summary said total_us 0.0 and time_share 0.0%, and
+    the headline's top collective was then a set-up call."""
+    import numpy as np
+
+    from commpatch.render.text import build_report
+    from commpatch.testing import make_log
+
+    df = make_log(2, 10, p2p=True)
+    p2p = df["op"].isin(["send", "recv"])
+    assert p2p.any()
+    df.loc[p2p, ["duration_us", "own_us"]] = np.nan
+    df.loc[~p2p & (df["step"] > 0), ["duration_us", "own_us"]] = np.nan  # only set-up is timed
+    rep = build_report(df)
+    s = rep.sections["summary"]
+    untimed = s[s["collective"].astype(str).isin(["send", "recv"])]
+    assert len(untimed) and untimed[["total_us", "own_us", "transfer_us", "time_share"]].isna().all().all()
+    assert rep.headline["top_collective"] is None or not rep.headline["top_collective"]["steady_state"]
+    assert rep.headline["top_collective"]["collective"] not in ("send", "recv")
+
+
+def test_headline_shows_waiting_and_ddps_own_work_apart():
+    """DDP's packing and finalize are the training thread's own work, counted exposed: the headline
+    said all of it was waiting."""
+    import pandas as pd
+
+    from commpatch.analysis.headline import headline
+
+    steps = pd.DataFrame(
+        dict(
+            step=range(6),
+            stage=["setup"] + ["steady"] * 4 + ["end"],
+            calls=4.0,
+            unmeasured=0.0,
+            comm_us=50.0,
+            busy_us=70.0,
+            exposed_us=40.0,
+            overlap_unknown_us=0.0,
+            ddp_finalize_us=5.0,
+            ddp_pack_us=10.0,
+            step_us=100.0,
+            comm_share=0.7,
+            exposed_share=0.4,
+        )
+    )
+    h = headline(steps, None)
+    assert h["exposed_share"] == pytest.approx(0.4)
+    assert h["wait_share"] == pytest.approx(0.25) and h["framework_share"] == pytest.approx(0.15)
+    sentence = dict(people.headline_lines(h))["communication"]
+    assert "exposed 40% (the overhead: the training thread waits 25%, DDP's packing and finalize on it 15%)" in sentence
+    assert "in flight 70% of the step (issue to completion, backend queue included)" in sentence
+
+
+def test_straggler_unknown_says_how_many_steady_steps_it_could_compare():
+    """Pipelining (point-to-point calls only): "straggler: unknown (too few steady-state steps)"
+    beside "18 steady-state steps"; the sentence now says which steps the verdict could use."""
+    h = dict(
+        steps=20,
+        steady_steps=18,
+        step_us=1000.0,
+        step_p95_us=1100.0,
+        straggler=dict(verdict="unknown", rank=None, steps=0, last_steps=0, reason="steps"),
+    )
+    lines = dict(people.headline_lines(h))
+    assert "(18 steady-state steps of 20)" in lines["step time"]
+    assert lines["straggler"].startswith("unknown: 0 of the 18 steady-state steps have a collective that two or more")

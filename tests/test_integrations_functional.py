@@ -159,3 +159,28 @@ def test_rows_after_a_new_process_group():
         assert r["errors"] == {}
         assert r["ops"] == ["funcol.all_reduce", "compiled.all_reduce"] * 2
         assert r["witness"] == {"all_reduce": 4}
+
+
+# ---- the training thread's wait for a functional collective is exposed time (issue 32, item 4) ----
+# Tolerance against torch.profiler's ``_c10d_functional::wait_tensor`` events of the same run:
+# both time the same waits (commpatch's wrapper calls the op the profiler times), so they differ
+# by the wrapper's own time around each wait: 5% of the profiler's total plus 0.5 ms per wait.
+WAIT_TOLERANCE = (0.05, 500.0)
+
+
+@pytest.mark.parametrize("late_rank, delay_s", [(1, 0.03), (-1, 0.0)], ids=["rank1_late", "symmetric"])
+def test_tensor_parallel_wait_is_the_exposed_time(late_rank, delay_s):
+    from commpatch.analysis.steps import per_step, steady_state
+
+    out = run_ranks(w.tp_waits, 2, timeout=180, late_rank=late_rank, delay_s=delay_s)
+    for df, profiler_us, waits in out:
+        assert waits == len(df) == 8 and (df["timing"] == "wait").all()
+        wait_us = df["wait_us"]
+        assert wait_us.notna().all() and (wait_us > 0).all() and (wait_us <= df["duration_us"]).all()
+        share, lo = WAIT_TOLERANCE
+        assert abs(wait_us.sum() - profiler_us) <= share * profiler_us + lo * waits, (wait_us.sum(), profiler_us)
+        table = per_step(df)
+        # one collective per step, waited for on the training thread: its wait is the step's exposed time
+        assert table["exposed_us"].to_numpy() == pytest.approx(table["step"].map(df.groupby("step")["wait_us"].sum()))
+        assert (table["overlap_unknown_us"] == 0).all()
+        assert steady_state(table)["exposed_share"] > 0

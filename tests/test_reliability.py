@@ -473,3 +473,33 @@ def test_torch_compile_with_warnings_as_errors_still_compiles(monkeypatch, capfd
         assert torch.equal(compiled(torch.ones(4)), _compiled_step(torch.ones(4)))
     assert "torch.compile" in capfd.readouterr().err
     torch._dynamo.reset()
+
+
+# ---- the user's own mistakes are torch's errors, unchanged ----------------------------------------
+BEFORE_INIT = """
+import warnings
+import torch
+import torch.distributed as dist
+import commpatch
+
+warnings.simplefilter("error")  # a commpatch warning would be raised here
+commpatch.enable(output="none")
+try:
+    dist.all_reduce(torch.ones(2))
+except Exception as exc:
+    print(type(exc).__name__, exc.__context__ is None, exc.__cause__ is None)
+    print(exc)
+print("internal", commpatch.internal_errors())
+"""
+
+
+def test_a_collective_before_init_process_group_raises_torchs_error_once_and_no_internal_error():
+    """Issue 32: ``all_reduce`` before ``init_process_group`` was printed as ``commpatch: internal
+    error (read)``, then torch's error raised a second time, chained to the first."""
+    proc = subprocess.run([sys.executable, "-c", BEFORE_INIT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "ValueError True True", proc.stdout  # raised once: nothing chained to it
+    assert "init_process_group" in lines[1]
+    assert lines[2] == "internal {}", proc.stdout
+    assert "commpatch" not in proc.stderr, proc.stderr

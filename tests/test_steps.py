@@ -226,10 +226,11 @@ def test_pipeline_p2p_without_durations_is_unknown_not_zero(tmp_path, capsys):
         assert engine != "pandas" or f"({ops}; gloo's isend / irecv give no completion time)" in overhead[0]
 
 
-def test_gradient_accumulation_counts_one_set_up_iteration(tmp_path, capsys):
+def test_gradient_accumulation_numbers_steps_as_the_job_does(tmp_path, capsys):
     """Issue 23.7: two forwards per optimizer.step() (the first under no_sync()): the first
-    iteration's second forward opens a step before the optimizer is seen; that half-counted
-    iteration is set-up, not a steady-state step, and the findings name one source."""
+    iteration's second forward opens a step before the optimizer is seen; the findings name one
+    source. Issue 32: that first optimizer step was split over steps 0-1 and every later step
+    numbered one more than the job's: the k-th optimizer step's rows are step k-1, the first is set-up."""
     from commpatch import cli
     from commpatch.analysis import engine as duckdb_engine
     from tests.analysis_workers import ddp_job
@@ -237,16 +238,20 @@ def test_gradient_accumulation_counts_one_set_up_iteration(tmp_path, capsys):
     run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12, accumulate=2)
     df = commpatch.read_csv(str(tmp_path))
     table = analysis.per_step(df, by_rank=False)
-    assert table.loc[table["stage"] == "setup", "step"].tolist() == [0, 1]
-    assert table.loc[table["step"] == 1, "step_source"].tolist() == ["forward"]
+    assert table["step"].tolist() == list(range(12))  # 12 optimizer steps
+    assert table.loc[table["stage"] == "setup", "step"].tolist() == [0]
+    # every step holds one optimizer step's bucket all-reduces (its synchronised micro-batch's; the
+    # first iteration's buckets are DDP's first-iteration ones, before its rebuild)
+    buckets = df[df["op"] == "ddp_bucket_allreduce"].groupby(["rank", "step"]).size()
+    assert len(buckets) == 2 * 12 and buckets.drop(index=0, level="step").nunique() == 1, buckets
     steady = table[table["stage"] == "steady"]
-    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}  # 12 optimizer steps: 1 set-up, 1 end
+    assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}  # 1 set-up, 1 end
     engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
     for engine in engines:
         assert cli.main(["report", str(tmp_path), "--engine", engine, "--no-progress"]) == 0
         out = capsys.readouterr().out.replace("\n  ", " ")  # a finding wrapped to 120 columns: its next lines
         assert (
-            "- 10 steady-state step(s) of 13, counted by each optimizer.step() (counted automatically); steps 0-1 "
-            "are set-up and the last one is not timed."
+            "- 10 steady-state step(s) of 12, counted by each optimizer.step() (counted automatically); step 0 "
+            "is set-up and the last one is not timed."
         ) in out, out[:600]
         assert "forward of the DDP" not in out

@@ -105,3 +105,27 @@ def test_tensorboard_with_compare_is_refused_in_one_line(run_logs, tmp_path):
     assert done.stderr.strip() == (
         "commpatch report: --tensorboard writes one run's steps: give the run without --compare"
     )
+
+
+def test_tensorboard_points_are_written_in_step_order_per_tag(tmp_path):
+    """The bus-bandwidth points were written in the summary's order (by time, not step): TensorBoard's
+    server read a lower step as a restart and kept 6 of 1,115 points (issue 32)."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    from commpatch.render.tensorboard import write_tensorboard
+    from commpatch.testing import make_log
+
+    df = make_log(2, 30, jitter_us=400.0)
+    write_tensorboard(df, str(tmp_path))
+    for rank in (0, 1):
+        (path,) = glob.glob(str(tmp_path / f"rank{rank}" / "events.out.tfevents.*"))
+        steps: dict = {}
+        for event in EventFileLoader(path).Load():  # in the file's order
+            for value in event.summary.value:
+                steps.setdefault(value.tag, []).append(event.step)
+        busbw = [tag for tag in steps if tag.startswith("busbw_gbps/")]
+        assert len(busbw) == 4 and all(len(steps[tag]) == 30 for tag in busbw)
+        for tag, seen in steps.items():
+            assert seen == sorted(seen) and len(set(seen)) == len(seen), (tag, seen)

@@ -322,3 +322,25 @@ def test_watch_in_tmux_shows_the_table_and_ends_cleanly_on_ctrl_c(tmp_path):
         for p in procs:
             p.send_signal(signal.SIGKILL)
             p.wait()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_slowest_now_is_the_rank_the_others_wait_for(seed):
+    """In lockstep every rank's step is as long: the longest step named the rank that waits (rank 0
+    here, in 4 of these 5 logs), not rank 1, 20 ms late before each step (issue 32)."""
+    import pandas as pd
+    from rich.console import Console
+
+    from commpatch.analysis.live import rank_live, slowest
+    from commpatch.render.live import screen
+    from commpatch.testing import make_log
+
+    df = make_log(2, 10, straggler=1, straggler_delay_us=20000.0, seed=seed)
+    df = df.assign(step_source=pd.Categorical(["optimizer"] * len(df)))
+    ranks = [rank_live(df[df["rank"] == r]) for r in (0, 1)]
+    slow = slowest(ranks)
+    assert slow["rank"] == 1 and slow["work_us"] > slow["others_work_median_us"]
+    assert slow["work_us"] == pytest.approx(ranks[1]["step_us"] * (1 - ranks[1]["exposed_share"]))
+    console = Console(width=120, record=True)
+    console.print(screen(dict(ranks=ranks, slowest=slow, now_ns=int(df["start_ns"].max()))))
+    assert "slowest now: rank 1 (the others wait for it)" in console.export_text()

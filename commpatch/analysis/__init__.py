@@ -54,6 +54,7 @@ REPORT_COLUMNS = (
     "sync_end_us",
     "pack_us",
     "pack_alone_us",
+    "wait_us",
 )
 
 __all__ = [

@@ -633,9 +633,12 @@ class Engine:
             if sums_only
             else (f"{_avg('dur')} AS mean_us, quantile_cont(dur, [0.5, 0.95]) AS _q, max(dur) AS max_us")
         )
-        # of the rows ``also`` says, the bandwidth's sums only (each exact sum costs a cast per row)
+        # of the rows ``also`` says, the bandwidth's sums and the time (the headline's top collective)
+        # only (each exact sum costs a cast per row)
         bandwidth = f"""count(*) FILTER (WHERE {also}) AS _w_count,
                    coalesce({_sum(f"CASE WHEN {also} THEN transfer END")}, 0) AS _w_transfer_us,
+                   coalesce({_sum(f"CASE WHEN {also} THEN dur END")}, 0) AS _w_total_us,
+                   (count(*) FILTER (WHERE {also}) - count(dur) FILTER (WHERE {also}))::BIGINT AS _w_unmeasured,
                    coalesce((sum(bytes) FILTER (WHERE {also} AND dur IS NOT NULL))::DOUBLE, 0) AS _w__mbytes,
                    coalesce({_sum(f"CASE WHEN {also} THEN busbytes END")}, 0) AS _w__busbytes"""
         raw = self._df(f"""
@@ -644,11 +647,11 @@ class Engine:
         if also is None:
             return self._finish_summary(raw, by, keys, exprs)
         part = raw[raw["_w_count"] > 0][keys].copy()
-        for column in ("count", "transfer_us", "_mbytes", "_busbytes"):
+        for column in ("count", "transfer_us", "total_us", "unmeasured", "_mbytes", "_busbytes"):
             part[column] = raw.loc[part.index, f"_w_{column}"]
         # (not summed: NaN, unknown)
-        part["total_us"] = part["own_us"] = part["mean_us"] = part["max_us"] = np.nan
-        part["bytes"], part["unmeasured"], part["_q"] = 0, 0, None
+        part["own_us"] = part["mean_us"] = part["max_us"] = np.nan
+        part["bytes"], part["_q"] = 0, None
         return self._finish_summary(raw, by, keys, exprs), self._finish_summary(part, by, keys, exprs)
 
     def _finish_summary(self, out, by, keys, exprs):

@@ -9,8 +9,15 @@ unknown figures are None, never 0):
 - ``comm_share`` / ``exposed_share``: medians over the steady state, as in the per-step table;
   ``shares_at_least``: True when some steady-state calls have no duration (the shares are lower
   bounds);
-- ``top_collective``: the summary row with the most communication time (its key columns,
-  ``time_share``, ``total_us``, ``busbw_gbps``): the same figures as that row of the summary table;
+- ``wait_share`` / ``framework_share``: ``exposed_share`` split in two: a framework's own work on
+  the training thread counted exposed (DDP's packing of gradients into its buckets and its
+  finalize after the last bucket: copies, not waiting; the median over the steady state), and the
+  rest, the thread waiting for communication; None where unknown;
+- ``top_collective``: the row with the most communication time of the steady-state summary
+  (``steady_summary``: set-up steps and set-up calls left out, as everywhere else; the whole
+  log's summary where there is no steady state: ``steady_state`` False): its key columns,
+  ``time_share``, ``total_us``, ``busbw_gbps``, ``count``; calls without a duration (unknown
+  time) are never the top;
 - ``straggler``: ``verdict`` straggler / none / unknown with the evidence of
   ``stragglers.verdict`` (rank, last_steps of steps, late_median_us, share_of_step, p_value, reason);
 - ``hang``: ``verdict`` hang (the logs say who waits in which call: ``analysis.hangs``) / possible
@@ -23,6 +30,8 @@ unknown figures are None, never 0):
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from ..data.schema import compact_ranks
 from . import stragglers
@@ -41,7 +50,14 @@ def _num(x):
 
 
 def headline(
-    steps_table, summary_table, cross=None, ranks: int = 1, calls: int = 0, findings=(), missing_logs=()
+    steps_table,
+    summary_table,
+    cross=None,
+    ranks: int = 1,
+    calls: int = 0,
+    findings=(),
+    missing_logs=(),
+    steady_summary=None,
 ) -> dict:
     st = steady_state(steps_table)
     out = dict(
@@ -54,8 +70,12 @@ def headline(
         comm_share=_num(st["comm_share"]),
         exposed_share=_num(st["exposed_share"]),
         shares_at_least=bool(st["unmeasured"] > 0) if not math.isnan(st["unmeasured"]) else False,
+        **_exposed_split(steps_table, st["exposed_share"]),
     )
-    out["top_collective"] = _top(summary_table)
+    steady = _top(steady_summary)
+    out["top_collective"] = steady if steady is not None else _top(summary_table)
+    if out["top_collective"] is not None:
+        out["top_collective"]["steady_state"] = steady is not None
     out["straggler"] = _straggler(cross, steps_table)
     out["missing_logs"] = [int(r) for r in missing_logs]  # ranks of the job with no log here (findings.missing_ranks)
     if missing_logs and out["straggler"]["verdict"] == "unknown":
@@ -79,10 +99,28 @@ def headline(
     return out
 
 
+def _exposed_split(steps_table, exposed_share: float) -> dict:
+    """``exposed_share`` (the steady state's median) split into waiting and framework work, which
+    add up to it."""
+    steady = steps_table[steps_table["stage"] == "steady"]
+    if not len(steady) or "ddp_pack_us" not in steady or _num(exposed_share) is None:
+        return dict(wait_share=None, framework_share=None)
+    own = (steady["ddp_pack_us"].fillna(0) + steady["ddp_finalize_us"].fillna(0)).to_numpy(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        framework = own / steady["step_us"].to_numpy(float)
+    framework = framework[np.isfinite(framework)]
+    if not len(framework):
+        return dict(wait_share=None, framework_share=None)
+    part = min(float(np.median(framework)), exposed_share)
+    return dict(wait_share=exposed_share - part, framework_share=part)
+
+
 def _top(summary_table):
     if summary_table is None or not len(summary_table) or "total_us" not in summary_table:
         return None
-    row = summary_table.loc[summary_table["total_us"].fillna(-1).idxmax()]
+    if not summary_table["total_us"].notna().any():  # no call with a duration: no top
+        return None
+    row = summary_table.loc[summary_table["total_us"].idxmax()]
     top = {c: (row[c].item() if hasattr(row[c], "item") else row[c]) for c in KEY_COLUMNS if c in summary_table.columns}
     top = {c: (str(v) if not isinstance(v, (int, float)) else v) for c, v in top.items()}
     for col in ("time_share", "total_us", "busbw_gbps", "count"):

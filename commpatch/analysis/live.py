@@ -13,7 +13,17 @@ from ..data.schema import BOUNDARY_SOURCES
 from .steps import per_step
 from .summaries import durations
 
-LIVE_COLUMNS = ("rank", "current_step", "calls", "last_step", "step_us", "comm_share", "exposed_share", "last_start_ns")
+LIVE_COLUMNS = (
+    "rank",
+    "current_step",
+    "calls",
+    "last_step",
+    "step_us",
+    "comm_share",
+    "exposed_share",
+    "work_us",
+    "last_start_ns",
+)
 
 
 def counted_steps(df) -> bool:
@@ -26,9 +36,10 @@ def counted_steps(df) -> bool:
 def rank_live(df) -> dict:
     """One rank's figures from its window of rows: current_step (of its latest call; -1, unknown,
     without a step boundary in the log: then every step figure is unknown), last_step (the
-    latest step whose time is known: the next step has begun) with its step_us, comm_share and
-    exposed_share (NaN: unknown), calls in the current step, last_start_ns (its latest call's
-    issue). Empty dict for no rows."""
+    latest step whose time is known: the next step has begun) with its step_us, comm_share,
+    exposed_share and work_us (the step outside the thread's communication and waits for it:
+    step_us - exposed_us; NaN: unknown), calls in the current step, last_start_ns (its latest
+    call's issue). Empty dict for no rows."""
     if not len(df):
         return {}
     if not counted_steps(df):  # no step boundary: the figures of steps are unknown
@@ -40,6 +51,7 @@ def rank_live(df) -> dict:
             step_us=math.nan,
             comm_share=math.nan,
             exposed_share=math.nan,
+            work_us=math.nan,
             last_start_ns=int(df["start_ns"].max()),
         )
     table = per_step(df)
@@ -54,20 +66,27 @@ def rank_live(df) -> dict:
         step_us=float(last["step_us"]) if last is not None else math.nan,
         comm_share=float(last["comm_share"]) if last is not None else math.nan,
         exposed_share=float(last["exposed_share"]) if last is not None else math.nan,
+        work_us=float(last["step_us"] - last["exposed_us"]) if last is not None else math.nan,
         last_start_ns=int(df["start_ns"].max()),
     )
 
 
 def slowest(ranks: list) -> dict:
-    """The rank whose last known step took longest, with the median of the others' (a fact, not a
-    straggler verdict); {} with fewer than two ranks of known step time."""
-    known = [r for r in ranks if r and not math.isnan(r.get("step_us", math.nan))]
+    """The rank the others wait for: the one whose last known step has the most time outside
+    communication and its waits (``work_us``), with the median of the others' (a fact, not a
+    straggler verdict); {} with fewer than two ranks of known figures. Not the longest step: in
+    lockstep every rank's step is as long, and the ranks that wait have the most exposed time."""
+    known = [r for r in ranks if r and not math.isnan(r.get("work_us", math.nan))]
     if len(known) < 2:
         return {}
-    top = max(known, key=lambda r: r["step_us"])
-    others = [r["step_us"] for r in known if r is not top]
+    top = max(known, key=lambda r: r["work_us"])
+    others = [r["work_us"] for r in known if r is not top]
     return dict(
-        rank=top["rank"], step=top["last_step"], step_us=top["step_us"], others_median_us=float(np.median(others))
+        rank=top["rank"],
+        step=top["last_step"],
+        step_us=top["step_us"],
+        work_us=top["work_us"],
+        others_work_median_us=float(np.median(others)),
     )
 
 

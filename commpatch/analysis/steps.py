@@ -11,7 +11,10 @@ which ``per_step`` and ``scaling`` apply first):
   noted on it (``sync_end_us``, see ``ddp_finalize_us``); plus DDP's packing with none of its
   buckets in flight (``pack_alone_us``, see ``ddp_pack_us``).
 - ``exposed_us``: wall time the training thread spent on communication or waited for it, union of
-  - blocking calls (timing ``host``, not async): the thread was inside the call throughout;
+  - calls timed ``host`` (blocking calls; async ones torch waited for inside the call): the thread
+    was inside the call throughout;
+  - functional collectives (DTensor, tensor parallel, compiled graphs) whose ``wait_tensor`` was
+    seen: the time the thread spent in that wait (``wait_us``), which ends at the call's completion;
   - DDP's gradient buckets (async, timed by their future): the thread waits for them at the end
     of backward, from the issue of the last bucket (the backward's compute is over then) to the
     end of the reducer's finalize where it is measured (``sync_end_us``), else to the completion
@@ -31,8 +34,9 @@ which ``per_step`` and ``scaling`` apply first):
   bookkeeping (prepare_for_forward / prepare_for_backward).
 - ``overlapped_us``: busy time of those calls that is not exposed (hidden behind compute).
 - ``overlap_unknown_us``: durations of the other async / device-timed calls (a user's
-  ``async_op=True`` call, functional collectives, CUDA): the log does not say when the thread
-  waited for them, so they are neither exposed nor overlapped.
+  ``async_op=True`` call and its ``Work.wait()``, a functional collective whose wait was not seen,
+  CUDA): the log does not say when the thread waited for them, so they are neither exposed nor
+  overlapped.
 - ``step_us``: from the first call of the step to the first call of the next step on the same
   rank (``step_time_from`` 'log'), or the user's step times ('user').
 - ``comm_share`` = busy_us / step_us; ``exposed_share`` = exposed_us / step_us: the overhead, the
@@ -109,7 +113,8 @@ def per_step(df, steps=None, by_rank: bool = True):
     start = (start_ns - t0).astype(np.float64) / 1e3
     dur0 = np.nan_to_num(durations(df)[order])
     end = start + dur0
-    blocking = (df["timing"].isin(BLOCKING_TIMINGS) & ~df["async_op"]).to_numpy()[order]
+    # the thread was inside the call throughout (an async call timed on the host: torch waited in it)
+    blocking = df["timing"].isin(BLOCKING_TIMINGS).to_numpy()[order]
     bucket = _bucket_mask(df)[order]
     # DDP's synchronisation on the training thread: a bucket's window runs on to the end of the
     # reducer's finalize noted on it (the last bucket of a backward), when that is later
@@ -123,6 +128,10 @@ def per_step(df, steps=None, by_rank: bool = True):
         return np.nan_to_num(df[name].to_numpy(np.float64)[order]) if name in df.columns else np.zeros(len(rank))
 
     pack, pack_alone = noted("pack_us"), noted("pack_alone_us")
+    # a functional collective's wait_tensor: the thread waited from (completion - wait_us) to completion
+    wait = df["wait_us"].to_numpy(np.float64)[order] if "wait_us" in df.columns else np.full(len(rank), np.nan)
+    waited = ~np.isnan(wait) & ~blocking & ~bucket
+    wait_lo = end - np.clip(np.nan_to_num(wait), 0, dur0)
     setup_op = df["op"].isin(SETUP_OPS).to_numpy()[order]
     new_run = np.r_[True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])] if len(rank) else np.zeros(0, bool)
     first = np.flatnonzero(new_run)
@@ -140,7 +149,7 @@ def per_step(df, steps=None, by_rank: bool = True):
     has_tail = np.isfinite(lo)
     tail_lo[has_tail] = lo[has_tail]
     tails = np.flatnonzero(has_tail)
-    wg = np.r_[gid[blocking], tails]
+    wg = np.r_[gid[blocking], gid[waited], tails]
 
     def total(values):
         return np.add.reduceat(values, first) if n else np.zeros(0)
@@ -148,8 +157,16 @@ def per_step(df, steps=None, by_rank: bool = True):
     # packing: the training thread's own time, disjoint from its other exposed windows (it ends at a
     # bucket's issue); in flight under a bucket's window for the part that is not alone
     packed, alone = total(pack), total(pack_alone)
-    exposed = _union(wg, np.r_[start[blocking], tail_lo[tails]], np.r_[end[blocking], tail_hi[tails]], n) + packed
-    known = blocking | bucket
+    exposed = (
+        _union(
+            wg,
+            np.r_[start[blocking], wait_lo[waited], tail_lo[tails]],
+            np.r_[end[blocking], end[waited], tail_hi[tails]],
+            n,
+        )
+        + packed
+    )
+    known = blocking | bucket | waited
     known_busy = _union(gid[known], start[known], end_sync[known], n) + alone
 
     source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")

@@ -158,6 +158,10 @@ def finish_summary(out):
             out[f"busbw{name}_gbps"] = np.where(
                 (seconds > 0) & (out["_busbytes"] > 0), out["_busbytes"] / seconds / 1e9, np.nan
             )
+    # a group none of whose calls has a duration (gloo's isend / irecv): its time is unknown, not 0
+    unknown = (out["unmeasured"] >= out["count"]).to_numpy()
+    if unknown.any():
+        out.loc[unknown, ["total_us", "own_us", "transfer_us"]] = np.nan
     total = out["total_us"].sum()
     out["time_share"] = out["total_us"] / total if total > 0 else np.nan
     out = out.drop(columns=["_mbytes", "_busbytes"]).reset_index()

@@ -246,6 +246,7 @@ class Follower:
             "step_sources",
             "syncs",
             "packs",
+            "waits",
             "device",
         ):
             setattr(view, name, getattr(p, name))

@@ -17,6 +17,8 @@ from .schema import (
     OLD_TIMING_NAMES,
     PHASES,
     ROW,
+    S_OPTIMIZER,
+    S_USER,
     SCHEMA,
     STEP_SOURCES,
     T_DEVICE,
@@ -161,7 +163,7 @@ def columns(parsed, names=None) -> dict:
         "algbw_gbps": algbw,
         "busbw_gbps": lambda: algbw() * factor(),
         "status": lambda: _cat(np, is_error, ["ok", "error"]),
-        "step": lambda: raw["step"],
+        "step": lambda: _job_steps(np, raw["seq"], raw["step"], parsed.step_sources),
         "tag": lambda: _cat(np, raw["tag"].astype(np.int64), _names(parsed.tags)),
         "pid": lambda: np.full(n, h.get("pid", -1), np.int64),
         "module": lambda: _cat(np, module, _names(parsed.modules)),
@@ -171,6 +173,7 @@ def columns(parsed, names=None) -> dict:
         "sync_end_us": lambda: _noted_us(np, raw["seq"], parsed.syncs, 1),  # end of DDP's finalize
         "pack_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 1),
         "pack_alone_us": lambda: _noted_us(np, raw["seq"], parsed.packs, 2),
+        "wait_us": lambda: _noted_us(np, raw["seq"], parsed.waits, 1),  # the thread's wait_tensor
     }
     wanted = [name for name in COLUMNS if names is None or name in names]
     return _build(out, wanted, n)
@@ -370,6 +373,28 @@ def _bucket_columns(np, seqs, spans):
         else:  # a _coalescing_manager span: calls coalesced
             tensors[i:j] = count
     return {"bucket": bucket, "bucket_params": params, "tensors": tensors}
+
+
+def _job_steps(np, seqs, steps, marks):
+    """The ``step`` column: the recorded steps, numbered as the job numbers its optimizer steps
+    where a mark says the first optimizer step after forward-counted ones took k > 1 root forwards
+    (gradient accumulation, ``integrations.steps._micro_batches``): the last k forward-counted
+    steps before it are its micro-batches, one step, and the later steps move down by k - 1."""
+    micro = next((m for m in marks if len(m) > 2), None)
+    if micro is None:
+        return steps
+    marks = sorted(m[:2] for m in marks)
+    first = next((m[0] for m in marks if m[1] == S_OPTIMIZER), None)
+    if first is None or any(m[1] == S_USER for m in marks if m[0] <= first):
+        return steps
+    k, switched = micro[2], micro[3]
+    user = next((m[0] for m in marks if m[1] == S_USER and m[0] > first), None)
+    steps = steps.copy()
+    before = seqs < first
+    steps[before & (steps > switched - k)] = switched - k + 1
+    after = (seqs >= first) & (seqs < user if user is not None else True)
+    steps[after] -= k - 1
+    return steps
 
 
 def _step_sources(np, seqs, marks):

@@ -93,9 +93,11 @@ class Parsed:
         # (at, lo, hi ns, same machine as rank 0): rank 0's wall clock minus this rank's
         self.rank0_offsets: list[tuple[int, int, int, int]] = []
         self.buckets: list[tuple[int, int, int, int]] = []
-        self.step_sources: list[tuple[int, int]] = []  # (first seq, data.schema.STEP_SOURCES code)
+        # (first seq, data.schema.STEP_SOURCES code[, micro-batches, step of the switch])
+        self.step_sources: list[tuple] = []
         self.syncs: list[tuple[int, int]] = []  # (seq of a last bucket's row, finalize end ns after its start)
         self.packs: list[tuple[int, int, int]] = []  # (seq of a bucket's first row, packing ns, of which alone)
+        self.waits: list[tuple[int, int]] = []  # (seq of a functional collective's row, ns the thread waited for it)
         self.torn = 0  # frames cut short (a crash, a short write): their whole rows kept
         self.damaged = 0  # stretches of bytes that are no frame (zeros, garbage): skipped
         self.skipped_bytes = 0  # bytes of torn frames and damaged stretches left out
@@ -469,13 +471,18 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
     elif kind == "device":
         out.device = _str(m, "name")
     elif kind == "step_source":
-        out.step_sources.append((_int(m, "seq"), _int(m, "source", 0, len(STEP_SOURCES) - 1)))
+        mark: tuple = (_int(m, "seq"), _int(m, "source", 0, len(STEP_SOURCES) - 1))
+        if "micro" in m:  # integrations.steps._micro_batches
+            mark += (_int(m, "micro", 2), _int(m, "switched", 0))
+        out.step_sources.append(mark)
     elif kind == "bucket":
         out.buckets.append((_int(m, "lo"), _int(m, "hi"), _int(m, "index"), _int(m, "params")))
     elif kind == "sync":
         out.syncs.append((_int(m, "seq"), _int(m, "end")))
     elif kind == "pack":
         out.packs.append((_int(m, "seq"), _int(m, "ns"), _int(m, "alone")))
+    elif kind == "wait":
+        out.waits.append((_int(m, "seq"), _int(m, "ns")))
     elif kind == "inflight":  # a call in flight longer than the flusher's period (record.inflight)
         out.inflight[_int(m, "id", 0)] = {
             "seq": _int(m, "seq", -1),

@@ -174,6 +174,12 @@ SCHEMA: tuple[Column, ...] = (
         "us",
         "the part of pack_us with none of the model's buckets in flight: what the packing adds to the wall time with communication under way (busy_us); NaN where pack_us is",
     ),
+    Column(
+        "wait_us",
+        "float64",
+        "us",
+        "functional collectives (timing wait: DTensor, tensor parallel, compiled graphs): host time the thread spent inside the wait_tensor that completed the call (it ends at start_ns + duration_us): the time it waited for the collective, exposed; NaN on other rows and where that wait was not seen",
+    ),
 )
 COLUMNS = tuple(c.name for c in SCHEMA)
 
@@ -181,7 +187,7 @@ COLUMNS = tuple(c.name for c in SCHEMA)
 # removed). ADDED_IN names the version that added a column (the others are in version 1).
 # Parquet files carry the version in their key-value metadata (SCHEMA_VERSION_KEY); a CSV's
 # header is its schema: readers go by column names, and fill columns a file predates.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 SCHEMA_VERSION_KEY = b"commpatch.schema_version"
 ADDED_IN = {
     "module": 2,
@@ -197,6 +203,7 @@ ADDED_IN = {
     "sync_end_us": 5,
     "pack_us": 6,
     "pack_alone_us": 6,
+    "wait_us": 7,
 }
 DERIVED_FROM_OP = ("collective", "api", "source")  # a file that predates them gets them from op
 

@@ -207,13 +207,16 @@ def when_imported(modname: str, fn) -> None:
 class Waits:
     """Rows of functional collectives, timed from issue to the return of the ``wait_tensor`` on
     their result: keyed by the result's storage address, as torch's work registry is (waits on
-    views of it count); an entry keeps its tensor alive, so the storage is not reused meanwhile."""
+    views of it count); an entry keeps its tensor alive, so the storage is not reused meanwhile.
+    The time the thread spent inside that wait (the first on the result: later ones return at
+    once) is noted on the row (``log.waits``: the ``wait_us`` column, the exposed time)."""
 
     MAX = 1 << 16  # results never waited for are dropped beyond this
 
     def __init__(self, log) -> None:
         self.pending: dict[int, tuple] = {}
         self.done = log.done
+        self.waits = log.waits
         # storage address -> storage, of every result recorded and still alive (served())
         self.results = weakref.WeakValueDictionary()
 
@@ -240,10 +243,13 @@ class Waits:
         runs writes a new buffer, which cannot share the storage of a live one."""
         return bool(key) and self.results.get(key) is not None
 
-    def waited(self, key: int) -> None:
+    def waited(self, key: int, began: int) -> None:
+        """The wait on the result at ``key``, entered at ``began`` (perf ns), has returned."""
         entry = self.pending.pop(key, None)
         if entry is not None:
-            self.done[entry[1]] = time.perf_counter_ns() - entry[2]
+            now = time.perf_counter_ns()
+            self.done[entry[1]] = now - entry[2]
+            self.waits.append((entry[1], now - began))
 
 
 def error_row(log, op: str, group, tensor, numel: int, start: int, peer: int, kind: str) -> None:

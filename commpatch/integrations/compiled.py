@@ -9,7 +9,7 @@ a Python kernel for each of these ops on the way to torch's kernel (``patch.disp
 at the ``ADInplaceOrView`` key, a fallthrough for them): torch's kernel runs with the same
 arguments (bit-identical results; traced and fake calls pass straight through), and a row is
 written per collective, timed from issue to the return of the ``wait_tensor`` on its result
-(timing ``wait``).
+(timing ``wait``); the thread's time inside that wait is the row's ``wait_us`` (exposed time).
 
 - Rows: ``compiled.<op>`` (source ``compiled``, api the op's name) for a call from compiled code
   (or any other direct call of the op); ``funcol.<op>`` when an autograd node other than a
@@ -230,10 +230,11 @@ def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Wai
 def _wait_kernel(call, waits: Waits):
 
     def wait_tensor(keyset, tensor):
+        began = _pc()  # the thread's wait (exposed time): one clock read
         out = call(keyset, tensor)
         if waits:
             try:
-                waits.waited(tensor.untyped_storage().data_ptr())
+                waits.waited(tensor.untyped_storage().data_ptr(), began)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("compiled.wait", exc)
         return out

@@ -5,7 +5,10 @@ leaf functions are wrapped (the wrappers call each other through module globals,
 calls ``funcol.<name>`` at call time, so a late patch is seen). Their wait is lazy: the result
 is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the row is timed
 ``wait``: issue -> return of that ``wait_tensor`` (an upper bound on the collective: it also
-contains whatever ran before the result was first used). While a wrapper runs torch's function
+contains whatever ran before the result was first used). The time the thread spent inside that
+``wait_tensor`` is the row's ``wait_us``: the exposed part of the call (``AsyncCollectiveTensor``'s
+``wait()`` and its wait at first use call the same function). A call torch waits for inside the
+function itself (all_gather along a dim other than 0) is timed ``host``: exposed throughout. While a wrapper runs torch's function
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
 not count the call again.
@@ -176,13 +179,14 @@ def _wait_wrapper(orig, waits: Waits):
     local = _runtime.LOCAL
 
     def wait_tensor(tensor):
+        began = _pc()  # the thread's wait (exposed time): one clock read
         out = orig(tensor)
         if local.python_call:  # inside a recorded functional collective: its result
             local.waited = tensor
         if waits:
             key = _storage_key(tensor)
             if key is not None:  # a traced / fake tensor has no storage: not one of ours
-                waits.waited(key)
+                waits.waited(key, began)
         return out
 
     return wait_tensor

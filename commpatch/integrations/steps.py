@@ -7,7 +7,11 @@ advances by itself, and each row says what counted its step (``step_source``).
   (process group creation, DDP's constructor collectives, the first iteration).
 - ``forward``: before each forward of a root DDP / FSDP module after the first, as long as no
   optimizer step has been seen (a loop whose update is not a ``torch.optim`` optimizer). Nested
-  FSDP units and DDP inside another counted forward do not count again.
+  FSDP units and DDP inside another counted forward do not count again. When an optimizer step
+  comes after counted forwards and the next optimizer step takes k > 1 root forwards (gradient
+  accumulation), the last k forward-counted steps were the first optimizer step's micro-batches:
+  a mark says so, and the reader makes them one step and numbers the later ones as the job
+  numbers its optimizer steps (``data.frame._job_steps``).
 - ``user``: ``commpatch.step()`` was called: from then on only the user's calls move the counter.
 
 With none of them the counter stays at 0; the offline analysis (``analysis.pattern``) then numbers
@@ -37,6 +41,7 @@ FSDP2_MODULES = tuple(
 _handles: list = []
 _driver: list = []  # id() of the optimizer whose steps count
 _seen_forward: list = []  # a root forward ran (the first one opens step 0, it does not advance)
+_micro: list = []  # [root forwards, step at the switch] during the first optimizer step after forward-counted ones
 _local = threading.local()  # .depth: counted root forwards running in this thread
 
 
@@ -48,8 +53,25 @@ def advance(source: int) -> None:
     """One step more, counted by ``source`` (switching to it first if another source counted)."""
     state = _runtime.STATE
     if state.step_source != source:
+        if source == S_OPTIMIZER and state.step_source == S_FORWARD:
+            # the last forwards counted may be this first optimizer step's micro-batches (gradient
+            # accumulation): the root forwards of its next step say how many (_micro_batches)
+            _micro[:] = [0, state.step]
         _runtime.set_step_source(source, peek_seq(SEQ))
+    elif _micro and source == S_OPTIMIZER:
+        _micro_batches(peek_seq(SEQ))
     state.step += 1
+
+
+def _micro_batches(seq: int) -> None:
+    """The second optimizer step after steps counted by forwards: a ``step_source`` mark notes how
+    many root forwards it took (``micro``) and the step the first one ended (``switched``); the
+    reader then puts that many forward-counted steps before the switch in one step and numbers the
+    later ones as the job does (``data.frame._job_steps``)."""
+    forwards, switched = _micro
+    _micro.clear()
+    if forwards > 1:
+        _runtime.STEP_SOURCE_MARKS.append((seq, S_OPTIMIZER, forwards, switched))
 
 
 def user_step(value=None) -> int:
@@ -88,6 +110,8 @@ def _install_optimizer_hook(ctx, optim_module) -> None:
 
 def _root_forward_begins() -> None:
     state = _runtime.STATE
+    if _micro and state.step_source == S_OPTIMIZER:
+        _micro[0] += 1
     if not state.recording or state.step_source in (S_USER, S_OPTIMIZER):
         return
     if _seen_forward:
@@ -147,6 +171,7 @@ def remove(ctx) -> None:
         _handles.pop().remove()
     _driver.clear()
     _seen_forward.clear()
+    _micro.clear()
 
 
 INTEGRATION = Integration(

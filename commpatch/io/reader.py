@@ -174,8 +174,8 @@ class _Parts:
         if "own_us" in filled and "own_us" in df.columns and {"start_ns", "duration_us", "timing"} <= set(df.columns):
             _derive_own(df)  # an older file: from its durations (host clock)
             filled.discard("own_us")
-        filled -= {"sync_end_us", "pack_us", "pack_alone_us"}  # an older file measured no DDP finalize or
-        # packing: NaN is its value
+        filled -= {"sync_end_us", "pack_us", "pack_alone_us", "wait_us"}  # an older file measured no DDP
+        # finalize, packing or wait: NaN is its value
         if "timing" in df.columns and df["timing"].dtype.name == "category":
             old = [c for c in df["timing"].cat.categories if c in OLD_TIMING_NAMES]
             if old:

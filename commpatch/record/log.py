@@ -84,6 +84,9 @@ class Log:
         self.buckets: list[tuple] = []  # (first_seq, end_seq, bucket, params): DDP hook spans
         self.syncs: list[tuple] = []  # (seq, ns after its start): end of DDP's finalize (integrations.ddp)
         self.packs: list[tuple] = []  # (seq, pack ns, alone ns): DDP's gradient packing before a bucket (rows.Packing)
+        self.waits: list[
+            tuple
+        ] = []  # (seq, ns): the thread's wait_tensor on a functional collective (integrations.base.Waits)
         self.output = ""  # path template ('' : frames kept in memory)
         self.max_rows = 0  # with no output: rows kept in memory (0: no limit)
         self.on_open = None  # called with (log) before a file is opened: e.g. start the flusher
@@ -497,7 +500,9 @@ class Log:
             (
                 "step_sources",
                 state.STEP_SOURCE_MARKS,
-                lambda i, mark: logfile.meta("step_source", seq=mark[0], source=mark[1]),
+                lambda i, mark: logfile.meta(
+                    "step_source", seq=mark[0], source=mark[1], **dict(zip(("micro", "switched"), mark[2:]))
+                ),
             ),
         ):
             start, stop = w.get(key, 0), len(items)
@@ -509,6 +514,7 @@ class Log:
             ("bucket", self.buckets, ("lo", "hi", "index", "params")),
             ("sync", self.syncs, ("seq", "end")),
             ("pack", self.packs, ("seq", "ns", "alone")),
+            ("wait", self.waits, ("seq", "ns")),
         ):
             if taken and notes:
                 k = len(taken)
@@ -585,6 +591,7 @@ class Log:
         self.buckets.clear()
         self.syncs.clear()
         self.packs.clear()
+        self.waits.clear()
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""

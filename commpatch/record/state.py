@@ -43,7 +43,7 @@ _TAG_INDEX = {"": 0}
 MODULES: list[str] = [""]  # module FQNs seen by commpatch.integrations.modules
 # (first seq, code into data.schema.STEP_SOURCES): each change of what advances the step counter,
 # written to the rank's log once each (a "step_source" meta record), turned into a column when read
-STEP_SOURCE_MARKS: list[tuple[int, int]] = []
+STEP_SOURCE_MARKS: list[tuple] = []  # (seq, code[, micro-batches, step of the switch]: integrations.steps)
 
 # Internal failures: counted per kind, warned once per kind. The user's call proceeds.
 ERRORS: dict[str, int] = {}

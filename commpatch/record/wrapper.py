@@ -43,9 +43,7 @@ _BODY = """
         gid = group_ids.get(group)
         if gid is None:
             gid = log.group_id(group)
-        if gid < 0:                 # this rank is not in the group: torch does nothing
-            return orig({call})
-        go_slow = {slow_test}
+        go_slow = gid < 0 or {slow_test}
         if not go_slow:
             dc = {dtype_code}
             seq = next_seq()
@@ -53,6 +51,8 @@ _BODY = """
         fail("read", exc)
         return orig({call})
     if go_slow:                     # outside the guard: torch's own errors must not re-run the call
+        if gid < 0:                 # not in the group (torch does nothing), or no process group yet
+            return orig({call})     # (torch's own error, the user's, raised once)
         return slow({args}, {kwargs}, t, numel, group, gid, async_op, peer)
     start = pc(){watch_enter}
     try:

@@ -56,8 +56,9 @@ def screen(snapshot: dict):
     lines = []
     if slow:
         lines.append(
-            f"slowest now: rank {slow['rank']}, step {slow['step']} took {_ms(slow['step_us'])} "
-            f"(the other ranks' median {_ms(slow['others_median_us'])})"
+            f"slowest now: rank {slow['rank']} (the others wait for it): {_ms(slow['work_us'])} of its step "
+            f"{slow['step']} ({_ms(slow['step_us'])}) outside communication, the other ranks' median "
+            f"{_ms(slow['others_work_median_us'])}"
         )
     stuck = snapshot.get("stuck")
     if stuck is not None and len(stuck):

@@ -110,8 +110,8 @@ def headline_lines(h: dict) -> list:
         out.append(
             (
                 "communication",
-                f"in flight {least}{_pct(h['comm_share'])} of the step; exposed "
-                f"{least}{_pct(h['exposed_share'])} (the training thread waits: the overhead)",
+                f"in flight {least}{_pct(h['comm_share'])} of the step (issue to completion, backend queue included); "
+                f"exposed {least}{_pct(h['exposed_share'])} (the overhead{_exposed_parts(h, least)})",
             )
         )
     else:
@@ -124,10 +124,12 @@ def headline_lines(h: dict) -> list:
             if c in top
         )
         bw = f", busbw {top['busbw_gbps']:.3g} GB/s" if top.get("busbw_gbps") is not None else ""
+        steady = "steady state, " if top.get("steady_state") else ""
         out.append(
             (
                 "top collective",
-                f"{name}: {_pct(top['time_share'])} of communication time ({_ms(top['total_us'])} over all ranks){bw}",
+                f"{name}: {_pct(top['time_share'])} of communication time ({steady}{_ms(top['total_us'])} over all "
+                f"ranks){bw}",
             )
         )
     s = h.get("straggler") or {}
@@ -148,6 +150,15 @@ def headline_lines(h: dict) -> list:
                 f"(median; threshold {_ms(s.get('threshold_us'))}), the longest in {s['last_steps']} of "
                 f"{s['steps']} steps; "
                 f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
+            )
+        )
+    elif s.get("reason") in ("steps", "collectives") and s.get("steps") is not None:  # which steps it could compare
+        out.append(
+            (
+                "straggler",
+                f"unknown: {s['steps']} of the {h['steady_steps']} steady-state steps have a collective that two or "
+                "more ranks issued to compare their arrivals (point-to-point calls are matched pairwise, not "
+                "compared); too few",
             )
         )
     else:
@@ -175,6 +186,14 @@ def headline_lines(h: dict) -> list:
             )
         )
     return out
+
+
+def _exposed_parts(h: dict, least: str) -> str:
+    """What the exposed share is: the thread waiting, and a framework's own work apart."""
+    wait, own = h.get("wait_share"), h.get("framework_share")
+    if wait is None or not own:
+        return ""
+    return f": the training thread waits {least}{_pct(wait)}, DDP's packing and finalize on it {_pct(own)}"
 
 
 def headline_text(h: dict, width: int = WIDTH) -> list:

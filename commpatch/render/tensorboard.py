@@ -44,7 +44,9 @@ def write_tensorboard(df, outdir: str, steps=None) -> list[str]:
 
     table = per_step(df, steps=steps)
     starts = df.groupby(["rank", "step"], observed=True)["start_ns"].min()
-    bw = summary(df, by=["rank", "step", "collective"])
+    # in step order per tag (the summary is ordered by time): TensorBoard's server takes a step lower
+    # than the last one for a restarted job and drops the points after it
+    bw = summary(df, by=["rank", "step", "collective"]).sort_values(["rank", "collective", "step"], kind="stable")
     written = []
     for rank, directory in rank_dirs(outdir, sorted(table["rank"].unique())).items():
         writer = SummaryWriter(log_dir=directory)

@@ -217,7 +217,14 @@ def build_report(
     if missing:  # first of all: what the report cannot say (a host's directory left out)
         rep.findings.insert(0, _findings.missing_logs_finding(missing, ranks))
     rep.headline = _headline(
-        per_step, table, cr, ranks=len(ranks), calls=calls, findings=rep.findings, missing_logs=missing
+        per_step,
+        table,
+        cr,
+        ranks=len(ranks),
+        calls=calls,
+        findings=rep.findings,
+        missing_logs=missing,
+        steady_summary=_steady_summary(df, per_step, by, pre),
     )
     rows = df if pre is None else pre.advice_rows  # the engine's: the rows the rules read (engine._advice_rows)
     rep.advice = _advice.advice(rows, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
@@ -231,6 +238,17 @@ def _explained_ends(rep: Report, waits, cross) -> None:
     hung = set(waits.loc[waits["verdict"] == "hang", "group"].astype(str))
     if ends is not None and len(ends) and set(ends["group"].astype(str)) <= hung:
         rep.findings = [f for f in rep.findings if f.kind != "ends"]
+
+
+def _steady_summary(df, per_step, by, pre):
+    """The summary of the steady state (set-up steps and calls left out) by ``by``, for the
+    headline; None where there is no steady state (the engine has it by collective and size)."""
+    if not (per_step["stage"] == "steady").any():
+        return None
+    if pre is not None:
+        return pre.bus_summary if list(by) == ["collective", "size_bucket"] else None
+    rows = _steps.steady_rows(df, per_step)
+    return summaries.summary(rows, by=by) if len(rows) else None
 
 
 def _clock_table(clock):
@@ -292,9 +310,12 @@ def _step_notes(per_step) -> list:
     else:
         notes.append("step time: unknown (one step, or no step boundaries): no share of step.")
     notes.append(
-        "comm_share: communication under way (busy_us, DDP's finalize and packing included) / step time. "
+        "comm_share: communication under way (busy_us: each call from its issue to its completion, its wait in "
+        "the backend's queue included, as DDP's buckets before gloo starts them; DDP's finalize and packing "
+        "included) / step time. "
         "exposed_share: time the training thread spent on communication or waited for it / step time (the "
-        "overhead): blocking calls for their whole duration, DDP gradient buckets from the issue of the last "
+        "overhead): blocking calls for their whole duration, functional collectives (DTensor, tensor parallel) "
+        "for the thread's wait_tensor on them (wait_us), DDP gradient buckets from the issue of the last "
         "bucket to the end of DDP's finalize (its wait for the buckets and copy into .grad), DDP's packing "
         "of gradients into its buckets (ddp_pack_us, CPU models). overlap_unknown_us: "
         "other async or device-timed calls, whose wait the log does not show."
