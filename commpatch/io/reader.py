@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..data.clock import CLOCK_ATTR
 from ..data.frame import own_times
-from ..data.logfile import IN_FLIGHT_ATTR
+from ..data.logfile import IN_FLIGHT_ATTR, JOB_ATTR
 from ..data.ops import describe_op
 from ..data.schema import BOUNDARY_SOURCES, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA, STEPLESS_ATTR, TIMINGS
 from . import writer as _writer
@@ -183,6 +183,7 @@ class _Parts:
         here = {k["rank"] for _, keys in self.keys for k in keys}  # the ranks read: their dumps only
         flight = self.notes.flight + [d for d in dumps_beside([path for path, _ in self.keys]) if d["rank"] in here]
         df.attrs[IN_FLIGHT_ATTR] = [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
+        df.attrs[JOB_ATTR] = [j for j in self.notes.job if j["rank"] in here]
         if self.clocks:
             df.attrs[CLOCK_ATTR] = dict(sorted(self.clocks.items()))
         if self.plan.steps is not None:
