@@ -683,11 +683,18 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
         f"Per step (medians; table: Ranks' steps), its step outside communication {pair('outside_us')} on the "
         f"others, communication in flight {pair('busy_us')}"
     )
+    if not math.isnan(own["cpu_us"]):
+        figures += f", its training thread's CPU time {pair('cpu_us')}"
+    if not math.isnan(own["input_us"]):
+        figures += (
+            f", from its step's start to its forward (loading its input) {pair('input_us')}, of which CPU time "
+            f"{pair('input_cpu_us')}"
+        )
+    need = f"(at least half its lateness, {_ms(CAUSE_SHARE * late)}, more than the others')"
     if cause == "input":
         why = (
-            f"{figures}; from its step's start to its forward (loading its input) {pair('input_us')}, of which "
-            f"CPU time {pair('input_cpu_us')}: it waits on its input (a data loader too slow for this rank, "
-            "uneven samples or preprocessing)."
+            f"{figures}: the time before its forward {need} says it waits on its input (a data loader too slow "
+            "for this rank, uneven samples or preprocessing)."
         )
         title = "waiting on its input"
         change = (
@@ -696,16 +703,16 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
         )
     elif cause == "work":
         why = (
-            f"{figures}; its training thread's CPU time {pair('cpu_us')}: it does more work (a larger batch or "
-            "sequence, uneven data shards, extra work in its own code)."
+            f"{figures}: its CPU time {need} says it does more work (a larger batch or sequence, uneven data "
+            "shards, extra work in its own code)."
         )
         title = "more work on that rank"
         change = f"even out the work of rank {r}: its batch / sequence lengths, its data shard, code only it runs"
     elif cause == "host":
         why = (
-            f"{figures}; yet its training thread's CPU time {pair('cpu_us')}: the extra time is wall time without "
-            "CPU time, the thread was kept off the CPU (another process on its cores, too few cores for its "
-            "threads) or waited on something outside its own work."
+            f"{figures}: its wall time outside communication {need} without its CPU time says the thread was kept "
+            "off the CPU (another process on its cores, too few cores for its threads) or waited on something "
+            "outside its own work and its input."
         )
         title = "kept off the CPU by its host"
         change = (
@@ -715,7 +722,7 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
     else:
         known = not math.isnan(own["cpu_us"])
         why = f"{figures}" + (
-            f"; CPU time {pair('cpu_us')}: no figure accounts for half of its lateness, the cause is not in the log."
+            ": no figure accounts for half of its lateness, the cause is not in the log."
             if known
             else "; this log has no per-step CPU time (a log of an older commpatch, CSV): the cause "
             "(its work, its host or its input) cannot be told."

@@ -28,7 +28,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "html_assets")
 MAX_TABLE_ROWS = 2000  # rows of one table in the page (the per-step table of a long run); JSON has all
 EXCERPT_RANKS = 16
 EXCERPT_CALLS = 5000
-TABLE_KEYS = ("mismatches", "summary", "steps", "ranks", "skew", "p2p")
+TABLE_KEYS = ("mismatches", "summary", "steps", "ranks", "rank_steps", "skew", "p2p")
 
 
 def _asset(name: str) -> str:
