@@ -165,21 +165,20 @@ def test_weak_evidence_gets_no_bucket_advice():
 TWO_BUCKETS = [(2 * MIB, 0.0, 2500.0, 4), (2 * MIB, 30_000.0, 2500.0, 4)]
 
 
-def test_costly_gradient_copies_get_gradient_as_bucket_view():
-    # packing 1 ms before each of the two buckets: the copy into the buckets, 2 ms a step, and the same
-    # bytes copied back in the 3 ms finalize
+def test_long_finalize_gets_gradient_as_bucket_view():
     df = _ddp_log(TWO_BUCKETS, finalize_us=3000.0, pack_us=1000.0)
     (a,) = _advice(df, "ddp_grad_copy")
     assert a.setting == {"gradient_as_bucket_view": True} and a.evidence["finalize_us"] == pytest.approx(3000.0)
-    assert a.evidence["pack_us"] == pytest.approx(2000.0) and a.gain_us == pytest.approx(4000.0)
+    assert a.evidence["pack_us"] == pytest.approx(2000.0)
     assert a.evidence["bucket_bytes"] == 4 * MIB and "4 MiB" in a.title
     assert _advice(_ddp_log(TWO_BUCKETS), "ddp_grad_copy") == []
 
 
-def test_gradient_copy_gain_is_the_copies_not_the_finalize():
-    # issue 32 item 9: a 3 ms finalize (mostly the thread's wake-up after the all-reduce) promised 3 ms where
-    # the flag saved the copies: 0.1 ms of packing, the same back: below the thresholds, no advice
-    assert _advice(_ddp_log(TWO_BUCKETS, finalize_us=3000.0, pack_us=50.0), "ddp_grad_copy") == []
+def test_gradient_copy_gain_is_not_the_finalize():
+    # issue 32 item 9: a 3.77 ms finalize (mostly the hooks and the thread's wake-up) was promised as the gain
+    # where the flag saved 0.29 ms: the log does not time the copies, so no gain is promised, and the text says why
+    (a,) = _advice(_ddp_log(TWO_BUCKETS, finalize_us=3000.0, pack_us=1000.0), "ddp_grad_copy")
+    assert np.isnan(a.gain_us) and np.isnan(a.gain_share) and "gain is not predicted" in a.text
     # the job has the flag already: never advised again
     conf = dict(bucket_cap_mb=25.0, gradient_as_bucket_view=True, static_graph=False, find_unused_parameters=False)
     assert _advice(_ddp_log(TWO_BUCKETS, finalize_us=3000.0, pack_us=1000.0, conf=conf), "ddp_grad_copy") == []
@@ -230,13 +229,13 @@ def _with_steps(df):
 
 
 def test_advice_is_ordered_by_gain():
-    # a large bucket tail and a costly gradient copy in one job: the larger gain first, unknown gains last
-    df = _ddp_log([(8 * MIB, 30_000.0, 10_000.0, 16)], finalize_us=3000.0, pack_us=1000.0)
+    # a straggler (30 ms late: the larger gain), a large bucket tail from the last rank's issue and a long
+    # finalize (gain unknown) in one job: the larger gain first, unknown gains last
+    df = _ddp_log([(8 * MIB, 30_000.0, 10_000.0, 16)], step_us=90_000.0, finalize_us=3000.0, late=(1, 30_000.0))
     items = _advice(df)
-    assert [a.rule for a in items] == ["ddp_bucket_size", "ddp_grad_copy"], items
-    assert items[0].gain_us > items[1].gain_us
-    nan = adv.Advice("x", "", {}, "", gain_us=float("nan"))
-    assert adv.by_gain([nan, items[1], items[0]]) == [items[0], items[1], nan]
+    assert [a.rule for a in items] == ["straggler", "ddp_bucket_size", "ddp_grad_copy"], items
+    assert items[0].gain_us > items[1].gain_us and np.isnan(items[2].gain_us)
+    assert adv.by_gain([items[2], items[1], items[0]]) == items
 
 
 # ---- small_messages ----------------------------------------------------------------------------
