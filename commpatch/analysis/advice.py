@@ -256,15 +256,16 @@ def ddp_bucket_size(df, steps_table, st, conf=None) -> list:
     if not (step_us > 0 and total > 0 and comm_us > 0) or tail_us < BUCKET_TAIL_SHARE * step_us:
         return []
     us_per_byte = comm_us / total
+    on_cpu = "device" in df.columns and bool((df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all())
     cap_mb = _nice_mb(max(total / TARGET_BUCKETS / MIB, MIN_BUCKET_MB))
     current = conf.get("bucket_cap_mb")
     if current is not None and cap_mb >= float(current):  # never the current setting, nor a larger one
         cap_mb = _nice_mb(float(current) / LAST_BUCKET_FACTOR)
         if cap_mb < MIN_BUCKET_MB:
-            return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current)
+            return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu)
     cap = cap_mb * MIB
     if last < LAST_BUCKET_FACTOR * cap or round(params) == 1:
-        return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current)
+        return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu)
     # the new last bucket: about the cap, or one parameter where a parameter is larger
     new_last = min(last, max(cap, last / max(params, 1.0)))
     compute_us = float(np.nanmedian(bs["step_us"] - bs["exposed_us"]))
@@ -302,7 +303,7 @@ def ddp_bucket_size(df, steps_table, st, conf=None) -> list:
         f"the tail would be about {_ms(predicted_us)}, if the other buckets' all-reduce "
         f"({_ms((total - new_last) * us_per_byte)}) fits under the backward (taken as {_ms(backward_us)})."
     )
-    if "device" in df.columns and (df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all():
+    if on_cpu:
         text += (
             " On CPU the all-reduce under the backward competes with it for the cores: on a busy machine the "
             "step gains less than the tail loses."
@@ -322,7 +323,7 @@ def ddp_bucket_size(df, steps_table, st, conf=None) -> list:
     ]
 
 
-def _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current) -> list:
+def _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu) -> list:
     """The tail is one parameter's all-reduce (or a bucket the job's cap already makes as small as
     advised): no ``bucket_cap_mb`` splits it; the parameter is named, with what its bytes cost."""
     named = _tail_parameter(conf, last, params)
@@ -347,6 +348,11 @@ def _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte
         + ". Its all-reduce can only shrink with its bytes (a compressing comm hook, freezing it, a smaller "
         "embedding); the gain depends on that change and is not predicted here."
     )
+    if on_cpu:
+        text += (
+            " On CPU (gloo) the fp16 compression hook costs more than it saves (benchmarks/advice_loop.py: "
+            "3-23 ms slower per step): freeze or shrink the parameter instead."
+        )
     return [
         Advice(
             "ddp_tail_parameter",
