@@ -165,7 +165,9 @@ def _items(advice) -> list:
     """Advice items (dicts, named tuples or objects) as {field: text}: rendered generically."""
     out = []
     for item in advice or ():
-        if hasattr(item, "_asdict"):
+        if hasattr(item, "as_dict"):  # analysis.advice.Advice: NaN evidence (unknown) as None
+            item = item.as_dict()
+        elif hasattr(item, "_asdict"):
             item = item._asdict()
         elif not isinstance(item, dict):
             item = {k: v for k, v in vars(item).items() if not k.startswith("_")}
