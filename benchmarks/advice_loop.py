@@ -1,22 +1,29 @@
-"""Tuning advice, checked by running it: a DDP job with a poor setting, its report's advice, the job again
-with the advice applied.
+"""Tuning advice, checked by running it: for every rule, a job that should get it, its report's advice,
+and the job again with the advice applied; the gain the advice predicted against the gain measured.
 
-    python benchmarks/advice_loop.py [--rounds 3] [--start-mb 1000] [--steps 40] [--port 35100]
+    python benchmarks/advice_loop.py [--pairs 5] [--rules all] [--steps 24] [--port 35100]
 
-Each round: the job (2 ranks, gloo, CPU, under ``commpatch run``) with ``bucket_cap_mb=--start-mb``
-(by default one bucket holding every gradient: its all-reduce starts only when the backward is over);
-``commpatch report --format json``; the advice item of rule ``ddp_bucket_size`` read from the JSON
-(its ``setting``, never a value written here); the job twice with that setting, then once more with
-the poor one (poor, advised, advised, poor: a load on the machine that drifts during the round
-cancels out). Prints, per run, the bucket size, the steady-state step time (median) and exposed
-share, and the advice of its own report; per round the ratios advised / poor (the means of two runs
-each), and their median over the rounds. A poor run with no bucket advice ends its round.
+Per rule (``RULES``): a job with a poor setting (2 ranks, gloo, CPU, under ``commpatch run``), then
+``commpatch report --format json``; the rule's item read from the JSON (its ``setting`` or ``change``,
+never a value written here: ``apply`` turns it into the job's arguments), then the job with it applied.
+Each pair: poor, advised, in alternating order from pair to pair (the machine's drift cancels out of
+the median). The measured gain of a pair: the poor run's median steady-state step minus the advised
+run's; the predicted gain: the poor run's ``gain_us``. Printed per rule: the medians over the pairs,
+their ratio (predicted / measured: within 2x is the goal), and for a rule whose gain is unknown (its
+text says why it cannot predict it) the measured gain alone.
 
-The model's layers are followed by compute that leaves the CPU free (``--device-ms``: a sleep), as an
-accelerator's kernels do; with ``--device-ms 0`` the backward is CPU work only and, on a machine of
-few cores, the all-reduce competes with it for the CPU.
-
-``--worker`` is the training job itself (run by torchrun).
+The jobs (``--worker``, run by torchrun):
+- ``mlp`` (``ddp_bucket_size``, ``ddp_grad_copy``): DDP over an MLP of 64-1024-1024x6-1, batch 32; each
+  layer followed by ``--device-ms`` of compute that leaves the CPU free (a sleep, as an accelerator's
+  kernels do; twice that in the backward). Poor: ``bucket_cap_mb=1000`` (one bucket, all exposed),
+  and ``bucket_cap_mb=6, gradient_as_bucket_view=False`` for the copy rule.
+- ``small`` (``small_messages``): per step 20 ms of compute (a sleep), then the per-gradient loop: 64
+  all-reduces of 16 floats and 2 of 1M floats, one call each; advised: the 64 flattened into one call.
+- ``tail`` (``ddp_tail_parameter``): DDP at ``bucket_cap_mb=1`` over a model whose first parameter is a
+  4 MiB embedding: the last bucket is that one parameter. The rule names it and predicts nothing;
+  applied: DDP's fp16 compression hook (its ``change``).
+- ``slow`` (``straggler``): the ``mlp`` job at 6 MiB buckets with rank 1 sleeping ``--slow-ms`` before
+  each forward (a slow data loader); advised: no sleep (the input made ready in time).
 """
 
 from __future__ import annotations
@@ -34,10 +41,8 @@ ROOT = os.path.dirname(HERE)
 
 
 def mlp(args):
-    """The job's model: ``--layers`` square layers of ``--hidden`` between a 64-input layer and one output,
-    each followed by ``--device-ms`` of compute that leaves the CPU free (a sleep: forward, twice that in
-    the backward), as an accelerator's kernels do: on 2 shared cores the gloo threads have a CPU for the
-    all-reduce while the backward runs."""
+    """``--layers`` square layers of ``--hidden`` between a 64-input layer and one output, each followed
+    by ``--device-ms`` of compute that leaves the CPU free (a sleep: forward, twice that in the backward)."""
     import time
 
     import torch
@@ -64,63 +69,92 @@ def mlp(args):
     return torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 1))
 
 
+def tail_model():
+    """A 4 MiB embedding first (its gradient is ready last: DDP's last bucket, alone), then an MLP."""
+    import torch
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(2048, 512)
+            self.body = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+
+        def forward(self, x):
+            return self.body(self.embed(x).mean(dim=1))
+
+    return Net()
+
+
 def worker(args) -> None:
-    """One rank of the DDP job (no commpatch code: ``commpatch run`` activates it)."""
+    """One rank of the job (no commpatch code: ``commpatch run`` activates it)."""
+    import time
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    ddp = DistributedDataParallel(mlp(args), bucket_cap_mb=args.bucket_mb)
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    if args.job == "small":
+        tiny = [torch.ones(16) for _ in range(64)]
+        large = [torch.ones(1 << 20) for _ in range(2)]
+        boundary = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # its step() ends a step
+        for _ in range(args.steps):
+            time.sleep(0.02)
+            if args.coalesce:
+                flat = torch.cat(tiny)
+                dist.all_reduce(flat)
+                for t, r in zip(tiny, flat.split(16)):
+                    t.copy_(r)
+            else:
+                for t in tiny:
+                    dist.all_reduce(t)
+            for t in large:
+                dist.all_reduce(t)
+            boundary.step()
+        dist.destroy_process_group()
+        return
+    model = tail_model() if args.job == "tail" else mlp(args)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.as_view)
+    if args.fp16_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(args.steps):
-        x = torch.randn(args.batch, 64, generator=gen)
-        loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
         opt.zero_grad()
+        if rank == 1 and args.slow_ms > 0:
+            time.sleep(args.slow_ms / 1e3)
+        if args.job == "tail":
+            x = torch.randint(0, 2048, (32, 8), generator=gen)
+            loss = ddp(x).square().mean()
+        else:
+            x = torch.randn(args.batch, 64, generator=gen)
+            loss = torch.nn.functional.mse_loss(ddp(x), x.sum(dim=1, keepdim=True))
         loss.backward()
         opt.step()
     dist.destroy_process_group()
 
 
-def run_job(args, bucket_mb: float, out: str) -> dict:
-    """The job under commpatch with ``bucket_cap_mb=bucket_mb``; its report as parsed JSON."""
-    os.makedirs(out)
+def run_job(args, job_args: list, out: str) -> dict:
+    """The job under commpatch with ``job_args``; its report as parsed JSON (``--reuse``: the report of
+    the logs an earlier run left in ``out``, by this checkout's commpatch)."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
     )
-    cmd = [
-        sys.executable,
-        "-m",
-        "commpatch",
-        "run",
-        "--output",
-        os.path.join(out, "rank{rank}.csv"),
-        "--",
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1",
-        "--nproc_per_node=2",
-        f"--master_port={args.port}",
-        os.path.abspath(__file__),
-        "--worker",
-        "--bucket-mb",
-        str(bucket_mb),
-        "--steps",
-        str(args.steps),
-        "--layers",
-        str(args.layers),
-        "--hidden",
-        str(args.hidden),
-        "--batch",
-        str(args.batch),
-        "--device-ms",
-        str(args.device_ms),
-    ]
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    common = ["--steps", str(args.steps), "--layers", str(args.layers), "--hidden", str(args.hidden)]
+    common += ["--batch", str(args.batch), "--device-ms", str(args.device_ms)]
+    cmd = [sys.executable, "-m", "commpatch", "run", "--output", os.path.join(out, "rank{rank}.csv"), "--"]
+    cmd += [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+    cmd += [f"--master_port={args.port}", os.path.abspath(__file__), "--worker", *common, *job_args]
+    if not args.reuse:
+        os.makedirs(out)
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rep = subprocess.run(
         [sys.executable, "-m", "commpatch", "report", out, "--format", "json", "--no-progress"],
         check=True,
@@ -131,23 +165,103 @@ def run_job(args, bucket_mb: float, out: str) -> dict:
     return json.loads(rep.stdout)
 
 
-def steady(report: dict) -> tuple:
-    """(median step time in ms, median exposed share) over the report's steady-state steps."""
-    rows = [r for r in report["sections"]["steps"] if r["stage"] == "steady"]
-    return (statistics.median(r["step_us"] for r in rows) / 1e3, statistics.median(r["exposed_share"] for r in rows))
+def step_ms(report: dict) -> float:
+    """The median steady-state step time of a report, ms."""
+    rows = [r for r in report["sections"]["steps"] if r["stage"] == "steady" and r["step_us"] is not None]
+    return statistics.median(r["step_us"] for r in rows) / 1e3
 
 
-def bucket_advice(report: dict):
-    return next((a for a in report.get("advice", []) if a["rule"] == "ddp_bucket_size"), None)
+def _cap(item) -> list:
+    return ["--bucket-mb", str(item["setting"]["bucket_cap_mb"])]
+
+
+def _view(item) -> list:
+    assert item["setting"] == {"gradient_as_bucket_view": True}, item
+    return ["--as-view"]
+
+
+def _coalesce(item) -> list:
+    assert "_coalescing_manager" in item["change"] or "flatten" in item["change"], item
+    return ["--coalesce"]
+
+
+def _fp16(item) -> list:
+    assert "fp16_compress_hook" in item["change"], item
+    return ["--fp16-hook"]
+
+
+def _even(item) -> list:
+    assert item["evidence"]["rank"] == 1, item
+    return []  # the input ready in time: no sleep
+
+
+# rule -> (the job's poor arguments, the advised run's arguments from the item, what it fixes)
+RULES = {
+    "ddp_bucket_size": (["--job", "mlp", "--bucket-mb", "1000"], lambda item: ["--job", "mlp", *_cap(item)]),
+    "ddp_grad_copy": (
+        ["--job", "mlp", "--bucket-mb", "6"],
+        lambda item: ["--job", "mlp", "--bucket-mb", "6", *_view(item)],
+    ),
+    "small_messages": (["--job", "small"], lambda item: ["--job", "small", *_coalesce(item)]),
+    "ddp_tail_parameter": (
+        ["--job", "tail", "--bucket-mb", "1"],
+        lambda item: ["--job", "tail", "--bucket-mb", "1", *_fp16(item)],
+    ),
+    "straggler": (
+        ["--job", "mlp", "--bucket-mb", "6", "--slow-ms", "30"],
+        lambda item: ["--job", "mlp", "--bucket-mb", "6", *_even(item)],
+    ),
+}
+
+
+def check_rule(args, rule: str, base: str) -> dict:
+    """``--pairs`` pairs of poor / advised runs of the rule's job; medians of the predicted and
+    measured gains (ms), or why not (the poor run got no such advice)."""
+    poor_args, advised = RULES[rule]
+    predicted, measured, missing, item = [], [], 0, None
+    for i in range(args.pairs):
+        # poor first in even pairs; in odd ones the advised run (the previous pair's advice) first
+        first = i % 2 == 1 and item is not None
+        if args.reuse and not os.path.isdir(os.path.join(base, f"{rule}-{i}-advised")):
+            missing += 1
+            print(f"  {rule} pair {i}: no advised run in {base}", flush=True)
+            continue
+        if first:
+            good = run_job(args, advised(item), os.path.join(base, f"{rule}-{i}-advised"))
+        poor = run_job(args, poor_args, os.path.join(base, f"{rule}-{i}-poor"))
+        item = next((a for a in poor.get("advice", []) if a["rule"] == rule), None)
+        if item is None:
+            missing += 1
+            print(f"  {rule} pair {i}: the poor run got no {rule} advice", flush=True)
+            continue
+        if not first:
+            good = run_job(args, advised(item), os.path.join(base, f"{rule}-{i}-advised"))
+        gain = step_ms(poor) - step_ms(good)
+        predicted.append(item["gain_us"] / 1e3 if item["gain_us"] is not None else float("nan"))
+        measured.append(gain)
+        print(
+            f"  {rule} pair {i}: step {step_ms(poor):.1f} -> {step_ms(good):.1f} ms, measured {gain:.2f} ms, "
+            f"predicted {predicted[-1]:.2f} ms ({item['change'][:70]})",
+            flush=True,
+        )
+    out = dict(rule=rule, pairs=len(measured), missing=missing)
+    if measured:
+        out.update(predicted_ms=statistics.median(predicted), measured_ms=statistics.median(measured))
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--start-mb", type=float, default=1000.0, help="the poor bucket_cap_mb of the first run")
+    parser.add_argument("--job", default="mlp", help=argparse.SUPPRESS)
     parser.add_argument("--bucket-mb", type=float, default=25.0, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--as-view", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--coalesce", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fp16-hook", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--slow-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--rules", default="all", help="comma-separated rule names (default: all of RULES)")
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32)
@@ -156,44 +270,27 @@ def main() -> int:
     )
     parser.add_argument("--port", type=int, default=35100)
     parser.add_argument("--out", default=None, help="keep the runs' logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="report the logs an earlier run left in --out again (no job is run)"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
-    ratios = {"step": [], "exposed": []}
+    rules = list(RULES) if args.rules == "all" else args.rules.split(",")
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = args.out or tmp
-        print(f"{'round':>5}  {'run':<8}  {'bucket_cap_mb':>13}  {'step p50 ms':>11}  {'exposed':>7}  advice")
-
-        def one(i, name, mb):
-            rep = run_job(args, mb, os.path.join(base, f"round{i}-{name}"))
-            step, exposed = steady(rep)
-            advice = bucket_advice(rep)
-            print(
-                f"{i:>5}  {name:<8}  {mb:>13g}  {step:>11.2f}  {exposed:>7.1%}  "
-                + (advice["change"] if advice else "none"),
-                flush=True,
-            )
-            return step, exposed, advice
-
-        for i in range(args.rounds):
-            # poor, advised, advised, poor: the machine's drift during a round cancels out of the ratios
-            poor = [one(i, "poor", args.start_mb)]
-            advice = poor[0][2]
-            if advice is None:
-                continue
-            mb = advice["setting"]["bucket_cap_mb"]  # the advice, as the report's JSON gives it
-            advised = [one(i, "advised", mb), one(i, "advised2", mb)]
-            poor.append(one(i, "poor2", args.start_mb))
-            for key, k in (("step", 0), ("exposed", 1)):
-                ratios[key].append(sum(r[k] for r in advised) / sum(r[k] for r in poor))
-    if ratios["step"]:
-        print(
-            f"advised / poor (means of the round's two runs each), median of {len(ratios['step'])} round(s): "
-            f"step time {statistics.median(ratios['step']):.2f} (per round "
-            f"{', '.join(f'{r:.2f}' for r in ratios['step'])}), exposed share "
-            f"{statistics.median(ratios['exposed']):.2f} (per round {', '.join(f'{r:.2f}' for r in ratios['exposed'])})"
-        )
+        for rule in rules:
+            results.append(check_rule(args, rule, args.out or tmp))
+    print("\n| rule | pairs | predicted gain (ms, median) | measured gain (ms, median) | predicted / measured |")
+    print("|---|---:|---:|---:|---:|")
+    for r in results:
+        if not r["pairs"]:
+            print(f"| {r['rule']} | 0 | no advice in {r['missing']} poor run(s) | | |")
+            continue
+        p, m = r["predicted_ms"], r["measured_ms"]
+        ratio = "cannot predict (its text says why)" if p != p else (f"{p / m:.2f}" if m > 0 else "measured <= 0")
+        print(f"| {r['rule']} | {r['pairs']} | {p:.2f} | {m:.2f} | {ratio} |")
     return 0
 
 

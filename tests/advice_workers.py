@@ -1,9 +1,9 @@
 """Real jobs for the advice tests (spawned by tests/multiproc.py run_ranks)."""
 
 
-def many_small_calls(rank: int, n: int, steps: int = 14, small: int = 64, coalesced: bool = False):
+def many_small_calls(rank: int, n: int, steps: int = 14, small: int = 64, coalesced: bool = False, big: int = 3):
     """Per step (commpatch.step()): ``small`` all_reduce calls of 16 floats, or one of them all flattened
-    (``coalesced``), then 3 all_reduce calls of 1M floats; the log, as a DataFrame."""
+    (``coalesced``), then ``big`` all_reduce calls of 1M floats; the log, as a DataFrame."""
     import torch
     import torch.distributed as dist
 
@@ -11,7 +11,7 @@ def many_small_calls(rank: int, n: int, steps: int = 14, small: int = 64, coales
 
     torch.set_num_threads(1)
     tiny = [torch.ones(16) for _ in range(small)]
-    big = torch.ones(1 << 20)
+    large = torch.ones(1 << 20)
     commpatch.enable(output="none")
     try:
         for _ in range(steps):
@@ -21,8 +21,87 @@ def many_small_calls(rank: int, n: int, steps: int = 14, small: int = 64, coales
             else:
                 for t in tiny:
                     dist.all_reduce(t)
-            for _ in range(3):
-                dist.all_reduce(big)
+            for _ in range(big):
+                dist.all_reduce(large)
         return commpatch.log()
+    finally:
+        commpatch.disable()
+
+
+def ddp_job(rank: int, n: int, steps: int = 8, bucket_cap_mb: float = 25.0, as_view: bool = False, slow=None):
+    """A DDP job (an embedding of 2 MiB first, then two Linear layers) under ``commpatch.enable``;
+    ``slow``: (rank, "input" or "work", ms): that rank sleeps before its forward (a slow data loader) or
+    burns that much thread CPU time inside its step (more work). The log and its job notes (attrs)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import commpatch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(1024, 512)  # 2 MiB of float32: one parameter
+            self.hidden = torch.nn.Linear(512, 256)
+            self.out = torch.nn.Linear(256, 1)
+
+        def forward(self, idx):
+            return self.out(torch.relu(self.hidden(self.embed(idx).mean(dim=1))))
+
+    commpatch.enable(output="none")
+    try:
+        ddp = DistributedDataParallel(Net(), bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            if slow is not None and slow[0] == rank and slow[1] == "input":
+                time.sleep(slow[2] / 1e3)
+            idx = torch.randint(0, 1024, (8, 4), generator=gen)
+            loss = ddp(idx).sum()
+            if slow is not None and slow[0] == rank and slow[1] == "work":
+                end = time.thread_time() + slow[2] / 1e3
+                while time.thread_time() < end:
+                    pass
+            loss.backward()
+            opt.step()
+        dist.barrier()
+        df = commpatch.log()
+        return df, df.attrs.get("job_notes")
+    finally:
+        commpatch.disable()
+
+
+def fsdp2_job(rank: int, n: int, steps: int = 4):
+    """FSDP2: two Linear units (the first with reshard_after_forward=False) and the root; the job notes
+    of the log, or None where FSDP2 cannot run on CPU."""
+    import torch
+
+    import commpatch
+    from tests.torch_compat import fsdp2_cpu_unsupported
+    from tests.torch_compat import fully_shard as _fully_shard
+
+    if fsdp2_cpu_unsupported() is not None:
+        return None
+    fully_shard = _fully_shard()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    commpatch.enable(output="none")
+    try:
+        fully_shard(model[0], reshard_after_forward=False)
+        fully_shard(model[2])
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(7)
+        for _ in range(steps):
+            model(torch.randn(4, 8, generator=gen)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return commpatch.log().attrs.get("job_notes")
     finally:
         commpatch.disable()

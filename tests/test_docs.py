@@ -236,6 +236,14 @@ def _check_headline_keys(rows):
             assert key in headline, f"docs/html-report.md: the headline has no {key}"
 
 
+def _check_advice_causes(rows):
+    from commpatch.analysis import advice
+
+    # "`input` (0)": the cause's name and its index in advice.CAUSES (the evidence's "cause")
+    listed = [(_names(r[0])[0], int(re.search(r"\((\d+)\)", r[0]).group(1))) for r in rows]
+    assert listed == [(c, i) for i, c in enumerate(advice.CAUSES)], listed
+
+
 def _check_metric_names(rows):
     from commpatch.metrics import METRICS, PREFIX
 
@@ -259,6 +267,7 @@ def _check_run_reference(rows):
 # (page, first header cell) -> check of the rows
 CHECKED = {
     ("advice.md", "key"): _check_advice_keys,
+    ("advice.md", "cause"): _check_advice_causes,
     ("html-report.md", "label"): _check_headline_keys,
     ("live.md", "metric"): _check_metric_names,
     ("guide/usage.md", "function"): _check_api,
@@ -281,6 +290,7 @@ REPORT_SECTIONS = {name: (lambda name=name: _report_columns(name)) for name in (
 
 # pages whose other tables are measured figures: each names the files that reproduce them
 MEASURED = {
+    "advice.md": ("benchmarks/advice_loop.py",),
     "reliability.md": ("benchmarks/durable.py", "tests/test_faults.py"),
     "reporting.md": ("tests/test_bad_input.py",),
     "decisions/ddp-cost.md": ("benchmarks/ddp_hook_cost.py", "benchmarks/ddp_step.py"),

@@ -85,7 +85,7 @@ def test_markdown_and_json(logs, capsys, fmt):
     assert code == 0
     if fmt == "json":
         rep = json.loads(out)
-        assert set(rep["sections"]) == {"summary", "steps", "mismatches", "ranks", "skew", "p2p"}
+        assert set(rep["sections"]) == {"summary", "steps", "mismatches", "ranks", "rank_steps", "skew", "p2p"}
         assert rep["sections"]["ranks"][0]["rank"] == 1
         assert len(rep["errors"]) == 1 and rep["sections"]["mismatches"][0]["coll_seq"] == 12
         assert list(rep)[:2] == ["title", "findings"]

@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..data.logfile import JOB_ATTR
 from . import stragglers
 from .steps import _bucket_mask, per_step, steady_rows, steady_state
-from .summaries import size_bucket, transfer_durations
+from .summaries import own_durations, size_bucket, transfer_durations
 
 # evidence: at least this many steady-state steps
 MIN_STEPS = 5
@@ -52,7 +53,7 @@ LAST_BUCKET_FACTOR = 2.0
 BACKWARD_SHARE = 0.5
 MIB = float(1 << 20)
 
-# ddp_grad_copy: DDP's finalize is at least this share of the step
+# ddp_grad_copy: DDP's finalize (which holds the copy back into .grad) is at least this share of the step
 GRAD_COPY_SHARE = 0.03
 
 # small_messages: at least this many calls per step below the latency-bound size on one group,
@@ -62,6 +63,9 @@ MIN_SIZES = 2
 MIN_CALLS_PER_SIZE = 3
 # spanning at least this ratio of sizes.
 MIN_SIZE_SPAN = 16.0
+# with one message size in the run (no fit): calls up to this many bytes are taken as latency-bound (a
+# 64 KiB message takes well under a call's fixed latency on every interconnect torch supports)
+SMALL_BYTES = 64 * 1024
 
 
 @dataclass
@@ -101,58 +105,83 @@ class Advice:
 KEYS = tuple(Advice.__dataclass_fields__)
 
 
-def advice(df, steps_table, cross=None, by_rank=None) -> list:
+def advice(df, steps_table, cross=None, by_rank=None, job=None) -> list:
     """Every rule's advice for one run's log (``df`` with its pattern steps, as ``build_report`` has
     it; ``steps_table``: ``per_step(df, by_rank=False)``; ``cross``: ``matching.cross_rank(df)`` or
-    None). ``df`` None (the report at scale): the straggler rule only, from ``by_rank`` (the
-    engine's ``per_step(by_rank=True)``); the other rules read the rows (``ROW_RULES``)."""
+    None; ``job``: the logs' job notes, ``df.attrs["job_notes"]`` when None: step marks and the DDP /
+    FSDP settings). ``df`` None (the report at scale): the straggler rule only, from ``by_rank`` (the
+    engine's ``per_step(by_rank=True)``); the other rules read the rows (``ROW_RULES``). Each wait is
+    attributed once (the straggler's: the others' wait for it is not also a DDP tail), and the items
+    come by expected gain, the largest first (unknown gains last)."""
     if df is None and by_rank is None or df is not None and not len(df):
         return []
+    if job is None and df is not None:
+        job = df.attrs.get(JOB_ATTR)
     st = steady_state(steps_table)
     if st["steps"] < MIN_STEPS or not st["step_p50_us"] > 0:
         return []
     out = []
     if df is not None:
+        conf = settings(job)
         for rule in (ddp_bucket_size, ddp_grad_copy, small_messages):
-            out += rule(df, steps_table, st)
-    out += straggler(df, steps_table, st, cross, by_rank)
-    return out
+            out += rule(df, steps_table, st, conf)
+    out += straggler(df, steps_table, st, cross, by_rank, job)
+    return by_gain(out)
 
 
-ROW_RULES = ("ddp_bucket_size", "ddp_grad_copy", "small_messages")  # the rules that read every row
+ROW_RULES = ("ddp_bucket_size", "ddp_tail_parameter", "ddp_grad_copy", "small_messages")  # rules reading every row
+
+
+def by_gain(items: list) -> list:
+    """Advice items ordered by expected gain per step, the largest first; unknown gains last."""
+    return sorted(items, key=lambda a: (math.isnan(a.gain_us), -a.gain_us if not math.isnan(a.gain_us) else 0.0))
+
+
+def settings(job, wrapper: str = "ddp") -> dict:
+    """The settings a ``wrapper`` (``ddp``, ``fsdp2``) module was made with, as its first rank's log noted
+    them (``integrations.ddp`` / ``fsdp``: {setting: value}); {} when the log has none (an older log,
+    CSV). With several such modules, the first one's."""
+    for notes in sorted(job or (), key=lambda n: n.get("rank", -1)):
+        for item in notes.get("settings") or ():
+            if item.get("wrapper") == wrapper:
+                return dict(item.get("values") or {})
+    return {}
 
 
 # ---- DDP ------------------------------------------------------------------------------------------
 def bucket_steps(df, steps_table):
     """Per steady-state (rank, step) with DDP gradient buckets: buckets, bucket_bytes, last_bytes and
     last_params (the bucket issued last: the end of the backward), issue_span_us (first to last issue),
-    tail_us (the last issue to the end of DDP's finalize, else of the last all-reduce: exposed),
-    comm_us (the buckets' arrival-free transfer time summed), finalize_us (the end of the finalize
-    after the last all-reduce's completion)."""
+    tail_us (the last issue, or the last rank's issue of it where later, to the end of DDP's finalize,
+    else of the last all-reduce: exposed, and none of it a wait for a late rank), comm_us (the buckets'
+    arrival-free transfer time summed), finalize_us (the end of the finalize after the last all-reduce's
+    completion), pack_us (DDP's packing of the gradients into the buckets)."""
     import pandas as pd
 
     rows = steady_rows(df, steps_table)
     mask = _bucket_mask(rows)
     b = rows[mask]
+    cols = [
+        "rank",
+        "step",
+        "buckets",
+        "bucket_bytes",
+        "last_bytes",
+        "last_params",
+        "issue_span_us",
+        "tail_us",
+        "comm_us",
+        "finalize_us",
+        "pack_us",
+    ]
     if not len(b):
-        return pd.DataFrame(
-            columns=[
-                "rank",
-                "step",
-                "buckets",
-                "bucket_bytes",
-                "last_bytes",
-                "last_params",
-                "issue_span_us",
-                "tail_us",
-                "comm_us",
-                "finalize_us",
-            ]
-        )
+        return pd.DataFrame(columns=cols)
     start_ns = b["start_ns"].to_numpy(np.int64)
     start = (start_ns - start_ns.min()).astype(np.float64) / 1e3  # us: exact enough as float
     dur = np.nan_to_num(b["duration_us"].to_numpy(np.float64))
     sync = b["sync_end_us"].to_numpy(np.float64) if "sync_end_us" in b.columns else np.full(len(b), np.nan)
+    transfer = np.nan_to_num(transfer_durations(b))
+    own = np.nan_to_num(own_durations(b))
     work = pd.DataFrame(
         {
             "rank": b["rank"].to_numpy(),
@@ -162,7 +191,9 @@ def bucket_steps(df, steps_table):
             "sync_end": start + np.nan_to_num(sync, nan=-np.inf),
             "bytes": b["bytes"].to_numpy(np.float64),
             "params": b["bucket_params"].to_numpy() if "bucket_params" in b.columns else 0,
-            "comm": np.nan_to_num(transfer_durations(b)),
+            "comm": transfer,
+            "wait": np.clip(own - transfer, 0, None),  # until the last rank issued it
+            "pack": np.nan_to_num(b["pack_us"].to_numpy(np.float64)) if "pack_us" in b.columns else 0.0,
         }
     )
     work = work.sort_values(["rank", "step", "start"], kind="stable")
@@ -175,14 +206,15 @@ def bucket_steps(df, steps_table):
         end=("end", "max"),
         sync_end=("sync_end", "max"),
         comm_us=("comm", "sum"),
+        pack_us=("pack", "sum"),
     )
     finish = np.fmax(out["end"], out["sync_end"])
     out["last_bytes"] = last["bytes"]
     out["last_params"] = last["params"]
     out["issue_span_us"] = last["start"] - out["first"]
-    out["tail_us"] = finish - last["start"]
+    out["tail_us"] = np.clip(finish - last["start"] - last["wait"], 0, None)
     out["finalize_us"] = np.clip(finish - out["end"], 0, None)
-    return out.drop(columns=["first", "end", "sync_end"]).reset_index()
+    return out.drop(columns=["first", "end", "sync_end"]).reset_index()[cols]
 
 
 def _step_times(steps_table):
@@ -195,8 +227,22 @@ def _step_times(steps_table):
     return steps_table.loc[steps_table["stage"] == "steady", cols]
 
 
-def ddp_bucket_size(df, steps_table, st) -> list:
-    """A smaller ``bucket_cap_mb`` when the exposed tail is the all-reduce of one large last bucket."""
+def _tail_parameter(conf: dict, last_bytes: float, last_params: float):
+    """The (name, bytes) of the parameter that makes the last bucket alone, from the DDP settings'
+    first parameters (their gradients are ready last); None when the log cannot tell."""
+    if round(last_params) != 1:
+        return None
+    for name, nbytes in conf.get("first_params") or ():
+        if float(nbytes) == last_bytes:
+            return str(name), float(nbytes)
+    return None
+
+
+def ddp_bucket_size(df, steps_table, st, conf=None) -> list:
+    """A smaller ``bucket_cap_mb`` when the exposed tail is the all-reduce of one large last bucket; when
+    no cap can split it (one parameter, or a cap at or below the advised one already: ``conf``, the DDP
+    settings the log noted), the parameter that holds the tail is named instead (``ddp_tail_parameter``)."""
+    conf = conf or {}
     bs = bucket_steps(df, steps_table)
     if bs["step"].nunique() < MIN_STEPS:
         return []
@@ -210,10 +256,16 @@ def ddp_bucket_size(df, steps_table, st) -> list:
     if not (step_us > 0 and total > 0 and comm_us > 0) or tail_us < BUCKET_TAIL_SHARE * step_us:
         return []
     us_per_byte = comm_us / total
+    on_cpu = "device" in df.columns and bool((df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all())
     cap_mb = _nice_mb(max(total / TARGET_BUCKETS / MIB, MIN_BUCKET_MB))
+    current = conf.get("bucket_cap_mb")
+    if current is not None and cap_mb >= float(current):  # never the current setting, nor a larger one
+        cap_mb = _nice_mb(float(current) / LAST_BUCKET_FACTOR)
+        if cap_mb < MIN_BUCKET_MB:
+            return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu)
     cap = cap_mb * MIB
-    if last < LAST_BUCKET_FACTOR * cap:
-        return []
+    if last < LAST_BUCKET_FACTOR * cap or round(params) == 1:
+        return _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu)
     # the new last bucket: about the cap, or one parameter where a parameter is larger
     new_last = min(last, max(cap, last / max(params, 1.0)))
     compute_us = float(np.nanmedian(bs["step_us"] - bs["exposed_us"]))
@@ -239,17 +291,19 @@ def ddp_bucket_size(df, steps_table, st) -> list:
         issue_span_us=float(np.median(bs["issue_span_us"])),
         backward_estimate_us=backward_us,
         predicted_tail_us=predicted_us,
+        current_bucket_cap_mb=float(current) if current is not None else math.nan,
     )
     text = (
-        f"the last gradient bucket ({_mb(last)} of the step's {_mb(total)}, {_n(evidence['buckets'])} bucket(s)) "
-        f"is all-reduced only when the backward is over: the training thread waits {_ms(tail_us)} per step for it "
-        f"({_pct(tail_us / step_us)} of the {_ms(step_us)} step; {_pct(evidence['hidden_share'])} of the buckets' "
-        f"time is hidden under the backward). With buckets of {cap_mb:g} MiB the last one is about "
-        f"{_mb(new_last)}; at the measured {_ms(us_per_byte * MIB)} per MiB the tail would be about "
-        f"{_ms(predicted_us)}, if the other buckets' all-reduce ({_ms((total - new_last) * us_per_byte)}) fits "
-        f"under the backward (taken as {_ms(backward_us)})."
+        f"the last gradient bucket ({_mb(last)} of the step's {_mb(total)}, {_n(evidence['buckets'])} bucket(s)"
+        + (f", bucket_cap_mb={float(current):g}" if current is not None else "")
+        + f") is all-reduced only when the backward is over: the training thread waits {_ms(tail_us)} per step "
+        f"for it, counted from the last rank's issue ({_pct(tail_us / step_us)} of the {_ms(step_us)} step; "
+        f"{_pct(evidence['hidden_share'])} of the buckets' time is hidden under the backward). With buckets of "
+        f"{cap_mb:g} MiB the last one is about {_mb(new_last)}; at the measured {_ms(us_per_byte * MIB)} per MiB "
+        f"the tail would be about {_ms(predicted_us)}, if the other buckets' all-reduce "
+        f"({_ms((total - new_last) * us_per_byte)}) fits under the backward (taken as {_ms(backward_us)})."
     )
-    if "device" in df.columns and (df.loc[_bucket_mask(df), "device"].astype(str) == "cpu").all():
+    if on_cpu:
         text += (
             " On CPU the all-reduce under the backward competes with it for the cores: on a busy machine the "
             "step gains less than the tail loses."
@@ -269,38 +323,94 @@ def ddp_bucket_size(df, steps_table, st) -> list:
     ]
 
 
-def ddp_grad_copy(df, steps_table, st) -> list:
-    """``gradient_as_bucket_view=True`` when DDP's finalize (its copy into .grad) costs a share of the step."""
+def _tail_parameter_advice(conf, bs, step_us, tail_us, last, params, us_per_byte, current, on_cpu) -> list:
+    """The tail is one parameter's all-reduce (or a bucket the job's cap already makes as small as
+    advised): no ``bucket_cap_mb`` splits it; the parameter is named, with what its bytes cost."""
+    named = _tail_parameter(conf, last, params)
+    if named is None and round(params) != 1:
+        return []
+    name, nbytes = named if named is not None else ("(not named in this log)", last)
+    evidence = dict(
+        steps=int(bs["step"].nunique()),
+        step_us=step_us,
+        tail_us=tail_us,
+        tail_share=tail_us / step_us,
+        last_bucket_bytes=last,
+        last_bucket_params=params,
+        us_per_mib=us_per_byte * MIB,
+        current_bucket_cap_mb=float(current) if current is not None else math.nan,
+    )
+    text = (
+        f"the training thread waits {_ms(tail_us)} per step ({_pct(tail_us / step_us)} of the step) for the last "
+        f"gradient bucket, counted from the last rank's issue; that bucket is one parameter, {name} ({_mb(nbytes)}), "
+        "the model's first, whose gradient is ready last: no bucket_cap_mb can split it"
+        + (f" (the job's is {float(current):g})" if current is not None else "")
+        + ". Its all-reduce can only shrink with its bytes (a compressing comm hook, freezing it, a smaller "
+        "embedding); the gain depends on that change and is not predicted here."
+    )
+    if on_cpu:
+        text += (
+            " On CPU (gloo) the fp16 compression hook costs more than it saves (benchmarks/advice_loop.py: "
+            "3-23 ms slower per step): freeze or shrink the parameter instead."
+        )
+    return [
+        Advice(
+            "ddp_tail_parameter",
+            f"DDP: the backward's exposed tail is the all-reduce of one parameter, {name}",
+            evidence,
+            f"no bucket_cap_mb splits it: reduce what {name} sends (e.g. DistributedDataParallel."
+            "register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.fp16_compress_hook))",
+            {},
+            math.nan,
+            math.nan,
+            text,
+            "steps",
+        )
+    ]
+
+
+def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
+    """``gradient_as_bucket_view=True`` when DDP's finalize (which copies the averaged gradients back into
+    .grad) takes a share of the step; never when the job has it. Its gain is not predicted: the log times
+    the windows that hold the copies (packing, finalize), not the copies."""
+    conf = conf or {}
+    if conf.get("gradient_as_bucket_view"):
+        return []
     bs = bucket_steps(df, steps_table)
     if bs["step"].nunique() < MIN_STEPS:
         return []
+    pack_us = float(np.nanmedian(bs["pack_us"]))
     finalize_us = float(np.nanmedian(bs["finalize_us"]))
     step_us = st["step_p50_us"]
-    if finalize_us < max(GRAD_COPY_SHARE * step_us, MIN_GAIN_US):
+    if not finalize_us >= max(GRAD_COPY_SHARE * step_us, MIN_GAIN_US):
         return []
     total = float(np.median(bs["bucket_bytes"]))
     evidence = dict(
         steps=int(bs["step"].nunique()),
         step_us=step_us,
+        pack_us=pack_us,
         finalize_us=finalize_us,
         finalize_share=finalize_us / step_us,
         bucket_bytes=total,
     )
     text = (
-        f"after its last all-reduce DDP spends {_ms(finalize_us)} per step ({_pct(finalize_us / step_us)}) "
-        f"finishing the backward, copying the averaged gradients ({_mb(total)}) from its buckets into .grad; "
-        "with gradient_as_bucket_view=True .grad is a view of the bucket and that copy (and its memory) goes "
-        "(gradients then alias the buckets: no .grad = None / detach_() of them by hand)."
+        f"DDP copies the step's gradients ({_mb(total)}) into its buckets during the backward and back into "
+        f".grad in its finalize after the last all-reduce ({_ms(finalize_us)} per step, {_pct(finalize_us / step_us)} "
+        "of the step); with gradient_as_bucket_view=True .grad is a view of the bucket and both copies (and the "
+        "copy's memory) go (gradients then alias the buckets: no .grad = None / detach_() of them by hand). The "
+        f"gain is not predicted: the log times the windows that hold the copies (the packing, {_ms(pack_us)}, "
+        "and the finalize), which also hold the reducer's hooks and the thread's wake-up after the all-reduce, "
+        "not the copies (a 3.77 ms finalize once came with 0.29 ms saved)."
     )
     return [
         Advice(
             "ddp_grad_copy",
-            f"DDP: gradient_as_bucket_view=True saves a copy of {_mb(total)} per step",
+            f"DDP: gradient_as_bucket_view=True saves two copies of {_mb(total)} per step",
             evidence,
             "DistributedDataParallel(model, gradient_as_bucket_view=True)",
             {"gradient_as_bucket_view": True},
-            finalize_us,
-            finalize_us / step_us,
+            math.nan,
+            math.nan,
             text,
             "steps",
         )
@@ -312,105 +422,117 @@ def latency_fit(times, nbytes):
     """(latency_us, us_per_byte) of ``time = latency + bytes x us_per_byte`` fitted to the median time
     of each message size (power of two) with enough calls; None when the sizes are too few or too
     close, or the fit is not a positive latency and bandwidth."""
-    fits = latency_fits(np.zeros(len(times), np.int64), times, nbytes)
-    return (float(fits["latency_us"].iloc[0]), float(fits["us_per_byte"].iloc[0])) if len(fits) else None
-
-
-def latency_fits(key, times, nbytes):
-    """``latency_fit`` for every key at once (``key``: an integer per call): a DataFrame indexed by
-    the keys that have a fit, columns latency_us and us_per_byte. One groupby and a closed-form
-    least-squares line per key: the cost is linear in the calls, however many keys they have."""
     import pandas as pd
 
-    t = pd.DataFrame({"k": key, "t": times, "s": size_bucket(nbytes), "b": np.asarray(nbytes, np.float64)})
+    t = pd.DataFrame({"t": times, "s": size_bucket(nbytes), "b": np.asarray(nbytes, np.float64)})
     t = t[np.isfinite(t["t"]) & (t["b"] > 0)]
-    per = t.groupby(["k", "s"], sort=False).agg(t=("t", "median"), b=("b", "median"), n=("t", "size"))
-    per = per[per["n"] >= MIN_CALLS_PER_SIZE].reset_index()
-    by = per.groupby("k", sort=True)
-    mean = by[["b", "t"]].transform("mean")
-    dx, dy = per["b"] - mean["b"], per["t"] - mean["t"]
-    sxx, sxy = (dx * dx).groupby(per["k"]).sum(), (dx * dy).groupby(per["k"]).sum()
-    fit = pd.DataFrame({"n": by.size(), "lo": by["b"].min(), "hi": by["b"].max(), "bm": by["b"].mean()})
-    fit["tm"] = by["t"].mean()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        fit["us_per_byte"] = sxy / sxx
-    fit["latency_us"] = fit["tm"] - fit["us_per_byte"] * fit["bm"]
-    ok = (fit["n"] >= MIN_SIZES) & (fit["hi"] >= MIN_SIZE_SPAN * fit["lo"]) & (sxx > 0)
-    ok &= (fit["us_per_byte"] > 0) & (fit["latency_us"] > 0)
-    return fit.loc[ok, ["latency_us", "us_per_byte"]]
+    per = t.groupby("s").agg(t=("t", "median"), b=("b", "median"), n=("t", "size"))
+    per = per[per["n"] >= MIN_CALLS_PER_SIZE]
+    if len(per) < MIN_SIZES or per["b"].max() < MIN_SIZE_SPAN * per["b"].min():
+        return None
+    slope, intercept = np.polyfit(per["b"].to_numpy(), per["t"].to_numpy(), 1)
+    if not (slope > 0 and intercept > 0):
+        return None
+    return float(intercept), float(slope)
 
 
-def small_messages(df, steps_table, st) -> list:
-    """Coalesce the calls below the latency-bound size on a group when they are many per step.
-    Vectorised over the (group, collective) keys: a log with as many keys as calls costs no more
-    than one with a handful (issue 33)."""
+def _back_to_back_us(rows) -> np.ndarray:
+    """Per row: the time from its end to the start of the rank's next call when that call is the next
+    one of the same selection in the same step (consecutive seq): the loop's own time between the calls
+    (0 otherwise)."""
+    rank, seq, step = rows["rank"].to_numpy(), rows["seq"].to_numpy(np.int64), rows["step"].to_numpy()
+    start = rows["start_ns"].to_numpy(np.int64)
+    end = start + (np.nan_to_num(rows["duration_us"].to_numpy(np.float64)) * 1e3).astype(np.int64)
+    order = np.lexsort((seq, rank))
+    gap = np.zeros(len(rows))
+    if len(rows) > 1:
+        o = order
+        nxt = (rank[o][1:] == rank[o][:-1]) & (seq[o][1:] == seq[o][:-1] + 1) & (step[o][1:] == step[o][:-1])
+        g = np.where(nxt, np.clip(start[o][1:] - end[o][:-1], 0, None) / 1e3, 0.0)
+        gap[o[:-1]] = g
+    return gap
+
+
+def small_messages(df, steps_table, st, conf=None) -> list:
+    """Coalesce the latency-bound calls of a group when they are many per step. The latency model is
+    fitted to every steady-state collective of the run (all groups, all sizes: ``latency_fit``); with
+    one size only, calls of at most ``SMALL_BYTES`` are taken as latency-bound. The expected gain: the
+    calls' time per step on the training thread (their durations, waits included, and the time between
+    back-to-back calls) minus one call of all their bytes at the fitted latency and bandwidth."""
     import pandas as pd
 
     rows = steady_rows(df, steps_table)
-    rows = rows[~_bucket_mask(rows) & (rows["bytes"].to_numpy() > 0)].reset_index(drop=True)
+    rows = rows[rows["bytes"].to_numpy() > 0].reset_index(drop=True)
     if not len(rows):
         return []
     times = transfer_durations(rows)  # by position: rows' index is 0..n-1
+    fit = latency_fit(times, rows["bytes"])
+    cand = rows[~_bucket_mask(rows)]
+    bound = fit[0] / fit[1] if fit is not None else float(SMALL_BYTES)
+    small_all = cand[cand["bytes"].to_numpy() <= bound]
+    if not len(small_all):
+        return []
     step_us = st["step_p50_us"]
     steps = rows["step"].nunique()
-    keys = rows[["group", "collective"]].astype(str)
-    code, pairs = pd.factorize(pd.MultiIndex.from_frame(keys), sort=True)
-    fits = latency_fits(code, times, rows["bytes"])
-    if not len(fits):
-        return []
-    bound = np.full(len(pairs), -np.inf)  # the latency-bound size: latency = transfer time
-    bound[fits.index.to_numpy()] = (fits["latency_us"] / fits["us_per_byte"]).to_numpy()
-    is_small = rows["bytes"].to_numpy() < bound[code]
-    small = pd.DataFrame(
-        {
-            "k": code[is_small],
-            "rank": rows["rank"].to_numpy()[is_small],
-            "step": rows["step"].to_numpy()[is_small],
-            "t": times[is_small],
-            "bytes": rows["bytes"].to_numpy()[is_small],
-            "op": rows["op"].astype(str).to_numpy()[is_small],
-        }
-    )
-    per_step = small.groupby(["k", "rank", "step"]).size()
-    by_key = pd.DataFrame(
-        {
-            "calls": per_step.groupby(level=["k", "rank"]).median().groupby(level="k").median(),
-            "rank_steps": per_step.groupby(level="k").size(),
-            "steps": small.groupby("k")["step"].nunique(),
-            "t": small.groupby("k")["t"].sum(),  # NaN skipped (as nansum)
-            "bytes": small.groupby("k")["bytes"].median(),
-        }
-    ).join(fits, how="inner")
-    by_key["gain"] = (by_key["calls"] - 1) * by_key["latency_us"]
-    by_key = by_key[
-        (by_key["calls"] >= MIN_SMALL_CALLS)
-        & (by_key["steps"] >= min(MIN_STEPS, steps))
-        & (by_key["gain"] >= max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US))
-    ]
-    ops = small[small["k"].isin(by_key.index)].groupby("k")["op"].unique()
     out = []
-    for k, row in by_key.sort_index().iterrows():
-        group, collective = pairs[k]
-        calls, latency_us, us_per_byte, gain = (float(row[c]) for c in ("calls", "latency_us", "us_per_byte", "gain"))
-        bound_k = latency_us / us_per_byte
-        small_us = float(row["t"]) / max(int(row["rank_steps"]), 1)
+    keys = small_all[["group", "collective"]].astype(str)
+    # only the keys with enough calls per step and steps go on (vectorised: a log with as many names as
+    # calls costs no more than one with a handful)
+    per_key = small_all.groupby([keys["group"], keys["collective"], small_all["rank"], small_all["step"]]).size()
+    calls_of = per_key.groupby(level=[0, 1, 2]).median().groupby(level=[0, 1]).median()
+    steps_of = per_key.reset_index().groupby(["group", "collective"])["step"].nunique()
+    wanted = calls_of.index[(calls_of >= MIN_SMALL_CALLS) & (steps_of.reindex(calls_of.index) >= min(MIN_STEPS, steps))]
+    if not len(wanted):
+        return []
+    keep = pd.MultiIndex.from_frame(keys).isin(wanted)
+    small_all, keys = small_all[keep], keys[keep]
+    for (group, collective), small in small_all.groupby([keys["group"], keys["collective"]], sort=True):
+        per_step = small.groupby(["rank", "step"]).size()
+        calls = float(per_step.groupby(level="rank").median().median()) if len(per_step) else 0.0
+        if calls < MIN_SMALL_CALLS or small["step"].nunique() < min(MIN_STEPS, steps):
+            continue
+        own = np.nan_to_num(small["duration_us"].to_numpy(np.float64))
+        spent = own + _back_to_back_us(small)
+        cost_us = float(np.median(small.assign(c=spent).groupby(["rank", "step"])["c"].sum()))
+        step_bytes = float(small.groupby(["rank", "step"])["bytes"].sum().median())
+        one_us = float(np.nanmedian(times[small.index]))
+        if fit is not None:
+            latency_us, us_per_byte = fit
+            predicted_us = latency_us + step_bytes * us_per_byte
+        else:  # one size: the bandwidth is not in the log; a call up to SMALL_BYTES costs what one of them does
+            latency_us, us_per_byte = one_us, math.nan
+            predicted_us = one_us * max(1.0, step_bytes / SMALL_BYTES)
+        gain = cost_us - predicted_us
+        if gain < max(MIN_GAIN_SHARE * step_us, MIN_GAIN_US):
+            continue
+        ops = sorted(set(small["op"].astype(str)))
         evidence = dict(
-            steps=int(row["steps"]),
+            steps=int(small["step"].nunique()),
             step_us=step_us,
-            calls_per_step=float(calls),
-            latency_us=float(latency_us),
-            us_per_mib=float(us_per_byte) * MIB,
-            latency_bound_bytes=float(bound_k),
-            small_bytes_median=float(row["bytes"]),
-            small_us_per_step=small_us,
-            latency_share=min(calls * latency_us / small_us, 1.0) if small_us > 0 else math.nan,
+            calls_per_step=calls,
+            latency_us=latency_us,
+            us_per_mib=us_per_byte * MIB,
+            latency_bound_bytes=bound,
+            small_bytes_median=float(small["bytes"].median()),
+            small_bytes_per_step=step_bytes,
+            small_us_per_step=cost_us,
+            transfer_us_median=one_us,
+            predicted_us=predicted_us,
+            one_size=1.0 if fit is None else 0.0,  # 1: no latency fit (one message size)
+        )
+        model = (
+            f"a call's fixed latency ({_ms(latency_us)}) and {_ms(us_per_byte * MIB)} per MiB, fitted to every "
+            f"steady-state call of the run, put the latency-bound size at {_bytes(bound)}"
+            if fit is not None
+            else f"the run has one message size only: calls up to {_bytes(SMALL_BYTES)} are taken as latency-bound, "
+            f"one call of them costing what one takes now ({_ms(one_us)})"
         )
         text = (
-            f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(sorted(ops[k]))}) move messages "
-            f"below {_bytes(bound_k)}, the size where a call's fixed latency ({_ms(latency_us)}, fitted from this "
-            f"group's calls) equals its transfer time; they take {_ms(small_us)} per step, "
-            f"{_pct(evidence['latency_share'])} of it latency. One call for all of them saves about "
-            f"{_ms(gain)} per step."
+            f"{_n(calls)} {collective} calls per step on group {group} ({', '.join(ops)}) move "
+            f"{_bytes(step_bytes)} in messages of about {_bytes(evidence['small_bytes_median'])}; they hold the "
+            f"training thread {_ms(cost_us)} per step (their durations, waits included, and the time between "
+            f"back-to-back calls). {model[0].upper() + model[1:]}. One call for all of them would take about "
+            f"{_ms(predicted_us)}: about {_ms(gain)} less per step."
         )
         change = (
             f"issue the {_n(calls)} {collective} calls of group {group} inside one "
@@ -434,61 +556,203 @@ def small_messages(df, steps_table, st) -> list:
 
 
 # ---- stragglers ----------------------------------------------------------------------------------
-def straggler(df, steps_table, st, cross, by_rank=None) -> list:
-    """A rank late in most steps by a steady amount (``stragglers.verdict``): its own work, with its
-    step-time breakdown against the other ranks' (``by_rank``: ``per_step(df, by_rank=True)`` when
-    already computed)."""
-    v = stragglers.of(cross, steps_table)
+# the cause of a straggler's lateness is the figure (CPU time, input time, wall time outside
+# communication) by which it exceeds the other ranks' by at least this share of its lateness
+CAUSE_SHARE = 0.5
+CAUSES = ("input", "work", "host", "unknown")
+
+
+def step_marks(job):
+    """Per (rank, step) from the logs' step marks (``df.attrs["job_notes"]``: the training thread's wall
+    clock and CPU time where each step starts and at its first root forward, ``integrations.steps``):
+    wall_us (from the step's start to the next step's), cpu_us (the training thread's CPU time in it),
+    input_us and input_cpu_us (from the step's start to its first root forward: loading its input;
+    NaN where no forward was noted)."""
+    import pandas as pd
+
+    cols = ["rank", "step", "wall_us", "cpu_us", "input_us", "input_cpu_us"]
+    frames = []
+    for notes in job or ():
+        marks = pd.DataFrame(notes.get("step_marks") or [], columns=["step", "at", "ns", "cpu"])
+        if not len(marks):
+            continue
+        start = marks[marks["at"] == 0].drop_duplicates("step", keep="last").set_index("step").sort_index()
+        fwd = marks[marks["at"] == 1].drop_duplicates("step", keep="first").set_index("step")
+        nxt = start.reindex(start.index + 1)
+        out = pd.DataFrame(
+            {
+                "rank": int(notes.get("rank", -1)),
+                "step": start.index.to_numpy(),
+                "wall_us": (nxt["ns"].to_numpy(np.float64) - start["ns"].to_numpy(np.float64)) / 1e3,
+                "cpu_us": (nxt["cpu"].to_numpy(np.float64) - start["cpu"].to_numpy(np.float64)) / 1e3,
+                "input_us": (fwd["ns"].reindex(start.index).to_numpy(np.float64) - start["ns"].to_numpy(np.float64))
+                / 1e3,
+                "input_cpu_us": (
+                    fwd["cpu"].reindex(start.index).to_numpy(np.float64) - start["cpu"].to_numpy(np.float64)
+                )
+                / 1e3,
+            }
+        )
+        frames.append(out)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+
+
+RANK_STEP_COLUMNS = ("steps", "step_us", "busy_us", "exposed_us", "outside_us", "cpu_us", "input_us", "input_cpu_us")
+
+
+def rank_steps(by_rank, marks=None):
+    """The report's per-rank table of the steady state (section ``rank_steps``), medians over the
+    steady-state steps of each rank: step_us, busy_us (communication in flight, every call: the async
+    ones too), exposed_us, outside_us (step_us - busy_us: the step outside communication), and from the
+    step marks cpu_us (the training thread's CPU time), input_us / input_cpu_us (from the step's start
+    to its first root forward). The straggler advice quotes these figures and no others."""
+    import pandas as pd
+
+    steady = by_rank[by_rank["stage"] == "steady"]
+    t = steady[["rank", "step", "step_us", "busy_us", "exposed_us"]].assign(
+        outside_us=steady["step_us"] - steady["busy_us"]
+    )
+    if marks is not None and len(marks):
+        t = t.merge(marks[["rank", "step", "cpu_us", "input_us", "input_cpu_us"]], on=["rank", "step"], how="left")
+    else:
+        t = t.assign(cpu_us=np.nan, input_us=np.nan, input_cpu_us=np.nan)
+    if not len(t):
+        return pd.DataFrame(columns=["rank", *RANK_STEP_COLUMNS])
+    g = t.groupby("rank", sort=True)
+    out = g[list(RANK_STEP_COLUMNS[1:])].median()
+    out.insert(0, "steps", g.size())
+    return out.reset_index()
+
+
+def _cause(own: dict, others: dict, late_us: float) -> str:
+    """Which of the rank's figures exceeds the others' by CAUSE_SHARE of its lateness: its input
+    (``input``), its CPU time (``work``), else its wall time outside communication without its CPU
+    time (``host``); ``unknown`` when none does or the marks are missing."""
+    need = CAUSE_SHARE * late_us
+
+    def extra(col):
+        return own[col] - others[col]
+
+    if extra("input_us") >= need:  # NaN (no forward noted) compares False
+        return "input"
+    if extra("cpu_us") >= need:
+        return "work"
+    if extra("outside_us") >= need and extra("cpu_us") < need:
+        return "host"
+    return "unknown"
+
+
+def straggler(df, steps_table, st, cross, by_rank=None, job=None, verdict_=None) -> list:
+    """A rank late in most steps by a steady amount (``stragglers.verdict``), with its cause told from
+    the figures of the report's ``rank_steps`` table (``by_rank``: ``per_step(df, by_rank=True)`` when
+    already computed; ``job``: the logs' job notes, ``df.attrs["job_notes"]``)."""
+    v = verdict_ if verdict_ is not None else stragglers.of(cross, steps_table)
     if v is None or not v["straggler"]:
         return []
-    r = v["rank"]
     by_rank = per_step(df, by_rank=True) if by_rank is None else by_rank
-    steady = by_rank[by_rank["stage"] == "steady"]
-    own = steady[steady["rank"] == r]
-    others = steady[steady["rank"] != r]
-    if not len(own) or not len(others):
+    table = rank_steps(by_rank, step_marks(job))
+    return straggler_advice(v, table, st["step_p50_us"])
+
+
+def straggler_advice(v: dict, table, step_us: float) -> list:
+    """The straggler item from the verdict (its keys: rank, steps, last_steps, late_median_us, p_value,
+    share_of_step) and the ``rank_steps`` table: every figure quoted is a cell of that table (the
+    others': the median of their rows)."""
+    r = int(v["rank"])
+    own_rows = table[table["rank"] == r]
+    others_rows = table[table["rank"] != r]
+    if not len(own_rows) or not len(others_rows):
         return []
-
-    def med(frame, col):
-        return float(np.nanmedian(frame[col])) if frame[col].notna().any() else math.nan
-
-    step_us = st["step_p50_us"]
+    cols = list(RANK_STEP_COLUMNS[1:])
+    own = {c: float(own_rows[c].iloc[0]) for c in cols}
+    others = {c: float(np.nanmedian(others_rows[c])) if others_rows[c].notna().any() else math.nan for c in cols}
+    late = float(v["late_median_us"])
+    cause = _cause(own, others, late)
     ev = dict(
-        rank=int(r),
+        rank=r,
         steps=int(v["steps"]),
         last_steps=int(v["last_steps"]),
-        late_us=float(v["late_median_us"]),
+        late_us=late,
         late_share=float(v["share_of_step"]),
         p_value=float(v["p_value"]),
         step_us=step_us,
+        cause=CAUSES.index(cause),
     )
-    for name, frame in (("rank", own), ("others", others)):
-        exposed = med(frame, "exposed_us")
-        ev[f"{name}_exposed_us"] = exposed
-        ev[f"{name}_compute_us"] = med(frame.assign(c=frame["step_us"] - frame["exposed_us"]), "c")
-    text = (
-        f"rank {r} held the other ranks up a median {_ms(v['late_median_us'])} per step, the longest of all "
-        f"ranks in {v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g}): the others wait for it. "
-        f"Its step outside communication takes {_ms(ev['rank_compute_us'])} against {_ms(ev['others_compute_us'])} "
-        f"on the others, and it waits for communication {_ms(ev['rank_exposed_us'])} per step against "
-        f"{_ms(ev['others_exposed_us'])}: the delay comes before it issues its collectives (its compute, data "
-        "loading, or the host it runs on), not from the network."
+    for name, medians in (("rank", own), ("others", others)):
+        for c in cols:
+            ev[f"{name}_{c}"] = medians[c]
+
+    def pair(col):
+        return f"{_ms(own[col])} against {_ms(others[col])}"
+
+    head = (
+        f"rank {r} held the other ranks up a median {_ms(late)} per step, the longest of all ranks in "
+        f"{v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g}): the others wait for it. "
     )
-    change = (
-        f"find what rank {r} does more than the others before its collectives (uneven data shards or batch "
-        "sizes, slower data loading or preprocessing, another process on its CPU / GPU) and even it out"
+    figures = (
+        f"Per step (medians; table: Ranks' steps), its step outside communication {pair('outside_us')} on the "
+        f"others, communication in flight {pair('busy_us')}"
     )
+    if not math.isnan(own["cpu_us"]):
+        figures += f", its training thread's CPU time {pair('cpu_us')}"
+    if not math.isnan(own["input_us"]):
+        figures += (
+            f", from its step's start to its forward (loading its input) {pair('input_us')}, of which CPU time "
+            f"{pair('input_cpu_us')}"
+        )
+    need = f"(at least half its lateness, {_ms(CAUSE_SHARE * late)}, more than the others')"
+    if cause == "input":
+        why = (
+            f"{figures}: the time before its forward {need} says it waits on its input (a data loader too slow "
+            "for this rank, uneven samples or preprocessing)."
+        )
+        title = "waiting on its input"
+        change = (
+            f"make rank {r}'s input ready in time: more DataLoader workers (num_workers, prefetch_factor), "
+            "pin_memory, or even out its samples / preprocessing"
+        )
+    elif cause == "work":
+        why = (
+            f"{figures}: its CPU time {need} says it does more work (a larger batch or sequence, uneven data "
+            "shards, extra work in its own code)."
+        )
+        title = "more work on that rank"
+        change = f"even out the work of rank {r}: its batch / sequence lengths, its data shard, code only it runs"
+    elif cause == "host":
+        why = (
+            f"{figures}: its wall time outside communication {need} without its CPU time says the thread was kept "
+            "off the CPU (another process on its cores, too few cores for its threads) or waited on something "
+            "outside its own work and its input."
+        )
+        title = "kept off the CPU by its host"
+        change = (
+            f"look at what else runs on rank {r}'s host (top / nvidia-smi: other jobs, data loader workers, "
+            "OMP threads over the cores) and give it its cores"
+        )
+    else:
+        known = not math.isnan(own["cpu_us"])
+        why = f"{figures}" + (
+            ": no figure accounts for half of its lateness, the cause is not in the log."
+            if known
+            else "; this log has no per-step CPU time (a log of an older commpatch, CSV): the cause "
+            "(its work, its host or its input) cannot be told."
+        )
+        title = "cause unknown"
+        change = (
+            f"find what rank {r} does more than the others before its collectives (uneven data, slower input, "
+            "another process on its CPU / GPU) and even it out"
+        )
     return [
         Advice(
             "straggler",
-            f"rank {r} is a straggler: {_ms(v['late_median_us'])} late per step, its own work",
+            f"rank {r} is a straggler: {_ms(late)} late per step, {title}",
             ev,
             change,
             {},
-            float(v["late_median_us"]),
-            float(v["late_median_us"]) / step_us,
-            text,
-            "ranks",
+            late,
+            late / step_us if step_us > 0 else math.nan,
+            head + why,
+            "rank_steps",
         )
     ]
 

@@ -18,7 +18,10 @@ File layout: ``MAGIC`` then frames ``<kind:1 byte><length:4 bytes LE><payload>``
   step_source, device (the accelerator type that rows flagged "on the device" ran on), sync (the
   end of DDP's finalize after a backward, ns after the start of the row of its last bucket);
   inflight / landed / alive (a call in flight longer than the flusher's period, its completion,
-  the process alive at a time: ``record.inflight``). A reader ignores the kinds it does not know.
+  the process alive at a time: ``record.inflight``); step (the training thread's wall clock and CPU
+  time where a step starts, at 0, and at its first root forward, at 1: ``integrations.steps``);
+  settings (a DDP / FSDP module's settings, once per module). A reader ignores the kinds it does
+  not know.
 A frame cut short (a crash, a short write on a full disk: also mid-file, with frames appended
 after it), zeros or garbage are skipped and counted, never fatal: the reader keeps the whole rows
 and resynchronises on the next whole frame (see ``_Scanner``).
@@ -111,6 +114,8 @@ class Parsed:
         self.inflight: dict[int, dict] = {}  # id -> a call noted in flight (record.inflight), its fields checked
         self.landed: dict[int, int] = {}  # id -> Unix ns when that call was seen completed
         self.alive_ns = 0  # the latest 'alive' record: the process ran until then at least
+        self.step_marks: list[tuple[int, int, int, int]] = []  # (step, at: 0 start / 1 first forward, ns, cpu ns)
+        self.settings: list[dict] = []  # {"wrapper", "module", "values": {setting: value}}
 
     def damage(self) -> list[str]:
         """What was left out or guessed, one phrase per kind (none for an undamaged log)."""
@@ -501,12 +506,37 @@ def _meta(out: Parsed, m: dict, limit: int) -> None:
         out.landed[_int(m, "id", 0)] = _int(m, "ns", 0)
     elif kind == "alive":
         out.alive_ns = max(out.alive_ns, _int(m, "ns", 0))
+    elif kind == "step":  # the training thread at a step's start / first forward (integrations.steps)
+        out.step_marks.append((_int(m, "step"), _int(m, "at", 0, 1), _int(m, "ns"), _int(m, "cpu", 0)))
+    elif kind == "settings":  # a DDP / FSDP module's settings (integrations.ddp, fsdp)
+        values = m["values"]
+        if type(values) is not dict or len(values) > 64:
+            raise _Bad("values")
+        out.settings.append(
+            {
+                "wrapper": _str(m, "wrapper")[:40],
+                "module": _str(m, "module")[:200],
+                "values": {
+                    str(k)[:80]: v for k, v in values.items() if v is None or type(v) in (bool, int, float, str, list)
+                },
+            }
+        )
     elif kind == "lost":  # rows the writer dropped (a slow or full disk: record.log)
         out.lost.append((_int(m, "rows", 0), _int(m, "first_seq"), _int(m, "last_seq"), _str(m, "why")))
 
 
 # df.attrs key of the readers (io.read): per rank log read, its ``in_flight`` dict
 IN_FLIGHT_ATTR = "in_flight"
+# df.attrs key of the readers (io.read, log()): per rank log read, its ``job_notes`` dict
+JOB_ATTR = "job_notes"
+
+
+def job_notes(parsed: Parsed) -> dict:
+    """What a parsed rank log says about the job around its calls: ``rank``, ``step_marks`` (the
+    training thread's (step, at, Unix ns, thread CPU ns) where a step starts, at 0, and at the step's
+    first root forward, at 1) and ``settings`` (per DDP / FSDP module: wrapper, module, values)."""
+    rank = parsed.header.get("rank", -1)
+    return {"rank": rank, "step_marks": list(parsed.step_marks), "settings": list(parsed.settings)}
 
 
 def in_flight(parsed: Parsed) -> dict:

@@ -464,8 +464,33 @@ def _eager(fn):
     return disable(fn, recursive=False) if disable is not None else fn
 
 
+# parameters named in a DDP module's settings record: the first ones, whose gradients are ready last
+# (DDP's buckets take the parameters in reverse order): they make the tail of the backward
+SETTINGS_PARAMS = 64
+
+
+def note_settings(log, ddp) -> None:
+    """The DDP module's settings, once (a ``settings`` record: the advice never proposes what is
+    already set), with its first parameters' names and bytes."""
+    try:
+        params = [[name, p.numel() * p.element_size()] for name, p in ddp.module.named_parameters() if p.requires_grad][
+            :SETTINGS_PARAMS
+        ]
+        values = dict(
+            bucket_cap_mb=ddp.bucket_bytes_cap / float(1 << 20),
+            gradient_as_bucket_view=bool(ddp.gradient_as_bucket_view),
+            static_graph=bool(ddp.static_graph),
+            find_unused_parameters=bool(ddp.find_unused_parameters),
+            first_params=params,
+        )
+        log.settings.append(("ddp", type(ddp.module).__name__, values))
+    except Exception as exc:  # noqa: BLE001 - a setting not read never breaks the forward
+        _runtime.fail("ddp.settings", exc)
+
+
 def _install(log, ddp, reducer) -> None:
     _SLOTS[reducer] = None  # decided once per reducer, whatever happens below
+    note_settings(log, ddp)
     try:
         existing = ddp._get_ddp_logging_data().get("comm_hook", "")
         if existing:  # a hook registered before enable(): it cannot be wrapped or replaced

@@ -43,8 +43,35 @@ def apply(ctx) -> None:
 
 def _patch_fsdp2(ctx, module) -> None:
     cls = module.FSDPParamGroup
-    for name in ("unshard", "post_backward"):
-        ctx.patches.wrap(cls, name, lambda orig: _attributed(orig, lambda group, args: group.modules[0]))
+    noted: weakref.WeakSet = weakref.WeakSet()  # the groups whose settings are in the log
+    log = ctx.log
+
+    def unit(group, args):
+        if group not in noted:
+            noted.add(group)
+            note_settings(log, group)
+        return group.modules[0]
+
+    ctx.patches.wrap(cls, "unshard", lambda orig: _attributed(orig, unit))
+    ctx.patches.wrap(cls, "post_backward", lambda orig: _attributed(orig, lambda group, args: group.modules[0]))
+
+
+def note_settings(log, group) -> None:
+    """An FSDP2 unit's settings, at its first unshard (a ``settings`` record): reshard_after_forward
+    (whether it gathers its parameters again in the backward) and its mesh."""
+    try:
+        mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+        values = dict(
+            # None after lazy init where the unit does not reshard (False, or the root's)
+            reshard_after_forward=getattr(group, "post_forward_mesh_info", None) is not None,
+            mesh=list(mesh.shape) if mesh is not None else None,
+            mesh_dims=list(mesh.mesh_dim_names or ()) if mesh is not None else None,
+            params=len(getattr(group, "fsdp_params", ())),
+        )
+        name = getattr(group, "_module_fqn", None) or type(group.modules[0]).__name__
+        log.settings.append(("fsdp2", name, values))
+    except Exception as exc:  # noqa: BLE001 - a setting not read never breaks FSDP
+        _runtime.fail("fsdp.settings", exc)
 
 
 def _patch_fsdp1(ctx, module) -> None:

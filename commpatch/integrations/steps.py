@@ -18,13 +18,18 @@ With none of them the counter stays at 0; the offline analysis (``analysis.patte
 the iterations of the rank's repeating pattern of collectives (``pattern``): nothing at record time.
 
 Each change of source is one ``step_source`` record in the rank's log (``record.state.
-set_step_source``), not a field of every row. Cost: one Python call per optimizer step and per
-root forward.
+set_step_source``), not a field of every row. Where a step starts, and at the step's first root
+forward, the training thread's wall clock and CPU time (``time.thread_time_ns``) are noted
+(``Log.step_marks``, a ``step`` record each): the straggler advice tells more work (CPU time up)
+from a rank kept off the CPU (wall time up, CPU time not) and from waiting on input (the time
+from the step's start to its forward). Cost: one Python call per optimizer step and per root
+forward; nothing per collective.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 from ..data.schema import S_FORWARD, S_OPTIMIZER, S_USER
 from ..record import state as _runtime
@@ -43,6 +48,15 @@ _driver: list = []  # id() of the optimizer whose steps count
 _seen_forward: list = []  # a root forward ran (the first one opens step 0, it does not advance)
 _micro: list = []  # [root forwards, step at the switch] during the first optimizer step after forward-counted ones
 _local = threading.local()  # .depth: counted root forwards running in this thread
+_marks: list = []  # [the Log's step_marks list] while applied
+_forward_marked = [-1]  # the step whose first root forward is noted
+_wall_ns, _cpu_ns = time.time_ns, time.thread_time_ns
+
+
+def _mark(at: int) -> None:
+    """Note the training thread's wall clock and CPU time: at 0 a step starts, at 1 its first root forward."""
+    if _marks:
+        _marks[0].append((_runtime.STATE.step, at, _wall_ns(), _cpu_ns()))
 
 
 def wanted(settings: dict) -> bool:
@@ -61,6 +75,7 @@ def advance(source: int) -> None:
     elif _micro and source == S_OPTIMIZER:
         _micro_batches(peek_seq(SEQ))
     state.step += 1
+    _mark(0)
 
 
 def _micro_batches(seq: int) -> None:
@@ -80,10 +95,13 @@ def user_step(value=None) -> int:
     if state.step_source != S_USER:
         _runtime.set_step_source(S_USER, peek_seq(SEQ))
     state.step = state.step + 1 if value is None else int(value)
+    if state.recording:
+        _mark(0)
     return state.step
 
 
 def apply(ctx) -> None:
+    _marks[:] = [ctx.log.step_marks]
     when_imported("torch.optim.optimizer", _install_optimizer_hook)
     when_imported(DDP_MODULE, lambda ctx, m: _wrap_forward(ctx, m.DistributedDataParallel, "forward"))
     when_imported(FSDP1_MODULE, lambda ctx, m: _wrap_forward(ctx, m.FullyShardedDataParallel, "forward"))
@@ -112,7 +130,12 @@ def _root_forward_begins() -> None:
     state = _runtime.STATE
     if _micro and state.step_source == S_OPTIMIZER:
         _micro[0] += 1
-    if not state.recording or state.step_source in (S_USER, S_OPTIMIZER):
+    if not state.recording:
+        return
+    if state.step_source in (S_USER, S_OPTIMIZER):
+        if _forward_marked[0] != state.step:  # the step's first forward: its input is in
+            _forward_marked[0] = state.step
+            _mark(1)
         return
     if _seen_forward:
         advance(S_FORWARD)
@@ -172,6 +195,8 @@ def remove(ctx) -> None:
     _driver.clear()
     _seen_forward.clear()
     _micro.clear()
+    _marks.clear()
+    _forward_marked[0] = -1
 
 
 INTEGRATION = Integration(

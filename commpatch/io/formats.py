@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..data.frame import arrow_table, dataframe, parse_log, parsed_clock
-from ..data.logfile import in_flight
+from ..data.logfile import in_flight, job_notes
 from ..data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from .csvlog import csv_header, read_csv_arrow, read_csv_pandas
 from .discovery import PARQUET_MAGIC, SNIFF, partition_rank
@@ -111,6 +111,7 @@ def _read_binary(pa, path, schema, notes, clocks=None):
     for problem in parsed.damage():
         notes.add(path, problem)
     notes.flight.append(in_flight(parsed))
+    notes.job.append(job_notes(parsed))
     rank = parsed.header.get("rank")
     if clocks is not None and isinstance(rank, int) and rank >= 0 and len(parsed.rows):
         clocks[rank] = parsed_clock(parsed).summary()

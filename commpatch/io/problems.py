@@ -49,6 +49,7 @@ class Notes:
         self.problems: dict[str, list[str]] = {}
         self.run = None  # (the run directory read, how many runs its parent holds): latest_run
         self.flight: list[dict] = []  # per binary log read: data.logfile.in_flight (its calls in flight at the end)
+        self.job: list[dict] = []  # per binary log read: data.logfile.job_notes (step marks, settings)
 
     def add(self, path, problem: str) -> None:
         self.problems.setdefault(problem, []).append(str(path))

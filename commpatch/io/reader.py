@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ..data.attrs import shared
 from ..data.clock import CLOCK_ATTR
 from ..data.frame import own_times
-from ..data.logfile import IN_FLIGHT_ATTR
+from ..data.logfile import IN_FLIGHT_ATTR, JOB_ATTR
 from ..data.ops import describe_op
 from ..data.schema import BOUNDARY_SOURCES, DERIVED_FROM_OP, OLD_TIMING_NAMES, SCHEMA, STEPLESS_ATTR, TIMINGS
 from . import writer as _writer
@@ -186,6 +186,7 @@ class _Parts:
         df.attrs[IN_FLIGHT_ATTR] = shared(
             [f for f in flight if self.plan.ranks is None or f["rank"] in self.plan.ranks]
         )
+        df.attrs[JOB_ATTR] = shared([j for j in self.notes.job if j["rank"] in here])
         if self.clocks:
             df.attrs[CLOCK_ATTR] = shared(dict(sorted(self.clocks.items())))
         if self.plan.steps is not None:

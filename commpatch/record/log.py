@@ -87,6 +87,10 @@ class Log:
         self.waits: list[
             tuple
         ] = []  # (seq, ns): the thread's wait_tensor on a functional collective (integrations.base.Waits)
+        # (step, at, Unix ns, thread CPU ns): the training thread where a step starts (at 0) and at the
+        # step's first root forward (at 1) (integrations.steps)
+        self.step_marks: list[tuple] = []
+        self.settings: list[tuple] = []  # (wrapper, module, {setting: value}): a DDP / FSDP module's settings
         self.output = ""  # path template ('' : frames kept in memory)
         self.max_rows = 0  # with no output: rows kept in memory (0: no limit)
         self.on_open = None  # called with (log) before a file is opened: e.g. start the flusher
@@ -515,6 +519,8 @@ class Log:
             ("sync", self.syncs, ("seq", "end")),
             ("pack", self.packs, ("seq", "ns", "alone")),
             ("wait", self.waits, ("seq", "ns")),
+            ("step", self.step_marks, ("step", "at", "ns", "cpu")),
+            ("settings", self.settings, ("wrapper", "module", "values")),
         ):
             if taken and notes:
                 k = len(taken)
@@ -592,6 +598,8 @@ class Log:
         self.syncs.clear()
         self.packs.clear()
         self.waits.clear()
+        self.step_marks.clear()
+        self.settings.clear()
         self.sink, self.closed, self.files, self.written = None, [], [], {}
         self.flushed_rows = self.dropped = 0
         self.recent = b""
@@ -614,13 +622,22 @@ class Log:
         import pandas as pd
 
         datas = self._read_back()
-        frames = [dataframe(p) for p in _fold_empty(parse_log(d) for d in datas)]
+        parsed = list(_fold_empty(parse_log(d) for d in datas))
+        frames = [dataframe(p) for p in parsed]
         if not frames:
             frames = [dataframe(parse_log(logfile.MAGIC))]
         df = frames[0] if len(frames) == 1 else concat_frames(pd, frames)
         if self.reset_seq:
             df = df[df["seq"] >= self.reset_seq].reset_index(drop=True)
         df.attrs["dropped_rows"] = self.dropped
+        notes = [logfile.job_notes(p) for p in parsed]
+        df.attrs[logfile.JOB_ATTR] = [
+            {
+                "rank": self.rank,
+                "step_marks": [m for n in notes for m in n["step_marks"]],
+                "settings": [s for n in notes for s in n["settings"]],
+            }
+        ]
         return df
 
     def _read_back(self) -> list:
@@ -693,6 +710,8 @@ def _fold_empty(parsed):
             prev.late_dur = np.concatenate((prev.late_dur, p.late_dur))
             prev.own_seq = np.concatenate((prev.own_seq, p.own_seq))
             prev.own_dur = np.concatenate((prev.own_dur, p.own_dur))
+            prev.step_marks += p.step_marks
+            prev.settings += p.settings
             continue
         out.append(p)
     return out

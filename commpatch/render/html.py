@@ -28,7 +28,7 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "html_assets")
 MAX_TABLE_ROWS = 2000  # rows of one table in the page (the per-step table of a long run); JSON has all
 EXCERPT_RANKS = 16
 EXCERPT_CALLS = 5000
-TABLE_KEYS = ("mismatches", "summary", "steps", "ranks", "skew", "p2p")
+TABLE_KEYS = ("mismatches", "summary", "steps", "ranks", "rank_steps", "skew", "p2p")
 
 
 def _asset(name: str) -> str:
@@ -165,7 +165,9 @@ def _items(advice) -> list:
     """Advice items (dicts, named tuples or objects) as {field: text}: rendered generically."""
     out = []
     for item in advice or ():
-        if hasattr(item, "_asdict"):
+        if hasattr(item, "as_dict"):  # analysis.advice.Advice: NaN evidence (unknown) as None
+            item = item.as_dict()
+        elif hasattr(item, "_asdict"):
             item = item._asdict()
         elif not isinstance(item, dict):
             item = {k: v for k, v in vars(item).items() if not k.startswith("_")}

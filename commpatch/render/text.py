@@ -15,6 +15,7 @@ from ..analysis import hangs, matching, pattern, summaries
 from ..analysis import steps as _steps
 from ..analysis.headline import headline as _headline
 from ..data.clock import MEASURED, SAME_MACHINE
+from ..data.logfile import JOB_ATTR
 from . import people
 from .people import human_bytes, terminal_safe
 
@@ -83,6 +84,9 @@ SECTIONS = {  # key -> title, in the order they are rendered
     "steps": "Per step (mean over ranks; stage setup / steady / end)",
     "ranks": "Ranks by how long and how often they arrived last (stragglers first; per rank: sums over its "
     "collectives)",
+    "rank_steps": "Ranks' steps (per rank: medians over its steady-state steps; outside_us = step_us - busy_us, "
+    "busy_us: communication in flight, async calls included; cpu_us: its training thread's CPU time; input_us: "
+    "from the step's start to its first forward)",
     "skew": "Collectives with the largest arrival skew (one row per collective, over the ranks that issued it)",
     "p2p": "Point-to-point channels (matched pairwise; per channel: summed over its pairs)",
     "clock": "Clocks (per rank: its wall clock's offset to rank 0's, as measured during the run; rank 0's clock "
@@ -128,6 +132,7 @@ def build_report(
     """
 
     pre = precomputed
+    job = df.attrs.get(JOB_ATTR) if df is not None else None  # step marks, DDP / FSDP settings: the advice's
     if df is not None:
         df = pattern.with_pattern_steps(df)  # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
@@ -148,7 +153,7 @@ def build_report(
     per_step = pre.per_step if pre is not None else _steps.per_step(df, steps=steps, by_rank=False)
     rep.sections["steps"] = per_step
     rep.notes += _step_notes(per_step)
-    cr = None
+    cr = by_rank = None
     if len(ranks) > 1:
         cr = pre if pre is not None else cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
@@ -158,6 +163,9 @@ def build_report(
             for m in cr.mismatches.itertuples()
         ]
         rep.sections["ranks"] = cr.ranks
+        by_rank = pre.by_rank_steps if pre is not None else _steps.per_step(df, steps=steps, by_rank=True)
+        if by_rank is not None:
+            rep.sections["rank_steps"] = _advice.rank_steps(by_rank, _advice.step_marks(job))
         rep.sections["skew"] = pre.skew if pre is not None else matching.top_skew(cr.collectives, top)
         if pre is not None and pre.p2p is not None and len(pre.p2p):
             rep.sections["p2p"] = pre.p2p
@@ -227,7 +235,7 @@ def build_report(
         steady_summary=_steady_summary(df, per_step, by, pre),
     )
     rows = df if pre is None else pre.advice_rows  # the engine's: the rows the rules read (engine._advice_rows)
-    rep.advice = _advice.advice(rows, per_step, cr, by_rank=getattr(pre, "by_rank_steps", None))
+    rep.advice = _advice.advice(rows, per_step, cr, by_rank=by_rank, job=job)
     return rep
 
 
