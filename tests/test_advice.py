@@ -60,6 +60,7 @@ DEFAULTS = dict(
     sync_end_us=np.nan,
     pack_us=np.nan,
     pack_alone_us=np.nan,
+    wait_us=np.nan,
 )
 T0 = 1_700_000_000_000_000_000
 

@@ -83,10 +83,7 @@ def test_headline_is_the_same_figures_in_text_json_and_html(logs, tmp_path):
     shown = " ".join(" ".join(lines[3 : lines.index("Findings:")]).split())
     for label, sentence in people.headline_lines(h):
         assert f"{label}: {sentence}" in shown
-    assert (
-        f"step time: {people._ms(h['step_us'])} median" in shown
-        and "straggler: rank 1: the others wait for it" in shown
-    )
+    assert f"step time: {people._ms(h['step_us'])} median" in shown and "straggler: rank 1: others wait " in shown
     # the page holds the same headline
     path = str(tmp_path / "r.html")
     assert report(logs, "--html", path)[0] == 0
@@ -100,7 +97,9 @@ def test_headline_says_unknown_for_one_rank(logs):
     h = rep["headline"]
     assert h["straggler"]["verdict"] == "unknown" and h["hang"]["verdict"] == "unknown" and h["mismatches"] is None
     text = report(os.path.join(logs, "rank0.csv"))[1]
-    assert "straggler:      unknown (one rank)" in text and "mismatches:     not checked" in text
+    # the rows say the job had 4 ranks: the missing logs are named (a forgotten host), not "one rank"
+    assert "straggler:      unknown (no log for rank(s) 1-3: only one rank's log read)" in text, text
+    assert "mismatches:     not checked" in text
 
 
 def test_text_report_fits_120_columns_at_1024_ranks(big):

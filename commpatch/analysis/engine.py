@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..data.clock import CLOCK_ATTR
-from ..data.logfile import IN_FLIGHT_ATTR
+from ..data.logfile import IN_FLIGHT_ATTR, JOB_ATTR
 from ..data.ops import describe_op
 from ..data.schema import STEPLESS_ATTR, expand_ranks
 from . import hangs as _hangs
@@ -55,6 +55,7 @@ AUTO_BYTES = 256 << 20  # 'auto' takes the engine from this much input on (and w
 # the steady-state calls with bytes (small messages), these columns, at most ADVICE_ROWS of them.
 ADVICE_COLUMNS = (
     "rank",
+    "seq",
     "step",
     "op",
     "collective",
@@ -124,6 +125,7 @@ class Staged:
     clock: dict = field(default_factory=dict)  # rank -> data.clock summary (binary logs)
     flights: list = field(default_factory=list)  # its data.logfile.in_flight dicts (watchdog dumps too)
     hang_digest: Any = None  # hangs.Digest of its rows (None: read with a window of steps)
+    job: list = field(default_factory=list)  # its job notes (data.logfile.JOB_ATTR: step marks, settings)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -171,6 +173,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     for column in _CAT_COLUMNS:
         rows[column], _, local[column] = _codes(df[column], names, column)
     rows["cseq"] = collective_seq(df)
+    rows["seq"] = df["seq"].to_numpy(np.int64)  # the rank's call order (the advice's back-to-back calls)
     rows["bytes"] = nbytes
     rows["start_ns"] = df["start_ns"].to_numpy(np.int64)
     rows["dur"] = dur
@@ -249,6 +252,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         batch_calls=int((df["op"] == "batch_isend_irecv").sum()),
         pattern=df.attrs.get(PATTERN_ATTR, {}),
         clock=df.attrs.get(CLOCK_ATTR, {}),
+        job=list(df.attrs.get(JOB_ATTR) or []),
         in_flight=sum(len(f["calls"]) for f in merge_flights(flights).values()),
         flights=flights,
         # what the hang attribution reads of its rows (a few; analysis.hangs), as the pandas path reads them
@@ -326,6 +330,7 @@ class Results:
     left_out: str = ""  # what the engine's report does not look at (said in a finding), or ''
     log_ends: Any = None  # matching.log_end_table
     clock: Any = None  # {rank: data.clock summary}, as matching.CrossRank's
+    job: Any = None  # the ranks' job notes (data.logfile.JOB_ATTR), in rank order, as the readers give them
     rank_list: list = field(default_factory=list)
     calls: int = 0
     unmeasured: int = 0
@@ -355,6 +360,7 @@ class Engine:
         self.seen_ranks: set = set()
         self.pattern: dict = {}  # rank -> pattern.Found or why its steps were not found
         self.clock: dict = {}  # rank -> data.clock summary (its offset to rank 0's clock)
+        self.job: list = []  # the ranks' job notes (step marks, settings)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
         self.tables: set = set()
         self.flights: list = []  # every rank's data.logfile.in_flight dicts
@@ -390,6 +396,7 @@ class Engine:
             self.names.setdefault(column, {}).update(names)
         self.pattern.update(staged.pattern)
         self.clock.update(staged.clock)
+        self.job += staged.job
         self.flights += staged.flights
         self.digests.append(staged.hang_digest)
 
@@ -455,6 +462,7 @@ class Engine:
             out.by_rank_steps = self._df("SELECT * FROM steps ORDER BY rank, step")
         out.hangs = self._hangs()
         out.advice_rows, out.left_out = self._advice_rows(steady)
+        out.job = sorted(self.job, key=lambda j: j["rank"])
         if len(ranks) > 1:
             out.ranks = self._rank_table()
             out.log_ends = self.log_ends
@@ -541,7 +549,7 @@ class Engine:
             left_out = ENGINE_LEFT_OUT.format(rows=n, most=ADVICE_ROWS)
         elif n:
             r = self._df(f"""
-                SELECT rank, step, op, "group", bytes, start_ns, dur AS duration_us, own AS own_us,
+                SELECT rank, seq, step, op, "group", bytes, start_ns, dur AS duration_us, own AS own_us,
                        transfer AS transfer_us
                 FROM {self._transfer_source()} WHERE {where} ORDER BY rank, step, start_ns""")
             self._decode(r, "op", "op")

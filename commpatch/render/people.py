@@ -42,7 +42,7 @@ MAX_WORD = 1_000  # a longer word of a sentence (a name from a log) is cut, endi
 _LONG_WORD = re.compile(rf"\S{{{MAX_WORD + 1},}}")
 
 STRAGGLER_WHY = {
-    "significance": "not more than chance explains",
+    "significance": "not more than chance",
     "consistency": "not the longest in most steps",
     "effect": "within the other ranks' own noise",
     "steps": "too few steady-state steps",
@@ -137,18 +137,17 @@ def headline_lines(h: dict) -> list:
         out.append(
             (
                 "straggler",
-                f"rank {s['rank']}: the others wait for it {_ms(s['late_median_us'])} per step (median; "
-                f"{_pct(s['share_of_step'])} of the step; the longest in {s['last_steps']} of {s['steps']} "
-                f"steady-state steps; p = {s['p_value']:.2g}; threshold {_ms(s.get('threshold_us'))})",
+                f"rank {s['rank']}: others wait {_ms(s['late_median_us'])}/step for it ({_pct(s['share_of_step'])} "
+                f"of step; longest in {s['last_steps']}/{s['steps']} steps; p = {s['p_value']:.2g}; noise "
+                f"{_ms(s.get('threshold_us'))})",
             )
         )
     elif s.get("verdict") == "none":
         out.append(
             (
                 "straggler",
-                f"none. Longest: rank {s['rank']}, the others wait for it {_ms(s['late_median_us'])} per step "
-                f"(median; threshold {_ms(s.get('threshold_us'))}), the longest in {s['last_steps']} of "
-                f"{s['steps']} steps; "
+                f"none: rank {s['rank']} longest in {s['last_steps']}/{s['steps']} steps, "
+                f"{_ms(s['late_median_us'])}/step (noise {_ms(s.get('threshold_us'))}); "
                 f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
             )
         )

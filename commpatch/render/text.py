@@ -132,7 +132,8 @@ def build_report(
     """
 
     pre = precomputed
-    job = df.attrs.get(JOB_ATTR) if df is not None else None  # step marks, DDP / FSDP settings: the advice's
+    # step marks, DDP / FSDP settings: the advice's
+    job = df.attrs.get(JOB_ATTR) if df is not None else getattr(precomputed, "job", None)
     if df is not None:
         df = pattern.with_pattern_steps(df)  # a log without step boundaries: steps from its calls' pattern
     ranks = pre.rank_list if pre is not None else sorted(df["rank"].unique().tolist())
