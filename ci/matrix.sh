@@ -4,6 +4,8 @@
 #     with the newest Python, each in a fresh venv (the index's wheels are CUDA builds: run on the
 #     CPU here; their downloads and venvs are cached in $COMMPATCH_MATRIX_CACHE between runs);
 #   - the suite once more with the C recorder not built (the pure-Python hot path).
+# Each cell leaves out the tests marked `offline` (files and synthetic logs only: tests/conftest.py),
+# which `make test` runs: nothing in them depends on torch's version or on the recorder.
 # Usage: ci/matrix.sh [cell ...]   cells: oldest newest pure (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +50,7 @@ venv_cell() {       # name: a venv with that Python and torch, commpatch install
     "$venv/bin/python" -m pip install "${PIP_FLAGS[@]}" -e "$REPO[test]"
     "$venv/bin/python" -m commpatch install-hook >/dev/null
     echo "matrix[$name]: $("$venv/bin/python" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
-    (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider)
+    (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not offline")
 }
 
 pure_cell() {       # the suite on a copy of the checkout without the compiled C recorder
@@ -59,7 +61,7 @@ pure_cell() {       # the suite on a copy of the checkout without the compiled C
     (cd "$copy" && PYTHONPATH=$copy python3 -c \
         'from commpatch.record import rows; assert rows._hot is None, "the C recorder is built here"')
     echo "matrix[pure]: the suite with the pure-Python recorder"
-    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider)
+    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider -m "not offline")
 }
 
 if [ "${1:-}" = "--one" ]; then       # one cell, in a process of its own: set -e holds inside it

@@ -192,6 +192,7 @@ def test_the_engine_says_when_it_leaves_the_small_message_advice_out(tmp_path, m
 # ---- hangs, and a straggler, at 1,024 ranks ----------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.offline
 def test_the_engines_name_the_same_hang_and_straggler_at_1024_ranks(tmp_path):
     """1,024 ranks, rank 5 a straggler (every call 3 ms late), then rank 9 never issues a world
     all_reduce the others wait in (inflight records, every rank alive 60 s later): the same hang

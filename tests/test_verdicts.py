@@ -51,11 +51,12 @@ def test_a_straggler_that_fsdp_absorbs_is_named(tmp_path):
 
 def test_delays_inside_a_block_and_before_the_optimizer_are_named():
     """Tensor parallel (a Colwise / Rowwise pair per block: an all-reduce in each block's forward): rank 0
-    sleeps inside the second block's forward; ZeRO (ZeroRedundancyOptimizer over DDP): rank 1 sleeps
-    before the optimizer's step (its broadcasts absorb it); both 20% of the step: named."""
+    sleeps inside the second block's forward; DDP: rank 1 sleeps before the optimizer's step (the next
+    step's first bucket absorbs it); both 20% of the step: named (the truth table's rates per cell:
+    docs/decisions/straggler-verdict.md)."""
     jobs = [
         dict(kind="tp", spot="in_forward", share=0.2, slow_rank=0, steps=30, seed=3),
-        dict(kind="zero", spot="before_optimizer", share=0.2, slow_rank=1, steps=30, seed=4),
+        dict(kind="ddp", spot="before_optimizer", share=0.2, slow_rank=1, steps=30, seed=4),
     ]
     verdicts = [v for _, v in _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)]
     assert [(v["straggler"], v["rank"]) for v in verdicts] == [(True, 0), (True, 1)], verdicts

@@ -195,12 +195,12 @@ ENGINE_LEFT_OUT = (
 
 def _steps_text(steps) -> str:
     """'step 0 is' or 'steps 0-1 are' (the set-up steps); 'no step is' without any."""
-    steps = sorted(int(x) for x in steps)
+    steps = sorted({int(x) for x in steps})
     if not steps:
         return "no step is"
     if len(steps) == 1:
         return f"step {steps[0]} is"
-    run = steps == list(range(steps[0], steps[-1] + 1))
+    run = steps[-1] - steps[0] == len(steps) - 1  # consecutive (no list of the range: a damaged step is huge)
     return f"steps {steps[0]}-{steps[-1]} are" if run else f"steps {', '.join(map(str, steps))} are"
 
 

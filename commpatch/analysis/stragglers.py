@@ -46,7 +46,7 @@ import numpy as np
 from ..data.clock import MEASURED, REFERENCE, SAME_MACHINE
 
 # the tests' level, after the Bonferroni correction for the two tests and the ranks a candidate is picked from
-ALPHA = 1e-2
+ALPHA = 1e-3
 # the share of the steps trimmed from each end before the t-test (Yuen's 20%)
 TRIM = 0.2
 # a straggler holds the others up longest in at least this share of the steady-state steps...

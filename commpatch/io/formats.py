@@ -9,6 +9,7 @@ of the data. Nothing else escapes from here for bad input: no raw pyarrow / pand
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 from ..data.frame import arrow_table, dataframe, parse_log, parsed_clock
 from ..data.logfile import in_flight, job_notes
@@ -146,6 +147,11 @@ def _read_parquet(pa, path, schema, notes):
                 f"{SCHEMA_VERSION}): the columns added since are ignored",
             )
         names = list(arrow_schema.names)
+        twice = sorted(n for n, k in Counter(names).items() if k > 1)
+        if twice:  # which of them would be the column? (pyarrow refuses to pick one)
+            raise LogFileError(
+                path, f"column(s) {', '.join(map(repr, twice[:5]))} appear more than once: not a commpatch log"
+            )
         part_rank = partition_rank(path) if "rank" not in names else None
         if part_rank is not None:  # a file of a rank-partitioned dataset: the rank is in its path
             names.append("rank")
