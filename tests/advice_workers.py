@@ -83,6 +83,7 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
     import torch
 
     import commpatch
+    from tests.integration_workers import _fsdp_train
     from tests.torch_compat import fsdp2_cpu_unsupported
     from tests.torch_compat import fully_shard as _fully_shard
 
@@ -96,12 +97,7 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
         fully_shard(model[0], reshard_after_forward=False)
         fully_shard(model[2])
         fully_shard(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(7)
-        for _ in range(steps):
-            model(torch.randn(4, 8, generator=gen)).sum().backward()
-            opt.step()
-            opt.zero_grad()
+        _fsdp_train(model, steps)
         return commpatch.log().attrs.get("job_notes")
     finally:
         commpatch.disable()
