@@ -303,6 +303,7 @@ MEASURED = {
     "decisions/report-at-scale.md": ("benchmarks/merge_scale.py", "benchmarks/engine_choice.py"),
     "decisions/steps-and-shares.md": ("benchmarks/steps_ground_truth.py",),
     "decisions/straggler-verdict.md": ("benchmarks/verdicts.py",),
+    "gpu-validation.md": ("benchmarks/gpu/device_run.sh",),  # and tests/test_gpu_kit.py checks the results table
 }
 
 

@@ -33,6 +33,10 @@ class Timing:
         self.apis: dict = {}  # (device type, index) -> _DeviceApi
         self.pools: dict = {}  # (device type, index) -> free events
         self.created = 0  # events ever created (pools keep it flat)
+        # measurements in flight before a new event is created rather than resolving first; doubled
+        # past what a resolve left in flight (a device far behind the host), so the resolves cost
+        # O(1) per call, not O(in flight)
+        self.resolve_at = _EARLY
         self.dev_pending: list = []  # (seq, device key, gid, start_event, end_event)
         self.nccl_pending: list = []  # (seq, work, device key, start_event)
         self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
@@ -86,6 +90,12 @@ class Timing:
         dev = tensor.device
         key = (dev.type, dev.index)
         api = self.apis.get(key) or self._api(key, dev)
+        if api.here is not None and api.here():  # CUDA's current device: two C calls
+            if api.here_capturing():
+                return None
+            ev = self._event(key, api)
+            ev.record()
+            return key, ev
         stream = api.current_stream()
         if api.capturing(stream):
             return None
@@ -103,7 +113,7 @@ class Timing:
         api = self.apis[key]
         if not async_op:
             end_ev = self._event(key, api)
-            end_ev.record(api.current_stream())
+            api.record(end_ev)
             self.dev_pending.append((seq, key, gid, start_ev, end_ev))
             return T_DEVICE
         if work is None:
@@ -124,16 +134,24 @@ class Timing:
         if fut is None:
             self.cancel(started)
             return T_NONE
+        fut.then(self.end_recorder(seq, gid, started))
+        return T_DEVICE
+
+    def end_recorder(self, seq: int, gid: int, started):
+        """A function(future=None) that ends the measurement ``started`` (not None): run inside a
+        ``then()`` callback, whose current stream waits for the collective, it records the end
+        event there. Callers with a callback of their own call it from theirs (one ``then()``:
+        each costs a stream from the pool and a GIL hand-off)."""
+        key, start_ev = started
         api = self.apis[key]
         end_ev = self._event(key, api)
         pending = self.dev_pending
 
-        def record_end(_fut, seq=seq, start_ev=start_ev, end_ev=end_ev):
-            end_ev.record(api.current_stream())  # this callback's current stream waits for the collective
+        def record_end(_fut=None, seq=seq, start_ev=start_ev, end_ev=end_ev):
+            api.record(end_ev)  # this callback's current stream waits for the collective
             pending.append((seq, key, gid, start_ev, end_ev))
 
-        fut.then(record_end)
-        return T_DEVICE
+        return record_end
 
     def _host_wait(self, work, key) -> None:
         """Wait on the host for a work (read / exit only): NCCL's ``wait()`` makes the current
@@ -162,8 +180,9 @@ class Timing:
         pool = self.pools.get(key)
         if pool:
             return pool.pop()
-        if len(self.dev_pending) >= _EARLY and not self.lock.locked():
+        if len(self.dev_pending) >= self.resolve_at and not self.lock.locked():
             self.resolve()  # completed measurements give their events back
+            self.resolve_at = max(_EARLY, 2 * len(self.dev_pending))
             pool = self.pools.get(key)
             if pool:
                 return pool.pop()
@@ -185,7 +204,7 @@ class Timing:
             return
         with self.lock:
             try:
-                capturing = {key for key, api in self.apis.items() if api.capturing(api.current_stream())}
+                capturing = {key for key, api in self.apis.items() if api.capturing_now()}
                 self._resolve_device(block, capturing)
                 self._resolve_nccl(block, capturing)
             except Exception as exc:  # noqa: BLE001
@@ -275,6 +294,30 @@ class _DeviceApi:
             self.event = lambda: torch.cuda.Event(enable_timing=True)
         else:
             raise RuntimeError(f"no stream / event API for {dev.type!r} devices in torch {torch.__version__}")
+        # CUDA, the current device: an event recorded with no stream goes to its current stream, and
+        # capture is one C call (torch.accelerator.current_stream(dev) costs ~3 us in Python per call)
+        self.here = None
+        get, capturing = (
+            getattr(torch._C, "_cuda_getDevice", None),
+            getattr(torch._C, "_cuda_isCurrentStreamCapturing", None),
+        )
+        if dev.type == "cuda" and get is not None and capturing is not None and dev.index is not None:
+            index = dev.index
+            self.here = lambda: get() == index
+            self.here_capturing = capturing
+
+    def record(self, ev) -> None:
+        """Record ``ev`` on this device's current stream."""
+        if self.here is not None and self.here():
+            ev.record()
+        else:
+            ev.record(self.current_stream())
+
+    def capturing_now(self) -> bool:
+        """Whether this device's current stream is capturing (a CUDA graph)."""
+        if self.here is not None and self.here():
+            return bool(self.here_capturing())
+        return self.capturing(self.current_stream())
 
     @staticmethod
     def capturing(stream) -> bool:

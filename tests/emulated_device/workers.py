@@ -479,3 +479,49 @@ def collectives(rank, world_size):
         "coverage": collective_coverage(rank, world_size),
         "commpatch": commpatch_device(rank, world_size, calls=10_000 if world_size == 2 else 1_000),
     }
+
+
+def commpatch_behind(rank, world_size, calls=2000, sleep_ms=3000):
+    """``calls`` all_reduces issued while the device is ``sleep_ms`` behind the host: how many pending
+    measurements the resolves walked over in all (each new event used to walk every one still in
+    flight: quadratic in the calls queued), and the rows' durations once the device caught up."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+    from commpatch.session import default
+    from tests import emulated_device as emu
+
+    commpatch.enable(output="none")
+    timing = default().timing
+    walked = [0, 0]  # items walked, resolves
+    orig = timing._resolve_device
+
+    def counting(block, capturing):
+        walked[0] += len(timing.dev_pending)
+        walked[1] += 1
+        return orig(block, capturing)
+
+    timing._resolve_device = counting
+    try:
+        t = torch.ones(64, device="emu")
+        emu.sleep(t, sleep_ms)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(t)
+        issue_s = time.perf_counter() - t0
+        in_flight = len(timing.dev_pending)
+        df = commpatch.log()  # waits for the device
+    finally:
+        timing._resolve_device = orig
+        commpatch.disable()
+    rows = df[df["op"] == "all_reduce"]
+    return {
+        "walked": walked[0],
+        "resolves": walked[1],
+        "issue_s": issue_s,
+        "in_flight_after_issue": in_flight,
+        "rows": len(rows),
+        "timed": int((rows["duration_us"] > 0).sum()),
+        "events_created": timing.created,
+    }
