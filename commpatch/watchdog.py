@@ -217,7 +217,7 @@ class Watchdog(threading.Thread):
         age = (now_ns - start_ns) / 1e9
         stuck = "STUCK" if now_ns - start_ns > self.threshold_ns else "in flight"
         name, size, ranks, backend = self._group(gid)
-        where = f"{number[0]} #{number[1]} of group {name}" if number else f"group {name}, number unknown"
+        where = f"{number[0]} #{number[1] + 1} of group {name}" if number else f"group {name}, number unknown"
         lines = [
             "",
             f"[{stuck}] {op}  seq={seq}  {where}  group={name} (ranks {ranks}; size {size}; {backend})  "

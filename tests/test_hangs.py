@@ -129,7 +129,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
     rep = _report(tmp_path)
     first = rep["findings"][0]
     assert first["kind"] == "hang" and first["section"] == "hangs", rep["findings"]
-    last = STEPS - 1
+    last = STEPS  # the hung all_reduce is group 0's STEPS-th collective (counted from 1, as users count)
     assert first["text"].startswith(f"hang: ranks 0-2 wait in all_reduce #{last} of group 0 (issued "), first
     assert (
         f"rank 3 never issued it: its last collective in group 0 was all_reduce #{last - 1} of group 0" in first["text"]
@@ -240,10 +240,10 @@ def test_a_send_whose_recv_never_comes_is_named_first(tmp_path, how):
     )
     if how == "send":  # blocked inside the wrapper: seen in flight
         assert row["verdict"] == "hang"
-        assert first["text"].startswith(f"hang: rank 0 waits in send #{STEPS} to rank 1 of group 0 (issued ")
+        assert first["text"].startswith(f"hang: rank 0 waits in send #{STEPS + 1} to rank 1 of group 0 (issued ")
     else:  # isend(...).wait() waits outside commpatch: the unmatched row is all there is
         assert row["verdict"] == "unmatched"
-        assert first["text"].startswith(f"unmatched isend: rank 0's isend #{STEPS} to rank 1 of group 0 (issued ")
+        assert first["text"].startswith(f"unmatched isend: rank 0's isend #{STEPS + 1} to rank 1 of group 0 (issued ")
     assert f"rank 1 never posted the matching recv: it has {STEPS} recv(s) from rank 0" in first["text"]
     assert not len(_section(rep, "mismatches"))
 
@@ -339,15 +339,15 @@ def test_a_watchdog_dump_speaks_for_a_log_without_records_in_flight():
     dump = (
         "===== commpatch watchdog: rank 0 pid 7 host h at 2026-01-01 00:00:00 (unix_ns 160000000000) =====\n"
         "1 collective call(s) in flight for more than 5 s (1 in flight in all). commpatch does not stop the job.\n\n"
-        "[STUCK] all_reduce  seq=1  collective #1 of group 0  group=0 (ranks 0-1; size 2; gloo)  numel=4  "
+        "[STUCK] all_reduce  seq=1  collective #2 of group 0  group=0 (ranks 0-1; size 2; gloo)  numel=4  "
         "pending for 59.0 s  thread 'MainThread' (1)\n"
     )
     parsed = {**parse_dump(dump), "dump": "/logs/hang_rank0.txt"}
     assert parsed["calls"][0]["start_ns"] == int(101e9) and parsed["alive_ns"] == int(160e9)
     old_logs = [{"rank": 0, "pid": 7, "alive_ns": 0, "calls": []}, {"rank": 1, "pid": 8, "alive_ns": 0, "calls": []}]
     row = hangs.hangs(df, old_logs + [parsed]).iloc[0]
-    # rank 1 completed #1 with nobody? Its log has two all_reduce rows: it went past rank 0's #1
-    assert (row["verdict"], row["number"], row["waiting"], row["missing"]) == ("hang", 1, "0", "")
+    # rank 1 completed #2 with nobody? Its log has two all_reduce rows: it went past rank 0's #2
+    assert (row["verdict"], row["number"], row["waiting"], row["missing"]) == ("hang", 2, "0", "")
     assert "rank 1 completed it" in row["detail"] and "/logs/hang_rank0.txt" in row["detail"]
     # a log that says what was in flight wins over the dump (it knows what completed since)
     new_logs = [{"rank": 0, "pid": 7, "alive_ns": int(170e9), "calls": []}, old_logs[1]]

@@ -46,7 +46,7 @@ def test_missing_collective_is_reported_at_its_first_occurrence():
     tail = analysis.cross_rank(make_log(4, 3, missing=(3, 14)))
     assert tail.mismatches.empty
     assert tail.log_ends.to_dict("records") == [
-        dict(group="0", ranks="3 (#13)", last_coll_seq=13, group_last=14, unmatched=1)
+        dict(group="0", ranks="3 (#14)", last_coll_seq=13, group_last=14, unmatched=1)
     ]
     # a member that never issues a group's collectives while its log goes on: missing
     df = make_log(4, 3)
@@ -75,7 +75,7 @@ def test_p2p_pairs_and_unmatched_send():
     lost = df.drop(df.index[(df["op"] == "recv") & (df["rank"] == 1)][-1:])
     m = analysis.mismatches(lost)
     assert m["kind"].tolist() == ["p2p_unmatched"]
-    assert m["detail"].iloc[0] == "send #1 0->1 has no matching receive"
+    assert m["detail"].iloc[0] == "send #2 0->1 has no matching receive"
 
 
 def test_arrival_matrix_bins():
@@ -225,17 +225,17 @@ def test_logs_that_end_early_make_no_mismatch():
     cr = analysis.cross_rank(df[~cut].reset_index(drop=True))
     assert cr.mismatches.empty, cr.mismatches.to_dict("records")
     assert cr.log_ends.to_dict("records") == [
-        dict(group="0", ranks="1 (#14), 2 (#22)", last_coll_seq=14, group_last=29, unmatched=15)
+        dict(group="0", ranks="1 (#15), 2 (#23)", last_coll_seq=14, group_last=29, unmatched=15)
     ]
     rep = report.build_report(df[~cut].reset_index(drop=True))
     assert rep.errors == []
     ends = [f.text for f in rep.findings if f.kind == "ends"]
     assert ends == [
-        "the logs end at different points: in group 0 the log of rank(s) 1 (#14), 2 (#22) ends before "
-        "the others' last collective #29; matching stops at each log's end (a log cut short or a rank "
+        "the logs end at different points: in group 0 the log of rank(s) 1 (#15), 2 (#23) ends before "
+        "the others' last collective #30; matching stops at each log's end (a log cut short or a rank "
         "that stopped), no mismatch is inferred after it."
     ], ends
-    assert any(n.startswith("group 0: the log of rank(s) 1 (#14), 2 (#22) ends before") for n in rep.notes)
+    assert any(n.startswith("group 0: the log of rank(s) 1 (#15), 2 (#23) ends before") for n in rep.notes)
     # collectives before the end are still checked: a size mismatch there is found
     bad = make_log(4, 6, mismatch=(1, 7))
     bad = bad[~((bad["rank"] == 1) & (bad["seq"] > 20))].reset_index(drop=True)

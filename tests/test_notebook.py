@@ -84,7 +84,7 @@ def test_walkthrough_notebook_executes_and_its_committed_outputs_are_current(tmp
     assert not [o for o in outputs if o.output_type == "error"]
     text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "from ranks [0, 1, 2, 3]" in text
-    assert "ERROR: bytes mismatch in group 0 at collective #9" in text
+    assert "ERROR: bytes mismatch in group 0 at collective #10" in text
     assert "stragglers first" in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
 
@@ -101,7 +101,7 @@ def test_the_committed_notebook_has_its_outputs_and_stays_small():
     assert code and all(cell.get("outputs") for cell in code), "run python tests/test_notebook.py"
     assert all(cell.get("execution_count") for cell in code)
     text = "".join(o.get("text", "") for cell in code for o in cell.outputs if o.output_type == "stream")
-    assert "ERROR: bytes mismatch in group 0 at collective #9" in text and "commpatch.open" in nb.cells[1].source
+    assert "ERROR: bytes mismatch in group 0 at collective #10" in text and "commpatch.open" in nb.cells[1].source
     assert _normal(text) == text, "the committed outputs name temporary paths or times"
     assert os.path.getsize(NOTEBOOK) < MAX_BYTES
 

@@ -40,7 +40,7 @@ def test_the_run_reports_what_the_cli_prints(logs, capsys, engine_name):
         assert run.engine == engine_name
         assert run.json() + "\n" == out  # the same text with either engine (DuckDB sums in a fixed order)
         rep = run.report()
-        assert rep.errors and "bytes mismatch in group 0 at collective #9" in rep.errors[0]
+        assert rep.errors and "bytes mismatch in group 0 at collective #10" in rep.errors[0]
         assert run.findings() == rep.findings and run.findings()
         assert run.summary() is rep.sections["summary"]
         assert run.steps() is rep.sections["steps"] and len(run.steps()) == 8

@@ -54,7 +54,7 @@ def test_text_report_has_every_section_and_the_error(logs, capsys):
     assert lines[2] == "Headline:"  # the key figures first, then the error and the findings, each naming its table
     assert lines.index("Findings:") < 12
     found = block(out, "Findings:")
-    assert found[0].startswith("ERROR: bytes mismatch in group 0 at collective #12 (step 2, broadcast)")
+    assert found[0].startswith("ERROR: bytes mismatch in group 0 at collective #13 (step 2, broadcast)")
     assert any(
         f.startswith("rank 1 arrived last in 25 of 25 collectives")
         and "straggler" in f

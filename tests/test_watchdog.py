@@ -120,8 +120,8 @@ def test_dump_lists_the_call_its_stack_and_the_last_rows_once_per_stuck_call(tmp
         assert f.read() == dump
     stuck = [ln for ln in dump.splitlines() if ln.startswith("[STUCK]")]
     assert len(stuck) == 1 and "reduce_scatter_tensor  seq=1" in stuck[0] and "  group=0 (ranks" in stuck[0]
-    # numbered in its group as on every rank (the report's coll_seq): after the 31 calls above
-    assert "  collective #31 of group 0  " in stuck[0]
+    # numbered in its group as on every rank and in the report, from 1: the 32nd, after the 31 calls above
+    assert "  collective #32 of group 0  " in stuck[0]
     assert "numel=6" in stuck[0] and "thread 'trainer'" in stuck[0]
     assert "self.release.wait(30)  # the line the dump must show" in dump
     tail = dump.split("recorded call(s) on this rank")[1].splitlines()[2:-1]

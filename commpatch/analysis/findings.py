@@ -244,7 +244,7 @@ def _cross_findings(cross, st, steps_table) -> list:
         out.append(
             Finding(
                 "mismatch",
-                f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq} "
+                f"{m.kind} mismatch in group {m.group}, first at collective #{m.coll_seq + 1} "
                 f"(step {m.step}, {m.op}): {m.detail}; {m.affected} collective(s) affected.",
                 "mismatches",
             )
@@ -257,7 +257,7 @@ def _cross_findings(cross, st, steps_table) -> list:
             Finding(
                 "ends",
                 f"the logs end at different points: in group {e['group']} the log of rank(s) "
-                f"{e['ranks']} ends before the others' last collective #{e['group_last']}{more}; "
+                f"{e['ranks']} ends before the others' last collective #{e['group_last'] + 1}{more}; "
                 "matching stops at each log's end (a log cut short or a rank that stopped), no "
                 "mismatch is inferred after it.",
                 "ranks",

@@ -389,7 +389,7 @@ class _View:
         """'all_reduce #18 of group 0 issued at 12:00:01.000 UTC, 3 s before the end'."""
         if i is None:
             return "none"
-        number = f" #{self.cseq[i]}" if self.cseq[i] >= 0 else ""
+        number = f" #{self.cseq[i] + 1}" if self.cseq[i] >= 0 else ""
         if self.cseq[i] < 0 and self.peer[i] >= 0:
             number = f" {'to' if P2P_SIDES.get(self.op[i], ('',))[0] == 'send' else 'from'} rank {self.peer[i]}"
         return f"{self.op[i]}{number} of group {self.group[i]} issued at {_when(int(self.start[i]), self.end_ns)}"
@@ -429,7 +429,7 @@ class _View:
         if c["op"] in P2P_SIDES:
             what = f"{c['op']} {'to' if P2P_SIDES[c['op']][0] == 'send' else 'from'} rank {c['peer']}"
         else:
-            what = f"{c['op']} #{self.coll_number(r, c)}"
+            what = f"{c['op']} #{self.coll_number(r, c) + 1}"
         return f"; it waits in {what} of group {c['group']} (in flight since {_when(_issued(c), self.end_ns)})"
 
     def longest_us(self, group: str) -> float:
@@ -496,7 +496,7 @@ class _View:
                     kind="collective",
                     verdict=verdict,
                     group=group,
-                    number=k,
+                    number=k + 1,  # counted from 1, as users and Flight Recorder count
                     op=" / ".join(ops),
                     peer=-1,
                     waiting=compact_ranks(sorted(waiting)),
@@ -588,7 +588,7 @@ class _View:
             kind="p2p",
             verdict=verdict,
             group=group,
-            number=k,
+            number=k + 1,
             op=op,
             peer=peer,
             waiting=str(r),

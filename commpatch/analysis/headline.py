@@ -184,7 +184,7 @@ def _hang(cross, findings) -> dict:
     return dict(
         verdict="possible",
         text=f"in group {e['group']} the log of rank(s) {e['ranks']} stops before "
-        f"collective #{int(e['group_last'])}, which other ranks issued",
+        f"collective #{int(e['group_last']) + 1}, which other ranks issued",
         group=str(e["group"]),
         ranks=str(e["ranks"]),
         last_coll_seq=int(e["last_coll_seq"]),

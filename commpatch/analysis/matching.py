@@ -291,7 +291,7 @@ def log_end_rows(groups):
     rows = []
     for group, counts, last, unmatched in groups:
         short = sorted((n, r) for r, n in counts.items() if n <= last)
-        shown = ", ".join(f"{r} (#{n - 1})" for n, r in short[:8]) + (
+        shown = ", ".join(f"{r} (#{n})" for n, r in short[:8]) + (
             f", ... ({len(short)} ranks)" if len(short) > 8 else ""
         )
         rows.append(
@@ -506,11 +506,11 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
         if kind == MismatchKind.P2P_UNMATCHED:
             missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
             op = first["send_op"] if missing_side == "receive" else first["recv_op"]
-            detail = f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
+            detail = f"{op} #{int(first['k']) + 1} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
         else:
             op = first["send_op"]
             detail = (
-                f"{op} #{int(first['k'])} {int(first['src'])}->{int(first['dst'])}: "
+                f"{op} #{int(first['k']) + 1} {int(first['src'])}->{int(first['dst'])}: "
                 f"sent {int(first['send_bytes'])} bytes, receive expects {int(first['recv_bytes'])}"
             )
         rows.append(

@@ -181,7 +181,7 @@ def headline_lines(h: dict) -> list:
             (
                 "mismatches",
                 f"{n}: first a {m['kind']} mismatch in group {terminal_safe(m['group'])} at "
-                f"collective #{m['coll_seq']} (step {m['step']}, {terminal_safe(m['op'])})",
+                f"collective #{m['coll_seq'] + 1} (step {m['step']}, {terminal_safe(m['op'])})",
             )
         )
     return out

@@ -159,7 +159,7 @@ def build_report(
         cr = pre if pre is not None else cross if cross is not None else matching.cross_rank(df)
         rep.sections["mismatches"] = cr.mismatches
         rep.errors += [
-            f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq} (step {m.step}, {m.op}): "
+            f"{m.kind} mismatch in group {m.group} at collective #{m.coll_seq + 1} (step {m.step}, {m.op}): "
             f"{m.detail}; {m.affected} collective(s) affected"
             for m in cr.mismatches.itertuples()
         ]
@@ -182,7 +182,7 @@ def build_report(
         for e in cr.log_ends.itertuples() if getattr(cr, "log_ends", None) is not None else ():
             rep.notes.append(
                 f"group {e.group}: the log of rank(s) {e.ranks} ends before the others' last collective "
-                f"#{e.group_last}: the {e.unmatched} collective(s) after the first end are matched "
+                f"#{e.group_last + 1}: the {e.unmatched} collective(s) after the first end are matched "
                 "over the ranks whose log reaches them, not reported as missing (a log cut short, a write "
                 "failure, or a rank that stopped)."
             )
