@@ -5,7 +5,8 @@
 #     CPU here; their downloads and venvs are cached in $COMMPATCH_MATRIX_CACHE between runs);
 #   - the suite once more with the C recorder not built (the pure-Python hot path).
 # Each cell leaves out the tests marked `offline` (files and synthetic logs only: tests/conftest.py),
-# which `make test` runs: nothing in them depends on torch's version or on the recorder.
+# which `make test` runs: nothing in them depends on torch's version or on the recorder; the venv
+# cells also leave out those marked `system` (failing disks and killed processes: the OS's behaviour).
 # Usage: ci/matrix.sh [cell ...]   cells: oldest newest pure (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +51,7 @@ venv_cell() {       # name: a venv with that Python and torch, commpatch install
     "$venv/bin/python" -m pip install "${PIP_FLAGS[@]}" -e "$REPO[test]"
     "$venv/bin/python" -m commpatch install-hook >/dev/null
     echo "matrix[$name]: $("$venv/bin/python" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
-    (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not offline")
+    (cd "$REPO" && "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not offline and not system")
 }
 
 pure_cell() {       # the suite on a copy of the checkout without the compiled C recorder

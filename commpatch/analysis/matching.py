@@ -506,7 +506,9 @@ def mismatch_table(firsts, rows_of, p2p_firsts, present):
         if kind == MismatchKind.P2P_UNMATCHED:
             missing_side = "receive" if pd.isna(first["recv_op"]) else "send"
             op = first["send_op"] if missing_side == "receive" else first["recv_op"]
-            detail = f"{op} #{int(first['k']) + 1} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
+            detail = (
+                f"{op} #{int(first['k']) + 1} {int(first['src'])}->{int(first['dst'])} has no matching {missing_side}"
+            )
         else:
             op = first["send_op"]
             detail = (
