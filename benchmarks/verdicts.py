@@ -2,7 +2,7 @@
 machine and beside a CPU hog; per cell, how often the report names the right rank, a wrong rank, none.
 
     python benchmarks/verdicts.py [--kinds ddp,fsdp2,tp,pipeline,zero] [--worlds 2,4] [--runs 10]
-                                  [--conditions quiet,hog] [--steps 30] [--json OUT.json]
+                                  [--conditions quiet,hog] [--steps 30] [--shares 0.05,0.2] [--json OUT.json]
 
 Jobs (tests/verdict_workers.py): DDP, FSDP2 (``fully_shard`` per block), tensor parallel (DTensor,
 Colwise / Rowwise per block), an n-stage GPipe pipeline, a ZeRO-style sharded optimizer
@@ -50,8 +50,9 @@ def named_rank(df):
     return (v["rank"] if v and v["straggler"] else None), v
 
 
-def run_kind(kind, n, runs, steps, timeout):
-    """All cells x ``runs`` of one kind in one set of ``n`` processes: [(cell, slow rank, named, verdict)]."""
+def run_kind(kind, n, runs, steps, timeout, cells=None):
+    """All cells (or ``cells``) x ``runs`` of one kind in one set of ``n`` processes: [(cell, slow rank,
+    named, verdict)]."""
     import pandas as pd
 
     from commpatch.data.frame import apply_schema
@@ -60,7 +61,7 @@ def run_kind(kind, n, runs, steps, timeout):
 
     jobs, meta = [], []
     for run in range(runs):
-        for spot, share in CELLS:
+        for spot, share in cells or CELLS:
             slow = (run + CELLS.index((spot, share))) % n if spot else None
             jobs.append(dict(kind=kind, spot=spot, share=share, slow_rank=slow, steps=steps, seed=run))
             meta.append(((spot, share), slow))
@@ -114,6 +115,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--conditions", default="quiet,hog")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--shares", default="0.05,0.2", help="the delays' shares of the step to run (the symmetric cell always runs)"
+    )
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="write every run's verdict here")
     parser.add_argument(
@@ -134,7 +138,9 @@ def main() -> int:
             for n in map(int, args.worlds.split(",")):
                 for kind in args.kinds.split(","):
                     t = time.time()
-                    results = run_kind(kind, n, args.runs, args.steps, args.timeout)
+                    shares = {float(s) for s in args.shares.split(",")}
+                    cells = [c for c in CELLS if c[0] is None or any(abs(c[1] - s) < 1e-9 for s in shares)]
+                    results = run_kind(kind, n, args.runs, args.steps, args.timeout, cells)
                     print(f"# {condition} {kind} x{n}: {len(results)} jobs in {time.time() - t:.0f} s", flush=True)
                     for cell, slow, named, v, delay_ms, step_ms in results:
                         key = (kind, n, cell[0] or "none", cell[1], condition)
