@@ -42,11 +42,6 @@ SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)  # waits between rounds; the last one repe
 WAIT_S = 10.0  # rank 0's wait for one request, a rank's for one answer
 TURN_S = max(SCHEDULE_S) + 120.0  # a rank's wait for its next turn (rank 0 gone quiet after it: the end)
 READY_S, READY_TRIES = 0.25, 8  # rank 0's next round while some rank's thread has not started
-POLL_S = 0.1  # long waits (a turn, a rank's first request) poll the key, the store's host probed first ...
-POLL_RANKS = 64  # ... in jobs of up to this many ranks: each waiting rank makes 10 requests and connections
-# a second to the job's store, and rank 0 serves the ranks one at a time, so a round takes up to
-# POLL_S per rank; larger jobs block in the store's wait (a rank waiting for its turn when the
-# store's host dies then gets one warning from torch's client)
 NONCE = re.compile(rb"[0-9a-f]{32}")  # a rank's nonce: 16 random bytes in hex
 
 
@@ -54,13 +49,9 @@ class ClockSync:
     """The measuring thread of one rank; ``note(at_ns, lo_ns, hi_ns, same_machine)`` receives each
     round's interval (rank i only; ``same_machine``: rank 0 answered with this machine's boot id).
 
-    torch's C++ store client prints a warning with a stack (to the job's stderr) for every request
-    on a connection whose server is gone, and for every wait that times out. So before touching the
-    store the thread connects to its host from Python (``reachable``: refused or unreachable, the
-    thread ends without a request), long waits (a turn, a rank's first request) poll the key with
-    ``check`` every ``POLL_S`` (jobs of up to ``POLL_RANKS`` ranks), and only the exchange itself
-    (milliseconds) blocks in the store, on keys that are coming; ``stop()`` sets the key it is blocked on, so it returns at once, and a rank
-    that stops says so (``bye``) and answers its pending requests, so rank 0 never waits for it."""
+    The thread blocks in the store only on keys that are coming (never a polling timeout: torch
+    prints a warning on each); ``stop()`` sets the key it is blocked on, so it returns at once, and
+    a rank that stops says so (``bye``) and answers its pending requests, so rank 0 never waits for it."""
 
     def __init__(self, store, rank: int, world_size: int, note, generation: str = "0", connect=None) -> None:
         # store: where stop() sets keys (a quick set from the caller's thread); connect(): the
@@ -70,8 +61,6 @@ class ClockSync:
             if found is None:
                 raise TypeError(f"no connection of its own to a {type(store).__name__}")
             store, connect = found
-        self.endpoint = endpoint(store)  # (host, port) of a TCPStore's server, probed before each request
-        self.poll = world_size <= POLL_RANKS
         self.store, self.rank, self.world_size, self.note = store, rank, world_size, note
         self.connect = connect
         self.prefix = f"{PREFIX}/{generation}"
@@ -94,8 +83,6 @@ class ClockSync:
         if self.stop_event.is_set():
             return
         self.stop_event.set()
-        if not self.reachable():  # the store is gone: so is anything waiting on it (and no warning)
-            return
         keys = [self.waiting] if self.waiting else []
         if self.rank > 0:
             key = f"{self.prefix}/{self.rank}/{self.nonce}/{self.round}"
@@ -110,18 +97,6 @@ class ClockSync:
 
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.stop_event.is_set()
-
-    def reachable(self) -> bool:
-        """The store's server accepts a connection (always True for a store that is no TCPStore)."""
-        if self.endpoint is None:
-            return True
-        import socket
-
-        try:
-            socket.create_connection(self.endpoint, timeout=2.0).close()
-        except OSError:
-            return False
-        return True
 
     def _run(self) -> None:
         import datetime
@@ -155,30 +130,14 @@ class ClockSync:
         except Exception as exc:  # noqa: BLE001 - measuring is optional: never an error in the job
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
-    def _wait(self, store, key: str, seconds: float, poll: bool = False) -> bool:
-        """Until ``key`` is set (raises TimeoutError after ``seconds``); False when stopped meanwhile,
-        or when the store's server is gone. ``poll``: ``check`` every POLL_S, the server probed
-        before each (a long wait); else one blocking wait, after one probe (a key that is coming)."""
+    def _wait(self, store, key: str, seconds: float) -> bool:
+        """Block until ``key`` is set (raises after ``seconds``); False when stopped meanwhile."""
         import datetime
 
         self.waiting = key  # before the check: stop() sets it, or the check sees stop
-        deadline = time.monotonic() + seconds
-        while True:
-            if self.stop_event.is_set():
-                return False
-            if not self.reachable():
-                self.error = "the store's server is gone"
-                self.stop_event.set()
-                return False
-            if not (poll and self.poll):
-                store.wait([key], datetime.timedelta(seconds=seconds))
-                break
-            if store.check([key]):
-                break
-            if time.monotonic() >= deadline:
-                self.waiting = ""
-                raise TimeoutError(f"{key}: not set within {seconds:g} s")
-            self.stop_event.wait(POLL_S)
+        if self.stop_event.is_set():
+            return False
+        store.wait([key], datetime.timedelta(seconds=seconds))
         self.waiting = ""
         return not self.stop_event.is_set()
 
@@ -197,7 +156,7 @@ class ClockSync:
                     pending = True
                     continue
                 try:  # its thread starts at its first collective too: in a moment (a short job ends soon)
-                    if not self._wait(store, ready, WAIT_S, poll=True):
+                    if not self._wait(store, ready, WAIT_S):
                         return False
                 except Exception:  # noqa: BLE001 - not within WAIT_S: served in a later round
                     self.waiting = ""
@@ -230,7 +189,7 @@ class ClockSync:
     def _ask(self, store, n: int) -> bool:
         """Rank i: wait for its ``n``-th turn, then measure; False when stopped."""
         key = f"{self.prefix}/{self.rank}/{self.nonce}/{n}"
-        if not self._wait(store, f"{key}/go", TURN_S, poll=True):
+        if not self._wait(store, f"{key}/go", TURN_S):
             return False
         store.delete_key(f"{key}/go")
         lo, hi, at, same = None, None, 0, False
@@ -270,27 +229,6 @@ def _boot_id() -> str:
 BOOT_ID = _boot_id()
 
 
-def _tcp_base(store):
-    """The TCPStore under ``store`` (itself, or under PrefixStores), or None."""
-    import torch.distributed as dist
-
-    base, hops = store, 0
-    while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store") and hops < 8:
-        base, hops = base.underlying_store, hops + 1
-    return base if isinstance(base, dist.TCPStore) else None
-
-
-def endpoint(store):
-    """(host, port) of the TCPStore under ``store`` (a clone, prefixes), or None."""
-    base = _tcp_base(store)
-    if base is None:
-        return None
-    try:
-        return base.host, int(base.port)
-    except Exception:  # noqa: BLE001 - no address to probe: requests go to it unprobed
-        return None
-
-
 def connection(store, clone: bool = True):
     """(the store stop() sets keys in, a function opening the thread's own connection to the same
     keys): ``store.clone`` where torch has it (>= 2.5); else a new client of the TCPStore under
@@ -302,8 +240,10 @@ def connection(store, clone: bool = True):
 
     import torch.distributed as dist
 
-    base = _tcp_base(store)
-    if base is None:
+    base, hops = store, 0
+    while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store") and hops < 8:
+        base, hops = base.underlying_store, hops + 1
+    if not isinstance(base, dist.TCPStore):
         return None
     host, port = base.host, base.port
 
