@@ -37,7 +37,14 @@ def _env(**extra):
 
 
 def run_two_nodes(
-    tmp_path, shim, shift_ns: int, steps: int = 40, delay_rank: int = -1, delay_ms: float = 0.0, nproc: int = 1
+    tmp_path,
+    shim,
+    shift_ns: int,
+    steps: int = 40,
+    delay_rank: int = -1,
+    delay_ms: float = 0.0,
+    nproc: int = 1,
+    jitter_ms: float = 0.0,
 ):
     """Two torchrun nodes; node B's clock ``shift_ns`` ahead. Returns the two output directories."""
     port = free_port()
@@ -79,6 +86,8 @@ def run_two_nodes(
             str(delay_rank),
             "--delay-ms",
             str(delay_ms),
+            "--jitter-ms",
+            str(jitter_ms),
         ]
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -153,11 +162,11 @@ def test_two_hosts_with_shifted_clocks_name_no_false_straggler_and_share_one_tim
     measured (the exchange's interval holds the true shift), the issue times aligned, no straggler
     named, and the trace puts both nodes on one time axis; the same with a +2 ms shift, the size of
     the effects the verdict weighs."""
-    unshifted = run_two_nodes(tmp_path / "zero", shim, 0)
+    unshifted = run_two_nodes(tmp_path / "zero", shim, 0, jitter_ms=2.0)
     rep0, _ = report(*unshifted)
     check_offsets(rep0, unshifted, 0)
-    for shift in (3_000_000_000, 2_000_000):
-        outs = run_two_nodes(tmp_path / str(shift), shim, shift)
+    for shift in (3_000_000_000, 2_000_000):  # symmetric ranks, each late a random 0-2 ms per step
+        outs = run_two_nodes(tmp_path / str(shift), shim, shift, jitter_ms=2.0)
         trace = tmp_path / f"trace{shift}.json"
         rep, _ = report(*outs, extra=("--trace", str(trace)))
         assert rep["title"].startswith("commpatch report: run ") and "from 2 directories, one per host" in rep["title"]
