@@ -54,10 +54,13 @@ def test_delays_inside_a_block_and_before_the_optimizer_are_named():
     """Tensor parallel (a Colwise / Rowwise pair per block: an all-reduce in each block's forward): rank 0
     sleeps inside the second block's forward; DDP: rank 1 sleeps before the optimizer's step (the next
     step's first bucket absorbs it); both 20% of the step: named (the truth table's rates per cell:
-    docs/decisions/straggler-verdict.md)."""
+    docs/decisions/straggler-verdict.md). 60 steps: at 30, the DDP job on a busy machine is named in 7
+    of 8 runs (the other rank's noise holds it up as long in a fifth of the steps: p 0.045, honestly
+    not significant); at 60, 8 of 8 at p < 1e-5."""
     jobs = [
-        dict(kind="tp", spot="in_forward", share=0.2, slow_rank=0, steps=30, seed=3),
-        dict(kind="ddp", spot="before_optimizer", share=0.2, slow_rank=1, steps=30, seed=4),
+        dict(kind="tp", spot="in_forward", share=0.2, slow_rank=0, steps=60, seed=3),
+        dict(kind="ddp", spot="before_optimizer", share=0.2, slow_rank=1, steps=60, seed=4),
     ]
     verdicts = [v for _, v in _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)]
-    assert [(v["straggler"], v["rank"]) for v in verdicts] == [(True, 0), (True, 1)], verdicts
+    said = [(v["straggler"], v["rank"]) for v in verdicts]
+    assert said == [(True, 0), (True, 1)], "\n".join(map(str, verdicts))  # whole: the reason, p, threshold
