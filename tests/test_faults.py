@@ -7,6 +7,7 @@ before the fault readable after it. Needs root for tmpfs mounts (skipped otherwi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -41,19 +42,26 @@ ALL_REDUCE = OP_NAMES.index("all_reduce")
 def tmpfs(tmp_path):
     """A small tmpfs (16 MB), mounted for the test; ``remount(options)`` changes it (ro / rw)."""
     mnt = tmp_path / "mnt"
+    with _mounted(mnt):
+
+        def remount(options: str) -> None:
+            subprocess.run(["mount", "-o", f"remount,{options}", str(mnt)], check=True)
+
+        yield mnt, remount
+
+
+@contextlib.contextmanager
+def _mounted(mnt):
+    """A 16 MB tmpfs at ``mnt`` while in the block (skips the test where none can be mounted): a
+    disk filled there fills 16 MB, never the machine's."""
     mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("needs root to mount a tmpfs (a real full / read-only disk)")
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True)
     if res.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-
-    def remount(options: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{options}", str(mnt)], check=True)
-
-    mnt_remount = remount
     try:
-        yield mnt, mnt_remount
+        yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
@@ -136,7 +144,8 @@ def commpatch_lines(stderr: str) -> list[str]:
 @pytest.mark.slow
 def test_a_full_disk_then_freed_leaves_whole_frames_and_every_row(tmpfs, tmp_path):
     mnt, _ = tmpfs
-    plain = run_job(tmp_path / "plain", "diskfull", plain=True)
+    with _mounted(tmp_path / "plain") as plain_mnt:  # the plain job fills its disk too: a tmpfs of its own
+        plain = run_job(plain_mnt, "diskfull", plain=True)
     results = run_job(mnt, "diskfull")
     assert [r[0] for r in results] == [r[0] for r in plain] == [0, 0], [r[2][-2000:] for r in results]
     logs = rank_logs(mnt)

@@ -20,6 +20,11 @@ import time
 
 def fill(directory: str, leave: int) -> str:
     """Fill the file system of ``directory`` (a small tmpfs), then free ``leave`` bytes of it."""
+    st = os.statvfs(directory)
+    if st.f_blocks * st.f_frsize > 64 << 20:  # never the machine's disk
+        raise SystemExit(
+            f"fill: {directory} is on a file system of {st.f_blocks * st.f_frsize} bytes, not a small tmpfs"
+        )
     path = os.path.join(directory, "filler")
     block = b"\0" * 65536
     with open(path, "wb", buffering=0) as f:
