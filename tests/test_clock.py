@@ -201,30 +201,29 @@ def test_the_exchange_over_a_tcp_store():
             assert lo <= 0 <= hi and same
 
 
-@pytest.mark.parametrize("clone", [True, False], ids=["store_clone", "new_tcp_client"])
-def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads(clone):
+@pytest.mark.parametrize("prefixed", [False, True], ids=["tcp_store", "prefix_store"])
+def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads(prefixed):
     """Rank 1's first collective (and so its thread) comes 1 s after rank 0's: rank 0 serves it in a
     later round instead of waiting for it (and marking it gone); stop() ends both threads at once,
     though each is blocked in the store (rank 1 waiting for its next turn, minutes away). Through
-    ``Store.clone()`` and through a new client of the TCPStore under the process group's prefixed
-    store (torch < 2.5 has no clone(): what it uses there)."""
+    the exchange's own client of the TCPStore, found under the process group's prefix store too
+    (its keys are the TCPStore's own)."""
     import time
 
     import torch.distributed as dist
 
     from commpatch.record.clocksync import ClockSync, connection
+    from commpatch.record.storeclient import StoreClient
 
-    if clone and not hasattr(dist.TCPStore, "clone"):
-        pytest.skip("this torch has no Store.clone(): the new TCP client is what it uses (the other case)")
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 2, True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, False)
-    stores = [server, client] if clone else [dist.PrefixStore("default_pg", s) for s in (server, client)]
+    stores = [dist.PrefixStore("default_pg", s) for s in (server, client)] if prefixed else [server, client]
     noted = []
 
     def sync(rank, note):
-        store, connect = connection(stores[rank], clone)
-        assert (store is stores[rank]) == clone  # the new client: keys in the TCPStore under the prefix
+        store, connect = connection(stores[rank])
+        assert isinstance(store, StoreClient) and connect() is store and store.port == port
         return ClockSync(store, rank, 2, note, generation="late", connect=connect)
 
     first = sync(0, lambda *a: None)
@@ -240,6 +239,54 @@ def test_a_rank_whose_thread_starts_later_is_measured_and_stop_ends_both_threads
     assert not second.thread.is_alive() and not first.thread.is_alive()
     assert noted and all(lo <= 0 <= hi and same for _, lo, hi, same in noted), noted
     assert first.gone == set() and first.error == second.error == ""
+    assert any(k.startswith("commpatch/clock/late/") for k in server.list_keys() if "ready" in k)  # torch's view
+
+
+STORE_DIES = """
+import os, signal, subprocess, sys, time
+import torch.distributed as dist
+from commpatch.record.clocksync import ClockSync
+port, how = int(sys.argv[1]), sys.argv[2]
+host = subprocess.Popen([sys.executable, "-c", f"import torch.distributed as d, time; "
+    f"s = d.TCPStore('127.0.0.1', {port}, 2, True, wait_for_workers=False); print(1, flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE)
+host.stdout.readline()
+store = dist.TCPStore("127.0.0.1", port, 2, False)
+connect = store.clone if how == "torch_clone" else None
+sync = ClockSync(store, 1, 2, lambda *a: None, generation="dies", connect=connect)
+time.sleep(0.5)  # its thread waits in the store for its first turn (rank 0 has no exchange here)
+host.kill()
+host.wait()
+for _ in range(100):
+    if not sync.thread.is_alive():
+        break
+    time.sleep(0.05)
+print("ended:", not sync.thread.is_alive(), "error:", sync.error, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["own_client", "torch_clone"])
+def test_the_stores_host_dying_prints_nothing_into_the_job(how):
+    """Issue 33: the store's host dies (SIGKILL) while a rank's exchange thread waits in the store.
+    Through the exchange's own client: the thread ends, its reason kept, and the rank's stderr holds
+    nothing. Through torch's C++ client (a clone of the store, as before; the control that shows
+    the test can fail): torch's warning with its stack frames."""
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if how == "torch_clone" and not hasattr(dist.TCPStore, "clone"):
+        pytest.skip("this torch has no Store.clone(): the control needs it")
+    done = subprocess.run(
+        [sys.executable, "-c", STORE_DIES, str(free_port()), how], capture_output=True, text=True, timeout=120
+    )
+    assert "ended: True" in done.stdout, (done.stdout, done.stderr)
+    if how == "own_client":
+        assert "error: Connection" in done.stdout, done.stdout  # ConnectionError or ConnectionResetError
+        assert done.stderr == "", done.stderr
+    else:
+        assert "TCPStore.cpp" in done.stderr and "frame #" in done.stderr, done.stderr
 
 
 @pytest.mark.slow

@@ -108,9 +108,9 @@ def selective_checkpoint_context(saved_ops):
 
 def file_store_exchange_unsupported() -> str | None:
     """Why the clock exchange cannot run over a FileStore on this torch (None when it can): it talks
-    to rank 0 through its own connection to the process group's store, ``Store.clone()``, which
-    torch < 2.5 does not have; there it opens a new client of a TCPStore (torchrun's, ``tcp://``,
-    ``env://``), which a FileStore has no equivalent of (offsets not measured, the report says so)."""
+    to rank 0 through its own connection to the process group's store: a client of its own for a
+    TCPStore (torchrun's, ``tcp://``, ``env://``) on every torch, ``Store.clone()`` for a FileStore,
+    which torch < 2.5 does not have (offsets not measured, the report says so)."""
     import torch
     import torch.distributed as dist
 

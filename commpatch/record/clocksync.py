@@ -4,8 +4,9 @@ Rows carry ``start_ns`` on their own host's wall clock (CLOCK_REALTIME). Hosts d
 milliseconds (NTP, PTP), or by seconds when one is not synchronised: the same order as, or far
 more than, the arrival skews the cross-rank report ranks. So every rank measures the offset of
 rank 0's wall clock to its own, NTP-style, through its own connection to the process group's store
-(``Store.clone()``; on torch < 2.5, which has none, a new client of the same TCPStore: never the
-store object torch uses, never a collective, nothing on the user's groups):
+(a TCPStore's: a client in Python, ``storeclient``, which ends quietly when the store's host goes
+away; another store's: ``Store.clone()``; never the store object torch uses, never a collective,
+nothing on the user's groups):
 
     rank i: t1 = now; set(q)       rank 0: wait(q); t2 = now; t3 = now; set(a, "t2 t3")
     rank i: get(a); t4 = now
@@ -83,6 +84,8 @@ class ClockSync:
         if self.stop_event.is_set():
             return
         self.stop_event.set()
+        if not getattr(self.store, "connected", True):  # the thread's client never connected: nothing waits
+            return
         keys = [self.waiting] if self.waiting else []
         if self.rank > 0:
             key = f"{self.prefix}/{self.rank}/{self.nonce}/{self.round}"
@@ -229,30 +232,26 @@ def _boot_id() -> str:
 BOOT_ID = _boot_id()
 
 
-def connection(store, clone: bool = True):
-    """(the store stop() sets keys in, a function opening the thread's own connection to the same
-    keys): ``store.clone`` where torch has it (>= 2.5); else a new client of the TCPStore under
-    ``store``'s prefixes (keys unprefixed in it, for both); None when neither exists (a FileStore
-    on torch < 2.5: not measured). ``clone=False``: the new client even where clone exists."""
-    if clone and hasattr(store, "clone"):
-        return store, store.clone
-    import datetime
-
+def connection(store):
+    """(the store stop() sets keys in, a function giving the thread's own connection to the same
+    keys): over a TCPStore (torchrun's, ``tcp://``, ``env://``, under any prefix stores), one
+    ``storeclient.StoreClient`` for both (keys unprefixed in the TCPStore: torch's C++ client
+    would print its connection failures into the job's stderr when the store's host goes away);
+    else ``store.clone`` where torch has it (a ``FileStore`` on torch >= 2.5); None otherwise (not
+    measured)."""
     import torch.distributed as dist
 
     base, hops = store, 0
     while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store") and hops < 8:
         base, hops = base.underlying_store, hops + 1
-    if not isinstance(base, dist.TCPStore):
-        return None
-    host, port = base.host, base.port
+    if isinstance(base, dist.TCPStore):
+        from .storeclient import StoreClient
 
-    def connect():
-        return dist.TCPStore(
-            host, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=TURN_S)
-        )
-
-    return base, connect
+        client = StoreClient(base.host, base.port, timeout=TURN_S)
+        return client, lambda: client
+    if hasattr(store, "clone"):
+        return store, store.clone
+    return None
 
 
 def start(log, note=None) -> ClockSync | None:
