@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -56,13 +57,97 @@ def cmd_run(args) -> int:
         return 2
     env["PYTHONPATH"] = os.pathsep.join([BOOT_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     command = args.command[1:] if args.command[0] == "--" else args.command
-    exe = shutil.which(command[0]) or command[0]
+    exe = shutil.which(command[0], path=env.get("PATH")) or command[0]
+    started = time.time()
     try:
-        os.execvpe(exe, command, env)
+        child = subprocess.Popen([exe] + command[1:], env=env, preexec_fn=_die_with(os.getpid()))
     except OSError as exc:
         print(f"commpatch run: cannot run {command[0]!r}: {exc.strerror}", file=sys.stderr)
         return 127
-    return 0  # pragma: no cover - exec does not return
+    code = _wait_forwarding(child)
+    if settings["output"]:
+        print(f"commpatch: {_where_written(settings['output'], started)}", file=sys.stderr)
+    if code < 0:  # killed by a signal: end the same way, as the shell would have seen the command end
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set: it is the default
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return 128 - code
+    return code
+
+
+# the signals `commpatch run` passes on to the command (SIGINT reaches it from the terminal itself)
+FORWARDED = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def _die_with(parent: int):
+    """For the command's process, between fork and exec: the kernel sends it SIGTERM when ``parent``
+    (`commpatch run`) dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``), so that a launcher like
+    torchrun stops its workers instead of leaving them to run on, re-parented; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def preexec() -> None:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the parent died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _wait_forwarding(child) -> int:
+    """Wait for ``child``, passing on the ``FORWARDED`` signals; its return code (negative: the
+    signal that ended it). SIGINT is caught and dropped here: the terminal sends it to the command too."""
+    previous = {}
+    for name in FORWARDED + ("SIGINT",):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[sig] = signal.signal(
+                sig, (lambda s, f: None) if name == "SIGINT" else (lambda s, f: child.send_signal(s))
+            )
+    try:
+        while True:
+            try:
+                return child.wait()
+            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for other platforms
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def runs_root(template: str) -> tuple[str, bool]:
+    """(the directory an output template writes into, whether it holds one directory per run):
+    ``commpatch_logs/{run}/rank{rank}.csv`` -> (``commpatch_logs``, True)."""
+    per_run = "{run}" in template
+    head = template.split("{run}")[0] if per_run else template.split("{")[0]
+    root = head.rstrip(os.sep) if head.endswith(os.sep) else os.path.dirname(head)
+    return root or ".", per_run
+
+
+def _where_written(template: str, started: float) -> str:
+    """One line for the end of `commpatch run`: where this run's logs are and the report command."""
+    import shlex
+
+    from .io import discovery  # lazy: after the command ended; `commpatch run` itself loads no numpy
+
+    root, per_run = runs_root(template)
+    found: list = []
+    try:
+        if per_run and os.path.isdir(root):
+            found = [r for r in discovery.runs(root) if discovery.run_started(r) >= started - 1.0]
+        elif os.path.isdir(root):
+            found = [root] if any(os.path.getmtime(f) >= started - 1.0 for f in discovery.log_files(root)) else []
+    except OSError:
+        found = []
+    if not found:
+        return f"no log was written under {root} (`commpatch env` says what is active)"
+    more = f" ({len(found)} runs: restarts)" if len(found) > 1 else ""
+    return f"the logs are in {found[-1]}{more}; the report: commpatch report {shlex.quote(root)}"
 
 
 class _InputError(Exception):
@@ -82,9 +167,19 @@ def cmd_report(args) -> int:
         return 2
 
 
+def _default_logs() -> str:
+    """Where `commpatch report` with no path reads: the directory that the output setting
+    (COMMPATCH_OUTPUT, else the default) writes into, when it exists."""
+    template = _config.resolve(warn=lambda message: None)["output"] or _config.BY_NAME["output"].default
+    root, _ = runs_root(template)
+    if not os.path.isdir(root):
+        raise _InputError(f"give log files or directories (or --compare RUN_DIRS...): there is no {root} here")
+    return root
+
+
 def _report(args, offline) -> int:
     if not args.paths:
-        raise _InputError("give log files or directories (or --compare RUN_DIRS...)")
+        args.paths = [_default_logs()]
     by = offline.check_by(args.by, "--by")
     top = offline.check_top(args.top, "--top")
     ranks = offline.parse_ranks(args.ranks, "--ranks")

@@ -51,6 +51,113 @@ def test_commpatch_run_instruments_torchrun_workers(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     _check_rank_files(tmp_path)
+    # at the end: where the logs went and the command that reports them
+    assert res.stderr.splitlines()[-1] == "commpatch: the logs are in logs; the report: commpatch report logs", (
+        res.stderr
+    )
+
+
+FOREVER = textwrap.dedent("""
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    with open(os.path.join(sys.argv[1], f"pid{dist.get_rank()}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(sys.argv[1], f"pid{dist.get_rank()}.tmp"), os.path.join(sys.argv[1], f"pid{dist.get_rank()}"))
+    while True:
+        dist.all_reduce(torch.ones(4))
+        time.sleep(0.05)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie nobody reaped is not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_commpatch_run_takes_torchrun_and_its_workers_with_it(tmp_path):
+    """Issue 36: `timeout -s KILL 90 commpatch run -- torchrun ...` left the workers running,
+    re-parented, for minutes (commpatch run exec'd torchrun, whose SIGKILL its workers never
+    hear). Now torchrun gets SIGTERM when commpatch run dies and stops its workers."""
+    script = tmp_path / "forever.py"
+    script.write_text(FOREVER)
+    cmd = [sys.executable, "-m", "commpatch", "run", "--output", str(tmp_path / "logs" / "rank{rank}.csv"), "--"]
+    cmd += [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.Popen(cmd + [str(tmp_path)], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"pid{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        workers = [int((tmp_path / f"pid{r}").read_text()) for r in (0, 1)]
+        assert all(map(_alive, workers))
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), [w for w in workers if _alive(w)]
+    finally:
+        for r in (0, 1):
+            try:
+                os.kill(int((tmp_path / f"pid{r}").read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def test_commpatch_run_ends_as_its_command_does(tmp_path):
+    """The command's exit status is `commpatch run`'s; a command killed by a signal ends it by the
+    same signal; SIGTERM sent to `commpatch run` reaches the command."""
+    run = [sys.executable, "-m", "commpatch", "run", "--output", str(tmp_path / "rank{rank}.csv"), "--", sys.executable]
+    res = subprocess.run(run + ["-c", "raise SystemExit(3)"], env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert f"no log was written under {tmp_path}" in res.stderr, res.stderr
+    res = subprocess.run(
+        run + ["-c", "import os; os.kill(os.getpid(), 9)"], env=_env(), capture_output=True, timeout=60
+    )
+    assert res.returncode == -9, res.stderr
+    code = "import sys, time; print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen(run + ["-c", code], env=_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM and time.monotonic() - start < 20
+
+
+def test_report_without_a_path_reads_the_default_directory(tmp_path):
+    """`commpatch report` with no path reads where the output setting writes (commpatch_logs by
+    default); without it, one line naming the directory."""
+    env = _env()
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report"],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and res.stderr.strip().endswith("there is no commpatch_logs here"), res.stderr
+    from commpatch.testing import make_log
+
+    run = tmp_path / "commpatch_logs" / "20260101-000000-host-1"
+    run.mkdir(parents=True)
+    for rank, frame in make_log(world_size=2).groupby("rank", observed=True):
+        commpatch.export_csv(str(run / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
+    res = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report"],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0 and "20260101-000000-host-1" in res.stdout + res.stderr, res.stderr[-2000:]
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ import secrets
 import threading
 import time
 
+from .storeclient import StoreClient
+
 PREFIX = "commpatch/clock"
 PINGS = 4  # exchanges per rank and round (intervals intersected)
 SCHEDULE_S = (2.0, 10.0, 60.0, 300.0)  # waits between rounds; the last one repeats
@@ -245,8 +247,6 @@ def connection(store):
     while not isinstance(base, dist.TCPStore) and hasattr(base, "underlying_store") and hops < 8:
         base, hops = base.underlying_store, hops + 1
     if isinstance(base, dist.TCPStore):
-        from .storeclient import StoreClient
-
         client = StoreClient(base.host, base.port, timeout=TURN_S)
         return client, lambda: client
     if hasattr(store, "clone"):
