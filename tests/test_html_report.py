@@ -285,6 +285,45 @@ def test_advice_items_are_listed_when_the_report_has_them(logs, tmp_path):
     assert "advice" not in html.report_data(rep)["tables"]
 
 
+def test_advice_reads_as_the_text_report_and_the_page_never_scrolls_sideways(logs, tmp_path):
+    """Issue 36: the page's advice was a dump of internal fields (``evidence {...}``, ``gain_share
+    0.392398``) and one unbroken line made the page 2,741 px wide at a 1,280 px viewport. Now each
+    item reads as in the text report (title and why, the change, the expected gain, rule and
+    table), its evidence apart with units ("unknown" for an unknown value, never 0), and nothing is
+    wider than the viewport."""
+    import math
+
+    from commpatch import io as cpio
+    from commpatch.analysis.advice import Advice
+    from commpatch.render import text
+
+    rep = text.build_report(cpio.read(logs))
+    change = "DistributedDataParallel(model, bucket_cap_mb=25, " + "x" * 400 + ")"  # one unbroken word
+    rep.advice = [
+        Advice(
+            rule="ddp_buckets",
+            title="Larger DDP buckets",
+            evidence={"tail_us": 27000.0, "bucket_bytes": 2 * 2**20, "hidden_share": math.nan},
+            change=change,
+            gain_us=3000.0,
+            gain_share=0.392398,
+            text="the last bucket's all_reduce waits 27 ms after the backward pass",
+        )
+    ]
+    path = html.write(html.page(rep), str(tmp_path / "a.html"))
+    out = load(path, probe="() => [document.documentElement.scrollWidth, window.innerWidth]")
+    assert out["console"] == [] and len(out["advice"]) == 1
+    shown = out["advice"][0]
+    assert shown.startswith("Larger DDP buckets: the last bucket's all_reduce waits 27 ms"), shown
+    assert f"change: {change}" in shown.replace("\n", "")
+    assert "expected gain: up to 3 ms per step (39% of the step) [rule: ddp_buckets; table: steps]" in shown, shown
+    assert "gain_share" not in shown and "0.392398" not in shown and "{" not in shown.replace(change, "")
+    width, viewport = out["probe"]
+    assert width <= viewport, (width, viewport)
+    evidence = html.report_data(rep)["advice"][0]["evidence"]
+    assert evidence == {"tail_us": 27000.0, "bucket_bytes": 2 * 2**20, "hidden_share": None}
+
+
 def test_compare_page_in_headless_chromium(tmp_path):
     runs = []
     for n in (2, 4, 8):

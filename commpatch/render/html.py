@@ -21,8 +21,9 @@ import os
 
 import numpy as np
 
+from ..analysis.advice import Advice
 from . import people
-from .text import SECTIONS, terminal_safe
+from .text import SECTIONS, _gain, terminal_safe
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "html_assets")
 MAX_TABLE_ROWS = 2000  # rows of one table in the page (the per-step table of a long run); JSON has all
@@ -162,10 +163,25 @@ def pick_step(steps_table):
 
 
 def _items(advice) -> list:
-    """Advice items (dicts, named tuples or objects) as {field: text}: rendered generically."""
+    """Advice items as the page shows them: ``analysis.advice.Advice`` as the text report words it
+    (title and why, the change, the expected gain, rule and table; its evidence apart, NaN as None);
+    other items (dicts, named tuples, objects) as {field: text}, rendered generically."""
     out = []
     for item in advice or ():
-        if hasattr(item, "as_dict"):  # analysis.advice.Advice: NaN evidence (unknown) as None
+        if isinstance(item, Advice):
+            out.append(
+                dict(
+                    title=item.title,
+                    text=item.text,
+                    change=item.change,
+                    gain=_gain(item),
+                    rule=item.rule,
+                    section=item.section,
+                    evidence=item.as_dict()["evidence"],
+                )
+            )
+            continue
+        if hasattr(item, "as_dict"):
             item = item.as_dict()
         elif hasattr(item, "_asdict"):
             item = item._asdict()

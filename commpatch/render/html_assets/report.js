@@ -200,6 +200,19 @@
     if (!D.advice || !D.advice.length) return null;
     const sec = el("section", {id: "advice"}, el("h2", {text: "Advice"}));
     for (const item of D.advice) {
+      if (item.rule != null && item.gain != null) {  // an analysis.advice.Advice: worded as the text report
+        const box = el("div", {class: "advice"}, el("strong", {text: String(item.title) + ": "}), String(item.text ?? ""));
+        if (item.change) box.append(el("p", {}, "change: ", el("code", {text: String(item.change)})));
+        box.append(el("p", {}, `expected gain: ${item.gain} [rule: ${item.rule}; `,
+                      el("a", {class: "section-ref", href: "#table-" + item.section, text: `table: ${item.section}`}), "]"));
+        const ev = Object.entries(item.evidence || {});
+        if (ev.length) {
+          const rows = ev.map(([k, v]) => el("tr", {}, el("td", {text: k}), el("td", {text: v == null ? "unknown" : fmt(v, k)})));
+          box.append(el("details", {}, el("summary", {text: "evidence"}), el("table", {class: "evidence"}, el("tbody", {}, ...rows))));
+        }
+        sec.append(box);
+        continue;
+      }
       const title = item.title ?? item.change ?? item.kind ?? "";
       const dl = el("dl");
       for (const [k, v] of Object.entries(item)) {
