@@ -484,4 +484,7 @@ def test_site_builds_strict(tmp_path):
     assert "commpatch report" in html and "--fail-on-mismatch" in html
     pages = "".join(p.read_text() for p in site.rglob("*.html"))
     assert "<!-- commpatch:" not in pages and "&lt;!-- commpatch:" not in pages
+    # nothing loaded from the web (the theme fetched Google Fonts): an offline reader sees the same site
+    loaded = re.findall(r"<(?:link|script|img)\b[^>]*(?:src|href)=\"(https?:)?//[^\"]*", pages)
+    assert loaded == [] and "fonts.googleapis" not in pages and "fonts.gstatic" not in pages, loaded[:5]
     shutil.rmtree(site)
