@@ -37,7 +37,9 @@ from .io.writer import write_bytes
 
 PREFIX = "commpatch_"
 LABELS = ("collective", "group", "phase", "dtype")
-WHO = ("rank", "host", "run")  # 'run', not 'job': Prometheus sets 'job' itself
+# 'run', not 'job': Prometheus sets 'job' itself; run: the launcher's id of the job (TORCHELASTIC_RUN_ID,
+# SLURM_JOB_ID), else the log's run directory; run_dir: the log's run directory (its name), '' without a file
+WHO = ("rank", "host", "run", "run_dir")
 MAX_GROUPS = 16
 MAX_DTYPES = 8
 OTHER = "other"
@@ -182,7 +184,8 @@ class Exporter:
         cols = follower.take_settled(now, int(HORIZON_S * 1e9), final=final, names=COUNTED)
         with self.lock:
             if follower.parsed.header and not self.who:
-                self.who = (str(follower.parsed.header.get("rank", -1)), self.host, self._run())
+                run_dir = self._run_dir()
+                self.who = (str(follower.parsed.header.get("rank", -1)), self.host, self._run(run_dir), run_dir)
             if cols is not None and self.who:
                 self._count(cols)
         if final or time.monotonic() - self.last_steps >= STEPS_EVERY_S:
@@ -191,12 +194,14 @@ class Exporter:
             if self.file_template and self.who:
                 self.write_file()
 
-    def _run(self) -> str:
+    def _run(self, run_dir: str) -> str:
         for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
             if os.environ.get(name):
                 return os.environ[name]
-        sink = self.log.sink
-        path = getattr(sink, "path", None)
+        return run_dir
+
+    def _run_dir(self) -> str:
+        path = getattr(self.log.sink, "path", None)
         return os.path.basename(os.path.dirname(path)) if path else ""
 
     def _label(self, kind: str, name: str, most: int) -> str:
@@ -280,7 +285,7 @@ class Exporter:
         see half a file; never written through a link)."""
         from prometheus_client import generate_latest
 
-        path = rank_path(self.file_template, rank=int(self.who[0]), run=self.who[2])
+        path = rank_path(self.file_template, rank=int(self.who[0]), run=self.who[3] or self.who[2])
         try:
             return write_bytes(generate_latest(self.registry), path, exclusive=False)
         except OSError as exc:

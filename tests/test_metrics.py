@@ -138,7 +138,7 @@ def _by(results, *labels):
     shutil.which("prometheus") is None,
     reason="the Prometheus server is not installed (Debian package prometheus, ci/apt-packages.txt)",
 )
-def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the_log(tmp_path):
+def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the_log(tmp_path, monkeypatch):
     import commpatch
 
     tmp = str(tmp_path)
@@ -160,6 +160,8 @@ def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the
         stderr=open(os.path.join(tmp, "prometheus.log"), "w"),
     )
     api = f"http://127.0.0.1:{base + 2}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")  # as torchrun sets it; the log directory is another name
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     procs = []
     try:
         procs, logs, release = start_job(
@@ -209,6 +211,8 @@ def test_a_real_prometheus_scrapes_a_running_2_rank_job_and_its_totals_equal_the
         series = _query(api, "commpatch_calls_total")
         assert {s["metric"]["job"] for s in series} == {"train"}
         assert {s["metric"]["host"] for s in series} == {socket.gethostname().split(".")[0]}
+        # the launcher's run id and the log's run directory, both: a series leads to its files
+        assert {(s["metric"]["run"], s["metric"]["run_dir"]) for s in series} == {("job-7", "logs")}
         assert {s["metric"]["phase"] for s in series} == {"other"} and {s["metric"]["group"] for s in series} == {"0"}
         steps = _by(_query(api, "commpatch_step"), "rank")
         assert steps == {("0",): 19.0, ("1",): 19.0}
@@ -303,7 +307,7 @@ def test_label_values_are_bounded():
 
     log = types.SimpleNamespace(pending={}, sink=None, take_observed=lambda: [])
     exporter = Exporter(log)
-    exporter.who = ("0", "host", "run")
+    exporter.who = ("0", "host", "run", "run_dir")
     n = 480
     rng = np.arange(n)
     cols = {
