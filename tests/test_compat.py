@@ -132,8 +132,17 @@ def test_commpatch_env_lists_each_integration_status():
     import torch
 
     assert f"integrations on torch {torch.__version__}:" in out.stdout
+    # the gaps docs/compatibility.md lists for torch 2.4 are "partial" there, with the reason
+    old = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
     for integration in integrations.ALL:
-        assert any(line.split()[:2] == [integration.name, "active"] for line in out.stdout.splitlines()), out.stdout
+        state = "partial" if old and integration.name == "compiled" else "active"
+        assert any(
+            [w.rstrip(":") for w in line.split()[:2]] == [integration.name, state] for line in out.stdout.splitlines()
+        ), out.stdout
+    (clock,) = [line for line in out.stdout.splitlines() if line.startswith("clock exchange across hosts:")]
+    assert clock.split(":")[1].split() == (["partial"] if old else ["active"]), clock
+    if old:
+        assert "backward formulas are not recorded" in out.stdout and "FileStore" in clock, out.stdout
 
 
 def test_checking_at_enable_imports_nothing():

@@ -111,12 +111,9 @@ def file_store_exchange_unsupported() -> str | None:
     to rank 0 through its own connection to the process group's store: a client of its own for a
     TCPStore (torchrun's, ``tcp://``, ``env://``) on every torch, ``Store.clone()`` for a FileStore,
     which torch < 2.5 does not have (offsets not measured, the report says so)."""
-    import torch
-    import torch.distributed as dist
+    from commpatch.record.clocksync import unmeasured_stores
 
-    return (
-        None if hasattr(dist.FileStore, "clone") else f"torch {torch.__version__} has no Store.clone() for a FileStore"
-    )
+    return unmeasured_stores()
 
 
 def destroy_process_group(group=None) -> None:

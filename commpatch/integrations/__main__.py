@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+from ..record.clocksync import unmeasured_stores
 from . import ALL, base
 
 
@@ -26,6 +27,8 @@ def main() -> int:
         if why:
             line += f": {why}"
         print(line)
+    gap = unmeasured_stores()
+    print(f"clock exchange across hosts: {'partial: ' + gap if gap else 'active'}")
     return 0
 
 

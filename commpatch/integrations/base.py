@@ -59,6 +59,8 @@ class Integration:
     apply: Callable[[Context], None]
     remove: Callable[[Context], None] = lambda ctx: None
     records: str = ""  # what its rows are, for the warning when it is unavailable
+    # what it does not record on this torch although every name it relies on is there (None: nothing)
+    gaps: Callable[[], str | None] = lambda: None
 
 
 _MISSING = object()
@@ -143,10 +145,12 @@ def missing(integration: Integration, load: bool = True, under: str = "") -> lis
 def status(integration: Integration) -> tuple[str, str]:
     """('active' | 'partial' | 'unavailable', why) on the installed torch (imports what it names)."""
     gaps = missing(integration)
-    if not gaps:
+    known = integration.gaps()
+    whys = [why for _, why in gaps] + ([known] if known else [])
+    if not whys:
         return "active", ""
     state = "unavailable" if any(need.required for need, _ in gaps) else "partial"
-    return state, "; ".join(why for _, why in gaps)
+    return state, "; ".join(whys)
 
 
 _SAID: set = set()

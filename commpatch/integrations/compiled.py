@@ -260,8 +260,16 @@ def _world():
     return _world
 
 
+def _gaps() -> str | None:
+    why = formulas_unsupported()
+    return (
+        f"the collectives of eager functional collectives' backward formulas are not recorded ({why})" if why else None
+    )
+
+
 INTEGRATION = Integration(
     name="compiled",
+    gaps=_gaps,
     patches="Python kernels (torch.library, ADInplaceOrView key) on the way to torch's kernels of the "
     "_c10d_functional collectives and wait_tensor, while a compiled graph or a functional collective's "
     "autograd formula may issue them",

@@ -254,6 +254,17 @@ def connection(store):
     return None
 
 
+def unmeasured_stores() -> str | None:
+    """The process-group stores whose clocks this torch cannot measure (None: none that torch's
+    launchers make): a FileStore (``file://``) needs ``Store.clone()``, which torch < 2.5 lacks."""
+    import torch
+    import torch.distributed as dist
+
+    if hasattr(dist.FileStore, "clone"):
+        return None
+    return f"a FileStore (file://): torch {torch.__version__} has no Store.clone(); the offsets are not measured"
+
+
 def start(log, note=None) -> ClockSync | None:
     """A ClockSync for ``log``'s rank through the default process group's store, or None (one
     rank, no default group, no store to reach through a connection of its own)."""
