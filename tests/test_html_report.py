@@ -226,9 +226,12 @@ def check_page(out, plots):
 def test_page_in_headless_chromium(logs, tmp_path):
     path = str(tmp_path / "r.html")
     assert report(logs, "--html", path)[0] == 0
-    out = load(path)
+    lines = "() => [...document.querySelectorAll('[data-line] polyline')].map(p => +p.getAttribute('stroke-width'))"
+    out = load(path, probe=lines)
     check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])
     assert out["cards"] == ["step time", "communication", "top collective", "straggler", "hang", "mismatches"]
+    comm, exposed = out["probe"]  # the communication share wide under the exposed one: both show where they coincide
+    assert comm >= exposed + 2, out["probe"]
     advised = bool(json.loads(report(logs, "--format", "json")[1])["advice"])  # advice, when given, after the findings
     assert out["sections"][: 3 + advised] == ["headline", "findings"] + ["advice"] * advised + ["plots"]
     assert {"table-summary", "table-steps", "table-ranks", "table-mismatches"} <= set(out["sections"])

@@ -186,6 +186,45 @@ def test_plots_are_written(logs, capsys, tmp_path):
         assert name in err
 
 
+def test_comm_per_step_keeps_its_legend_off_the_data_and_both_share_lines_visible():
+    """Issue 36: the legend sat on the data (upper left, over the bars and the share lines), and the
+    exposed-share line hid the communication-share line where they coincide (every wait exposed).
+    Here they coincide at 90-95% of each step: the legend is outside the axes, and the drawing has
+    both the red of the exposed line and the grey of the wide communication line under it."""
+    pytest.importorskip("matplotlib")
+    import numpy as np
+
+    from commpatch.render import plots
+
+    n = 12
+    share = np.linspace(0.9, 0.95, n)
+    steps = pd.DataFrame(
+        dict(
+            step=np.arange(n),
+            stage=["setup"] + ["steady"] * (n - 1),
+            exposed_us=np.full(n, 9000.0),
+            overlapped_us=np.full(n, 500.0),
+            comm_share=share,
+            exposed_share=share,
+        )
+    )
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = plots.comm_per_step(steps)
+    FigureCanvasAgg(fig).draw()
+    (ax, _) = fig.axes
+    (legend,) = fig.legends
+    box, frame = legend.get_window_extent(), ax.get_window_extent()
+    assert box.y1 <= frame.y0 or box.y0 >= frame.y1, (box, frame)  # above or below the axes, not on them
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    inside = pixels[int(fig.bbox.height - frame.y1) : int(fig.bbox.height - frame.y0), int(frame.x0) : int(frame.x1)]
+    red = (inside[..., 0] > 90) & (inside[..., 0] < 170) & (inside[..., 1] < 50) & (inside[..., 2] < 50)  # maroon
+    grey = (abs(inside[..., 0] - inside[..., 1]) < 8) & (abs(inside[..., 1] - inside[..., 2]) < 8)
+    grey &= (inside[..., 0] > 100) & (inside[..., 0] < 170)
+    top_rows = slice(0, inside.shape[0] // 4)  # the share lines at 90-95%: the top of the axes, above the bars
+    assert red[top_rows].sum() > 50 and grey[top_rows].sum() > 200, (red[top_rows].sum(), grey[top_rows].sum())
+
+
 def test_compare_runs(capsys, tmp_path):
     runs = []
     for n in (2, 4, 8):

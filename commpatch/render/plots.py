@@ -63,12 +63,12 @@ def comm_per_step(steps):
             bottom = bottom + values
     steady = bottom[(steps["stage"] == "steady").to_numpy()] if "stage" in steps else bottom
     top = float(steady.max()) if len(steady) and steady.max() > 0 else float(bottom.max()) if len(bottom) else 0.0
-    ax.set_ylim(0, top * 1.6 if top > 0 else 1)  # room for the legend
+    ax.set_ylim(0, top * 1.25 if top > 0 else 1)
     for xi, total in zip(x, bottom):
-        if top > 0 and total > top * 1.6:
+        if top > 0 and total > top * 1.25:
             ax.annotate(
                 f"{total:.0f} ms (set-up)" if xi == x[0] else f"{total:.0f} ms",
-                (xi, top * 1.5),
+                (xi, top * 1.17),
                 fontsize="x-small",
                 ha="left",
             )
@@ -78,12 +78,16 @@ def comm_per_step(steps):
     handles, labels = ax.get_legend_handles_labels()
     if steps["comm_share"].notna().any():
         ax2 = ax.twinx()
-        ax2.plot(x, 100 * steps["comm_share"], color="k", marker=".", label="communication share of step (%)")
+        # wide and light under thin and dashed: both show where they coincide (all the wait exposed)
+        ax2.plot(
+            x, 100 * steps["comm_share"], color="k", linewidth=4, alpha=0.45, label="communication share of step (%)"
+        )
         ax2.plot(
             x,
             100 * steps["exposed_share"],
-            color="tab:red",
+            color="maroon",  # darker than the exposed bars it crosses
             linestyle="--",
+            linewidth=1.5,
             marker=".",
             label="exposed share of step (%)",
         )
@@ -91,7 +95,9 @@ def comm_per_step(steps):
         ax2.set_ylim(0, 100)
         more_handles, more_labels = ax2.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, loc="upper left", fontsize="small")
+    fig.legend(
+        handles, labels, loc="outside lower center", ncols=2, fontsize="small"
+    )  # below the axes, never on the data
     return fig
 
 

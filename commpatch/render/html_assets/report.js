@@ -271,15 +271,16 @@
     const y2 = scale(0, 1, b.y1, b.y0, false);
     for (const t of [0, 0.25, 0.5, 0.75, 1])
       sv("text", {x: b.x1 + 6, y: y2(t) + 4, "font-size": 11, fill: "#444", text: `${100 * t}%`}, s);
-    const lines = [["comm_share", "communication share", "#1d2330", ""], ["exposed_share", "exposed share", "#d1495b", "5 3"]]
-      .filter((l) => d[l[0]]).map(([col, , color, dash]) => {
-        const g = sv("g", {}, s);
+    // wide and light under thin and dashed: both show where they coincide (all the wait exposed)
+    const lines = [["comm_share", "#1d2330", "", 5, 0.45], ["exposed_share", "#d1495b", "5 3", 1.5, 1]]
+      .filter((l) => d[l[0]]).map(([col, color, dash, width, opacity]) => {
+        const g = sv("g", {"data-line": col}, s);
         const pts = d[col].map((v, i) => [i, v]).filter((p) => p[1] != null);
         sv("polyline", {points: pts.map((p) => `${xs(p[0])},${y2(p[1])}`).join(" "), fill: "none", stroke: color,
-                        "stroke-width": 1.5, "stroke-dasharray": dash}, g);
+                        "stroke-width": width, "stroke-opacity": opacity, "stroke-dasharray": dash}, g);
         return g;
       });
-    const shares = [["comm_share", "communication share", "#1d2330"], ["exposed_share", "exposed share (dashed)", "#d1495b"]]
+    const shares = [["comm_share", "communication share (wide)", "#1d2330"], ["exposed_share", "exposed share (dashed)", "#d1495b"]]
       .filter((l) => d[l[0]]);
     const names = parts.map((p) => p[1]).concat(shares.map((l) => l[1]));
     const targets = layers.concat(lines);
