@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -389,6 +390,61 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_diff(args) -> int:
+    """``commpatch diff A B``: what changed from run A to run B, each change with its 95% interval
+    over the steady steps; one line on stderr and exit status 2 for bad input."""
+    from . import offline  # lazy: the CLI's other commands never load numpy / pandas
+
+    try:
+        with _plain_warnings(offline, "commpatch diff"):
+            d = offline.diff(args.a, args.b, engine="pandas")
+    except (_config.ConfigError, offline.LogFileError) as exc:
+        print(f"commpatch diff: {_safe(exc)}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        print(json.dumps(_no_nan(d), indent=1))
+    else:
+        print(offline.diff_text(d))
+    return 0
+
+
+def _no_nan(value):
+    """NaN (unknown) as null: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def cmd_check(args) -> int:
+    """``commpatch check RUN --max-...``: exit 0 when the run holds every limit, 1 with one line per
+    violated limit (for a CI job to fail on), 2 for bad input."""
+    from . import offline  # lazy: the CLI's other commands never load numpy / pandas
+
+    try:
+        limits = dict(
+            max_exposed=offline.check_share_limit(args.max_exposed, "--max-exposed"),
+            max_comm=offline.check_share_limit(args.max_comm, "--max-comm"),
+            max_step_ms=args.max_step_ms,
+            max_regression=offline.check_share_limit(args.max_regression, "--max-regression"),
+        )
+        if args.max_step_ms is not None and not args.max_step_ms > 0:
+            raise _config.ConfigError(f"--max-step-ms {args.max_step_ms!r}: a number of milliseconds above 0")
+        with _plain_warnings(offline, "commpatch check"):
+            bad, held = offline.check(args.path, baseline=args.baseline, engine="pandas", **limits)
+    except (_config.ConfigError, offline.LogFileError) as exc:
+        print(f"commpatch check: {_safe(exc)}", file=sys.stderr)
+        return 2
+    for line in bad:
+        print(f"commpatch check: FAILED: {_safe(line)}")
+    for line in held:
+        print(f"commpatch check: ok: {_safe(line)}")
+    return 1 if bad else 0
+
+
 def cmd_env(args) -> int:
     rows = _config.describe()
     width = max(len(r[0]) for r in rows)
@@ -613,6 +669,24 @@ def main(argv=None) -> int:
         "--stuck", type=float, default=30.0, help="list a call in flight for longer than this many seconds (default 30)"
     )
     p.set_defaults(func=cmd_watch)
+
+    p = sub.add_parser("diff", help="compare two runs: what changed, and whether it is more than the steps' spread")
+    p.add_argument("a", help="run A (a directory of runs, a run directory or log files): the reference")
+    p.add_argument("b", help="run B: compared against A")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("check", help="exit 1 when a run breaks a communication limit (for CI)")
+    p.add_argument("path", help="the run (a directory of runs, a run directory or log files)")
+    p.add_argument("--max-exposed", help="the largest exposed share of the step, e.g. 30%% (steady-state median)")
+    p.add_argument("--max-comm", help="the largest communication share of the step, e.g. 50%%")
+    p.add_argument("--max-step-ms", type=float, help="the longest median steady-state step, in ms")
+    p.add_argument("--baseline", help="a run to compare with (needs --max-regression)")
+    p.add_argument(
+        "--max-regression",
+        help="the largest significant increase of step time, communication or exposed time over the baseline, e.g. 5%%",
+    )
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("env", help="show settings and their environment variables")
     p.set_defaults(func=cmd_env)

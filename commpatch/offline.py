@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import re
 import warnings
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis, io
+from .analysis import diff as _diff
 from .analysis import engine as _engine
 from .analysis.engine import EngineError
 from .analysis.pattern import StepPatternWarning
@@ -34,6 +36,7 @@ from .config import ConfigError
 from .data.logfile import SUFFIX
 from .data.schema import COLUMNS
 from .io.reader import LogFileError, LogFileWarning, chosen_run
+from .render import diffs as _diffs
 from .render import html, plots, trace
 from .render import tensorboard as tensorboard_writer
 from .render import text as _text
@@ -692,6 +695,97 @@ def compare(paths, scaling: str = "weak", global_batch=None, progress=None) -> C
 
 
 # ---- binary logs to CSV / Parquet --------------------------------------------------------------
+def diff(a, b, **options) -> dict:
+    """Run ``b`` against run ``a`` (paths as ``open`` takes them; ``options`` for both):
+    ``analysis.diff.diff``'s dict (per-step figures and per collective and size, each change with
+    its 95% interval over the steady steps)."""
+    sides = []
+    for paths in (a, b):
+        with open(paths, **options) as run:
+            steps = run.steps()
+            rows = run.rows() if steps is not None else None
+            sides.append(dict(name=_run_name(paths), steps=steps, rows=rows))
+    return _diff.diff(*sides)
+
+
+def diff_text(d: dict) -> str:
+    """``diff``'s result as ``commpatch diff`` prints it."""
+    return "\n".join(_diffs.diff_lines(d))
+
+
+def _run_name(paths) -> str:
+    """The run read from ``paths``: its run directory when they name a directory of runs."""
+    chosen = chosen_run(paths)
+    return chosen[0] if chosen else _shown(_paths(paths))
+
+
+def check_share_limit(value, name: str) -> float | None:
+    """A limit given in percent ('30%' or '30'): the fraction; None when not given."""
+    if value is None:
+        return None
+    text = str(value).strip().rstrip("%").strip()
+    try:
+        limit = float(text) / 100
+    except ValueError:
+        limit = math.nan
+    if not 0 <= limit <= 10 or limit != limit:
+        raise ConfigError(f"{name} {value!r}: a percentage from 0 to 1000, e.g. 30%")
+    return limit
+
+
+def check(path, baseline=None, max_exposed=None, max_comm=None, max_step_ms=None, max_regression=None, **options):
+    """``commpatch check``: (violations, held): one line each for the limits the run ``path``
+    breaks (steady-state medians; a regression against ``baseline``: a significant change above
+    ``max_regression`` of the baseline's step time, communication or exposed time) and for those
+    it holds. A limit whose figure is unknown (not measured) is a violation: a gate cannot pass
+    on what it could not see."""
+    if (baseline is None) != (max_regression is None):
+        raise ConfigError(
+            "a regression is checked with a baseline run and a limit: give both --baseline and --max-regression"
+        )
+    if all(x is None for x in (max_exposed, max_comm, max_step_ms, max_regression)):
+        raise ConfigError(
+            "no limit given: --max-exposed, --max-comm, --max-step-ms or --baseline with --max-regression"
+        )
+    with open(path, **options) as run:
+        steps = run.steps()
+        state = run.steady_state()
+    bad, held = [], []
+
+    fmt, verdict = _diffs.fmt, _diffs.verdict
+
+    def limit(name, value, most, unit):
+        shown, bound = fmt(value, unit), fmt(most, unit)
+        if value is None or value != value:
+            bad.append(f"{name}: unknown (not measured), the limit is {bound}")
+        elif value > most:
+            bad.append(f"{name}: {shown} > {bound}")
+        else:
+            held.append(f"{name}: {shown} <= {bound}")
+
+    if max_exposed is not None:
+        limit("exposed share of the step", state.get("exposed_share"), max_exposed, "share")
+    if max_comm is not None:
+        limit("communication share of the step", state.get("comm_share"), max_comm, "share")
+    if max_step_ms is not None:
+        limit("step time", state.get("step_p50_us"), max_step_ms * 1e3, "us")
+    if baseline is not None and max_regression is not None:
+        with open(baseline, **options) as base:
+            before = dict(name=_run_name(baseline), steps=base.steps(), rows=None)
+        d = _diff.diff(before, dict(name=_run_name(path), steps=steps, rows=None))
+        for s in d["steps"]:
+            if s["key"] not in ("step_us", "comm_us", "exposed_us"):
+                continue
+            name = f"{s['name']} against the baseline"
+            if s["relative"] != s["relative"]:
+                bad.append(f"{name}: unknown (not measured in both runs)")
+            elif s["significant"] and s["relative"] > max_regression:
+                bad.append(f"{name}: {verdict(s, s['unit'])}, above the {100 * max_regression:g}% allowed")
+            else:
+                held.append(f"{name}: {verdict(s, s['unit'])}")
+    return bad, held
+
+
 def convert(paths, to: str = "csv", progress=None):
     """Binary rank logs (``.cplog``: a directory, its latest run, or files) to CSV beside them, or
     to one rank-partitioned Parquet dataset per run (``parquet/rank=R/``). Yields ``(path,
