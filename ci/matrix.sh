@@ -15,6 +15,10 @@ CACHE=${COMMPATCH_MATRIX_CACHE:-$HOME/.cache/commpatch-matrix}
 PYENV_ROOT=${PYENV_ROOT:-$HOME/.pyenv}
 PIP_FLAGS=(--disable-pip-version-check -q)
 mkdir -p "$CACHE"
+# each venv cell pins its torch exactly: a machine-wide pip cap (this image's /etc/xdg/pip
+# constraints.txt: torch<=2.14.1, the releases on its disk) must not refuse the newest cell's pin
+: > "$CACHE/no-constraints.txt"
+export PIP_CONSTRAINT="$CACHE/no-constraints.txt"
 
 # cell name -> "python minor version, torch version": the declared support range's two ends
 declare -A CELLS=([oldest]="3.9 2.4.1" [newest]="3.13 2.15.0")

@@ -134,17 +134,10 @@ def _where_written(template: str, started: float) -> str:
     """One line for the end of `commpatch run`: where this run's logs are and the report command."""
     import shlex
 
-    from .io import discovery  # lazy: after the command ended; `commpatch run` itself loads no numpy
+    from . import offline  # lazy: after the command ended; `commpatch run` itself loads no numpy
 
     root, per_run = runs_root(template)
-    found: list = []
-    try:
-        if per_run and os.path.isdir(root):
-            found = [r for r in discovery.runs(root) if discovery.run_started(r) >= started - 1.0]
-        elif os.path.isdir(root):
-            found = [root] if any(os.path.getmtime(f) >= started - 1.0 for f in discovery.log_files(root)) else []
-    except OSError:
-        found = []
+    found = offline.written_since(root, per_run, started - 1.0)
     if not found:
         return f"no log was written under {root} (`commpatch env` says what is active)"
     more = f" ({len(found)} runs: restarts)" if len(found) > 1 else ""

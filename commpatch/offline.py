@@ -35,6 +35,7 @@ from .analysis.pattern import StepPatternWarning
 from .config import ConfigError
 from .data.logfile import SUFFIX
 from .data.schema import COLUMNS
+from .io import discovery
 from .io.reader import LogFileError, LogFileWarning, chosen_run
 from .render import diffs as _diffs
 from .render import html, plots, trace
@@ -706,6 +707,20 @@ def diff(a, b, **options) -> dict:
             rows = run.rows() if steps is not None else None
             sides.append(dict(name=_run_name(paths), steps=steps, rows=rows))
     return _diff.diff(*sides)
+
+
+def written_since(root: str, per_run: bool, since: float) -> list:
+    """What a job wrote under ``root`` from the Unix time ``since`` on: its run directories
+    (``per_run``: one per run, oldest first), else ``[root]`` when a log file there changed since;
+    [] when nothing (or ``root`` cannot be read)."""
+    try:
+        if not os.path.isdir(root):
+            return []
+        if per_run:
+            return [r for r in discovery.runs(root) if discovery.run_started(r) >= since]
+        return [root] if any(os.path.getmtime(f) >= since for f in discovery.log_files(root)) else []
+    except OSError:
+        return []
 
 
 def diff_text(d: dict) -> str:

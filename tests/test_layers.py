@@ -72,7 +72,6 @@ LAZY = {
     ("commpatch._bootstrap", "commpatch.session"),
     ("commpatch.cli", "commpatch.offline"),  # `commpatch run` / `env` never load numpy or pandas
     ("commpatch.cli", "commpatch.io.paths"),
-    ("commpatch.cli", "commpatch.io.discovery"),  # `commpatch run`: where the logs went, once the command ended
     ("commpatch.cli", "commpatch.watch"),  # `commpatch watch` alone loads rich
 }
 
