@@ -22,7 +22,8 @@ def test_every_name_an_integration_relies_on_exists_in_this_torch(integration):
     assert integration.relies_on, f"{integration.name} declares nothing it relies on"
     gaps = base.missing(integration)
     assert not gaps, f"torch lacks what {integration.name} relies on: {gaps}"
-    assert base.status(integration) == ("active", "")
+    known = integration.gaps()  # what it leaves out on this torch although every name is there (torch 2.4)
+    assert base.status(integration) == (("partial", known) if known else ("active", ""))
 
 
 def test_resolve_reports_what_is_missing():

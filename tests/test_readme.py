@@ -5,6 +5,8 @@ from the code: tests/test_docs.py checks them.)"""
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()
 
@@ -54,7 +56,8 @@ def test_support_table_row_of_this_torch_is_what_the_integrations_say():
 
     version = torch.__version__.split("+")[0]
     rows = {row["torch"]: row for row in _support_table()}
-    assert version in rows, f"torch {version} is not in README's support table: add its row (and its CI cell)"
+    if version not in rows:  # a user's torch: untested here, not broken (every CI cell has its row: the test below)
+        pytest.skip(f"torch {version} has no row in README's support table: untested by this project's CI")
     row = rows[version]
     assert row["Python"] == "{}.{}".format(*sys.version_info[:2]), row
     for integration in integrations.ALL:

@@ -161,7 +161,7 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
         dict(kind="ddp", spot="before_step", delay_ms=5.0, slow_rank=slow, steps=30, seed=i) for i in range(jobs_each)
     ]
     logs = run_ranks(truth_jobs, world, timeout=300, jobs=jobs)
-    named, causes = [], []
+    named, causes, said = [], [], []
     for j in range(len(jobs)):
         df = apply_schema(pd.concat([logs[r][j][0] for r in range(world)], ignore_index=True))
         rep = report.build_report(df)
@@ -169,6 +169,7 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
         verdict_part = text.split(": the straggler")[0] if ": the straggler" in text else None
         named.append(None if verdict_part is None else re.findall(r"[Rr]ank \d+", verdict_part)[-1].lower())
         causes.append([a.title.split(", ")[-1] for a in rep.advice if a.rule == "straggler"])
+        said.append(text)
         assert analysis.steady_state(analysis.per_step(df, by_rank=False))["steps"] == 29  # first: set-up
     # a symmetric job on this 2-core machine (2 or 4 ranks, each with gloo's worker thread) may have
     # a rank its host keeps off the CPU in most steps: a real hold-up, named, and its cause said to be
@@ -179,7 +180,8 @@ def test_real_ddp_jobs_symmetric_and_delayed(world, jobs_each):
             causes[j],
         )
     assert sum(n is not None for n in named[:jobs_each]) <= jobs_each // 10, named[:jobs_each]  # the rare case
-    assert named[jobs_each:] == [f"rank {slow}"] * jobs_each, named[jobs_each:]
+    missed = [said[j] for j in range(jobs_each, 2 * jobs_each) if named[j] != f"rank {slow}"]
+    assert missed == [], missed  # each missed delayed job's straggler finding, whole
 
 
 def test_point_to_point_steps_are_no_steps_missing():
