@@ -133,15 +133,12 @@ def test_commpatch_run_ends_as_its_command_does(tmp_path):
 def test_report_without_a_path_reads_the_default_directory(tmp_path):
     """`commpatch report` with no path reads where the output setting writes (commpatch_logs by
     default); without it, one line naming the directory."""
-    env = _env()
-    res = subprocess.run(
-        [sys.executable, "-m", "commpatch", "report"],
-        env=env,
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def report():
+        cmd = [sys.executable, "-m", "commpatch", "report"]
+        return subprocess.run(cmd, env=_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+
+    res = report()
     assert res.returncode == 2 and res.stderr.strip().endswith("there is no commpatch_logs here"), res.stderr
     from commpatch.testing import make_log
 
@@ -149,14 +146,7 @@ def test_report_without_a_path_reads_the_default_directory(tmp_path):
     run.mkdir(parents=True)
     for rank, frame in make_log(world_size=2).groupby("rank", observed=True):
         commpatch.export_csv(str(run / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
-    res = subprocess.run(
-        [sys.executable, "-m", "commpatch", "report"],
-        env=env,
-        cwd=str(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = report()
     assert res.returncode == 0 and "20260101-000000-host-1" in res.stdout + res.stderr, res.stderr[-2000:]
 
 
