@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -394,22 +393,8 @@ def cmd_diff(args) -> int:
     except (_config.ConfigError, offline.LogFileError) as exc:
         print(f"commpatch diff: {_safe(exc)}", file=sys.stderr)
         return 2
-    if args.format == "json":
-        print(json.dumps(_no_nan(d), indent=1))
-    else:
-        print(offline.diff_text(d))
+    print(offline.diff_json(d) if args.format == "json" else offline.diff_text(d))
     return 0
-
-
-def _no_nan(value):
-    """NaN (unknown) as null: JSON has no NaN."""
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    if isinstance(value, float) and value != value:
-        return None
-    return value
 
 
 def cmd_check(args) -> int:

@@ -695,7 +695,7 @@ def compare(paths, scaling: str = "weak", global_batch=None, progress=None) -> C
     return Comparison(table, analysis.scaling_by_op(runs), scaling, list(runs))
 
 
-# ---- binary logs to CSV / Parquet --------------------------------------------------------------
+# ---- two runs of one job: diff and check ------------------------------------------------------
 def diff(a, b, **options) -> dict:
     """Run ``b`` against run ``a`` (paths as ``open`` takes them; ``options`` for both):
     ``analysis.diff.diff``'s dict (per-step figures and per collective and size, each change with
@@ -728,6 +728,11 @@ def diff_text(d: dict) -> str:
     return "\n".join(_diffs.diff_lines(d))
 
 
+def diff_json(d: dict) -> str:
+    """``diff``'s result as ``commpatch diff --format json`` prints it (unknown: null)."""
+    return _diffs.diff_json(d)
+
+
 def _run_name(paths) -> str:
     """The run read from ``paths``: its run directory when they name a directory of runs."""
     chosen = chosen_run(paths)
@@ -743,7 +748,7 @@ def check_share_limit(value, name: str) -> float | None:
         limit = float(text) / 100
     except ValueError:
         limit = math.nan
-    if not 0 <= limit <= 10 or limit != limit:
+    if not 0 <= limit <= 10:  # NaN too
         raise ConfigError(f"{name} {value!r}: a percentage from 0 to 1000, e.g. 30%")
     return limit
 
@@ -767,10 +772,8 @@ def check(path, baseline=None, max_exposed=None, max_comm=None, max_step_ms=None
         state = run.steady_state()
     bad, held = [], []
 
-    fmt, verdict = _diffs.fmt, _diffs.verdict
-
     def limit(name, value, most, unit):
-        shown, bound = fmt(value, unit), fmt(most, unit)
+        shown, bound = _diffs.fmt(value, unit), _diffs.fmt(most, unit)
         if value is None or value != value:
             bad.append(f"{name}: unknown (not measured), the limit is {bound}")
         elif value > most:
@@ -795,12 +798,13 @@ def check(path, baseline=None, max_exposed=None, max_comm=None, max_step_ms=None
             if s["relative"] != s["relative"]:
                 bad.append(f"{name}: unknown (not measured in both runs)")
             elif s["significant"] and s["relative"] > max_regression:
-                bad.append(f"{name}: {verdict(s, s['unit'])}, above the {100 * max_regression:g}% allowed")
+                bad.append(f"{name}: {_diffs.verdict(s, s['unit'])}, above the {100 * max_regression:g}% allowed")
             else:
-                held.append(f"{name}: {verdict(s, s['unit'])}")
+                held.append(f"{name}: {_diffs.verdict(s, s['unit'])}")
     return bad, held
 
 
+# ---- binary logs to CSV / Parquet --------------------------------------------------------------
 def convert(paths, to: str = "csv", progress=None):
     """Binary rank logs (``.cplog``: a directory, its latest run, or files) to CSV beside them, or
     to one rank-partitioned Parquet dataset per run (``parquet/rank=R/``). Yields ``(path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from .people import terminal_safe
@@ -72,3 +73,19 @@ def diff_lines(d: dict) -> list:
             )
             out.append(f"- only in {side}: {shown}")
     return out
+
+
+def _no_nan(value):
+    """NaN (unknown) as null: JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def diff_json(d: dict) -> str:
+    """``commpatch diff --format json``: the dict as it is, unknown figures as null."""
+    return json.dumps(_no_nan(d), indent=1, allow_nan=False)
