@@ -19,7 +19,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from .summaries import size_bucket
+from .summaries import durations, size_bucket
 
 BOOTSTRAP = 2000
 LEVEL = 0.95
@@ -75,12 +75,12 @@ def per_step_collectives(df, steps) -> pd.DataFrame:
     rows = df[df["step"].isin(keep)] if keep else df.iloc[:0]
     if not len(rows):
         return pd.DataFrame(columns=["step", "collective", "size_bucket", "calls", "bytes", "time_us"])
-    time = rows["duration_us"].astype(np.float64)
+    time = durations(rows)  # damaged values (infinite, negative) as unmeasured, as every analysis reads them
     rows = rows.assign(
         collective=rows["collective"].astype(str),
         size_bucket=size_bucket(rows["bytes"].to_numpy()),
         time_us=time,
-        unmeasured=time.isna().astype(np.int64),
+        unmeasured=np.isnan(time).astype(np.int64),
     )
     ranks = rows.groupby("step")["rank"].nunique()
     out = (
