@@ -191,3 +191,37 @@ def test_point_to_point_steps_are_no_steps_missing():
     v = verdict(empty, _steps(20))
     assert v["rank"] is None and v["reason"] == "collectives", v
     assert verdict(empty, _steps(3))["reason"] == "steps"
+
+
+def _stage_steps(work_ms, wait_ms, seed=0, noise_ms=0.2):
+    """``matching.p2p_steps`` of a pipeline whose rank r works ``work_ms[r]`` per step (plus noise) and
+    waits ``wait_ms[r]`` at its receives: its first call of each step comes one step time after the
+    previous one's."""
+    rng = np.random.default_rng(seed)
+    n_steps, rows = 30, []
+    for r, (work, wait) in enumerate(zip(work_ms, wait_ms)):
+        t = 0.0
+        for step in range(n_steps):
+            rows.append((step, r, int(t * 1e6), wait * 1e3))
+            t += work + wait + rng.exponential(noise_ms)
+    return pd.DataFrame(rows, columns=["step", "rank", "first_ns", "recv_wait_us"])
+
+
+def test_a_pipeline_stage_that_works_longer_is_the_straggler():
+    """A pipeline's steps hold point-to-point calls only: the stages wait for each other by construction
+    (here rank 0 waits 6 ms per step for rank 1's backward, rank 1 2 ms for rank 0's forward: who holds
+    whom up at the calls is the schedule), so the evidence is each stage's work, its step less its
+    receives' waits. Balanced stages: no straggler; rank 1 working 1.5 ms longer per step: named, with
+    how much longer; no evidence: the reason says point-to-point calls only."""
+    empty = pd.DataFrame({"step": np.zeros(0, np.int64), "rank": np.zeros(0, np.int64), "held_us": np.zeros(0)})
+    steps = _steps(30, step_us=13_000.0)
+    for seed in range(20):
+        v = verdict(empty, steps, p2p_steps=_stage_steps([5.0, 5.0], [6.0, 2.0], seed))
+        assert v["measure"] == "work" and not v["straggler"] and v["reason"] != "collectives", v
+    for slow in (0, 1):
+        work = [5.0, 5.0]
+        work[slow] += 1.5
+        v = verdict(empty, steps, p2p_steps=_stage_steps(work, [6.0 - (slow == 0) * 1.5, 2.0 - (slow == 1) * 1.5]))
+        assert v["straggler"] and v["rank"] == slow and v["measure"] == "work", v
+        assert 1_200 <= v["late_median_us"] <= 1_800 and v["work_us"] > v["others_work_us"], v
+    assert verdict(empty, steps)["reason"] == "collectives"

@@ -23,6 +23,19 @@ def _verdicts(logs, jobs):
     return out
 
 
+def _both_engines(df, tmp_path, rank):
+    """The reports of ``df``'s per-rank CSV logs by pandas and by DuckDB: the same straggler verdict
+    (its figures summed in another order: equal to 1e-12), naming ``rank``, and the same finding."""
+    for r, frame in df.groupby("rank", observed=True):
+        commpatch.export_csv(str(tmp_path / f"rank{r}.csv"), df=frame.reset_index(drop=True))
+    pandas, duckdb = reports(str(tmp_path))
+    assert differences(pandas["headline"]["straggler"], duckdb["headline"]["straggler"]) == []
+    assert pandas["headline"]["straggler"]["rank"] == rank
+    said = [[f["text"] for f in r["findings"] if f["kind"] == "straggler"] for r in (pandas, duckdb)]
+    assert said[0] == said[1], said
+    return pandas, duckdb, said
+
+
 def test_a_straggler_that_fsdp_absorbs_is_named(tmp_path):
     """FSDP2 (fully_shard per block), 2 ranks: rank 1 sleeps 30 ms before each step (a slow data loader),
     which the step's first all-gather absorbs: rank 1 is the straggler, held the other up ~30 ms per step
@@ -40,14 +53,8 @@ def test_a_straggler_that_fsdp_absorbs_is_named(tmp_path):
     assert v["straggler"] and v["rank"] == 1, v
     assert 25_000 <= v["late_median_us"] <= 60_000 and v["last_steps"] >= 0.9 * v["steps"], v
     assert not s["straggler"], s
-    for rank, frame in delayed.groupby("rank", observed=True):
-        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
-    pandas, duckdb = reports(str(tmp_path))
-    # the same verdict, its figures summed in another order (equal to 1e-12)
-    assert differences(pandas["headline"]["straggler"], duckdb["headline"]["straggler"]) == []
-    assert pandas["headline"]["straggler"]["rank"] == 1
-    said = [[f["text"] for f in r["findings"] if f["kind"] == "straggler"] for r in (pandas, duckdb)]
-    assert said[0] == said[1] and "the straggler" in said[0][0], said
+    pandas, duckdb, said = _both_engines(delayed, tmp_path, rank=1)
+    assert "the straggler" in said[0][0], said
 
 
 def test_delays_inside_a_block_and_before_the_optimizer_are_named():
@@ -64,3 +71,22 @@ def test_delays_inside_a_block_and_before_the_optimizer_are_named():
     verdicts = [v for _, v in _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)]
     said = [(v["straggler"], v["rank"]) for v in verdicts]
     assert said == [(True, 0), (True, 1)], "\n".join(map(str, verdicts))  # whole: the reason, p, threshold
+
+
+def test_a_pipeline_stage_delayed_is_named_by_both_engines(tmp_path):
+    """A 2-stage GPipe pipeline (point-to-point calls only): rank 1 sleeps 3 ms before each step (about
+    40% of it): named, by how much longer its stage works per step, by both engines alike (the report
+    used to give no verdict for a pipeline); the symmetric pipeline: none."""
+    jobs = [
+        dict(kind="pipeline", spot="before_step", delay_ms=3.0, slow_rank=1, steps=60, seed=5),
+        dict(kind="pipeline", spot=None, steps=60, seed=6),
+    ]
+    (delayed, v), (_, s) = _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)
+    assert v["straggler"] and v["rank"] == 1 and v["measure"] == "work", v
+    assert 2_000 <= v["late_median_us"] <= 6_000, v
+    assert not s["straggler"], s
+    pandas, duckdb, said = _both_engines(delayed, tmp_path, rank=1)
+    assert "longer than any other pipeline stage" in said[0][0], said
+    advice = [[a for a in r["advice"] if a["rule"] == "straggler"] for r in (pandas, duckdb)]
+    assert differences(advice[0], advice[1]) == [] and len(advice[0]) == 1, advice  # equal to 1e-12
+    assert advice[0][0]["evidence"]["rank"] == 1 and "move some to the other stages" in advice[0][0]["change"], advice

@@ -136,7 +136,7 @@ class _Job:
 def truth_jobs(rank: int, n: int, jobs: list, calibrate_steps: int = 12):
     """Run ``jobs`` in turn (dicts: kind, spot (None: no delay), share (of the kind's step time) or
     delay_ms, slow_rank, steps, seed); return per job (its log as a DataFrame, the delay in ms, the calibrated
-    step time in ms). Each kind is calibrated once, the first time it comes: the median step time of
+    step time in ms, the training thread's CPU time per step in ns: the job's own measure of its work). Each kind is calibrated once, the first time it comes: the median step time of
     ``calibrate_steps`` undelayed steps (not recorded), agreed across ranks (rank 0's)."""
     import statistics
     import time
@@ -167,10 +167,13 @@ def truth_jobs(rank: int, n: int, jobs: list, calibrate_steps: int = 12):
             commpatch.reset()
             delay = job.get("delay_ms", job.get("share", 0.0) * step_ms[kind]) if job.get("spot") else 0.0
             j = _Job(kind, rank, n, seed=job.get("seed", 0))
+            cpu = []  # the job's own measure of its work: the thread's CPU time per step (ns)
             for _ in range(job.get("steps", 30)):
+                c = time.thread_time_ns()
                 j.step(job.get("spot"), delay / 1e3 if rank == job.get("slow_rank") else 0.0)
+                cpu.append(time.thread_time_ns() - c)
             dist.barrier()
-            out.append((commpatch.log(), delay, step_ms[kind]))
+            out.append((commpatch.log(), delay, step_ms[kind], cpu))
             del j
     finally:
         commpatch.disable()

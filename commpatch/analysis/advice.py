@@ -685,8 +685,13 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
     def pair(col):
         return f"{_ms(own[col])} against {_ms(others[col])}"
 
+    stage = v.get("measure") == "work"  # a pipeline's stage (stragglers._pipeline)
     head = (
-        f"rank {r} held the other ranks up a median {_ms(late)} per step, the longest of all ranks in "
+        f"rank {r} worked a median {_ms(late)} per step longer than any other pipeline stage (its step less its "
+        f"receives' waits for their sends), the longest of all ranks in {v['last_steps']} of {v['steps']} "
+        f"steady-state steps (p = {v['p_value']:.2g}): the pipeline runs at its pace. "
+        if stage
+        else f"rank {r} held the other ranks up a median {_ms(late)} per step, the longest of all ranks in "
         f"{v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g}): the others wait for it. "
     )
     figures = (
@@ -717,7 +722,11 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
             "shards, extra work in its own code)."
         )
         title = "more work on that rank"
-        change = f"even out the work of rank {r}: its batch / sequence lengths, its data shard, code only it runs"
+        change = (
+            f"even out the pipeline's stages: move layers off rank {r}'s stage (or give it the lighter ones)"
+            if stage
+            else f"even out the work of rank {r}: its batch / sequence lengths, its data shard, code only it runs"
+        )
     elif cause == "host":
         why = (
             f"{figures}: its wall time outside communication {need} without its CPU time says the thread was kept "
@@ -739,7 +748,10 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
         )
         title = "cause unknown"
         change = (
-            f"find what rank {r} does more than the others before its collectives (uneven data, slower input, "
+            f"find what rank {r}'s stage does more than the others (heavier layers: move some to the other stages; "
+            "slower input; another process on its CPU / GPU) and even it out"
+            if stage
+            else f"find what rank {r} does more than the others before its collectives (uneven data, slower input, "
             "another process on its CPU / GPU) and even it out"
         )
     return [

@@ -301,6 +301,8 @@ def _p2p_rows(df, op_local, op_names, rows):
         "op": rows["op"][sel],
         "bytes": rows["bytes"][sel],
         "start_ns": rows["start_ns"][sel],
+        "step": rows["step"][sel],
+        "wait": df["wait_us"].to_numpy(np.float64)[sel] if "wait_us" in df.columns else np.full(len(sel), np.nan),
     }
 
 
@@ -319,6 +321,7 @@ class Results:
     by_op_size: Any = None  # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: Any = None  # stragglers.step_arrivals
+    p2p_steps: Any = None  # matching.p2p_steps: a pipeline's straggler evidence
     setup: Any = None  # steps.setup_from: the set-up finding's figures
     by_rank_steps: Any = None  # steps.per_step(by_rank=True), for the straggler advice
     ops: Any = None  # the ops of the rows (sorted names), for the findings
@@ -468,6 +471,7 @@ class Engine:
             out.log_ends = self.log_ends
             out.clock = dict(sorted(self.clock.items()))
             out.step_arrivals = self._step_arrivals()
+            out.p2p_steps = self._p2p_steps()
             skew = self._top_skew(top)
             out.p2p = self._p2p(set(ranks))
             # one scan for the rows of every collective shown: the top skews, those whose fields
@@ -886,6 +890,30 @@ class Engine:
             SELECT r.step, r.rank::BIGINT AS rank, max({late}) AS held_us, count(*)::BIGINT AS collectives
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
             WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
+
+    def _p2p_steps(self):
+        """``matching.p2p_steps`` in SQL: per (step, rank) with a point-to-point call, the issue of its
+        first, the time its thread waited in them, and how long its receives waited for their sends by
+        the issue times; None without matched pairs."""
+        if "p2p" not in self.tables:
+            return None
+        out = self._df("""
+            WITH w AS (
+                SELECT r.step, r.dst AS rank, sum(greatest(s.start_ns - r.start_ns, 0)) AS w
+                FROM p2p s JOIN p2p r ON s."group" = r."group" AND s.channel = r.channel AND s.src = r.src
+                  AND s.dst = r.dst AND s.k = r.k
+                WHERE s.side = 0 AND r.side = 1 GROUP BY ALL),
+            f AS (
+                SELECT step, CASE WHEN side = 0 THEN src ELSE dst END AS rank, min(start_ns) AS first_ns,
+                       sum(wait) FILTER (WHERE NOT isnan(wait)) AS wait_us
+                FROM p2p GROUP BY ALL)
+            SELECT f.step::BIGINT AS step, f.rank::BIGINT AS rank, f.first_ns::BIGINT AS first_ns,
+                   f.wait_us::DOUBLE AS wait_us, coalesce(w.w, 0)::DOUBLE / 1e3 AS recv_wait_us,
+                   w.w IS NOT NULL AS paired
+            FROM f LEFT JOIN w ON f.step = w.step AND f.rank = w.rank ORDER BY step, rank""")
+        if not out["paired"].any():
+            return None
+        return out.drop(columns=["paired"])
 
     def _top_skew(self, n):
         return self._df(f"""

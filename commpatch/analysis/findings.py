@@ -214,8 +214,12 @@ def _unmeasured_ops(df, steps_table, pre=None) -> str:
         ops = sorted(set(rows.loc[rows["duration_us"].isna(), "op"].astype(str)))
     if not ops:
         return ""
-    why = "; gloo's isend / irecv give no completion time" if {"isend", "irecv", "batch_isend_irecv"} & set(ops) else ""
-    return f" ({', '.join(ops)}{why})"
+    why = []
+    if "batch_isend_irecv" in ops:
+        why.append("gloo's batch_isend_irecv gives no completion time")
+    if {"isend", "irecv"} & set(ops):  # timed at their Work.wait() since: not waited for, or an older log
+        why.append("gloo's isend / irecv have one only from the wait() on them: not waited for, or an older log")
+    return f" ({'; '.join([', '.join(ops), *why])})"
 
 
 def _has_ddp_buckets(df, st, pre=None) -> bool:
@@ -381,14 +385,28 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             f"steps (rank {v['rank']}, the longest by its median, in {v['last_steps']})"
         )
     else:
-        evidence = (
-            f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step "
-            f"({_pct(v['share_of_step'])} of the step), the longest of all ranks in {v['last_steps']} of "
-            f"{v['steps']} steady-state steps (p = {v['p_value']:.2g} against chance; threshold "
-            f"{_ms(v['threshold_us'])}: the other ranks' {NOISE_QUANTILE:.0%} quantile)"
-        )
-        if v["straggler"]:
-            text += f". {evidence[0].upper()}{evidence[1:]}: the straggler, the other ranks wait for it"
+        if v.get("measure") == "work":
+            evidence = (
+                f"rank {v['rank']} worked a median {_ms(v['late_median_us'])} per step longer than any other "
+                f"pipeline stage ({_pct(v['share_of_step'])} of the step; its step less its receives' waits "
+                f"for their sends: {_ms(v['work_us'])} against {_ms(v['others_work_us'])}), the longest of all "
+                f"ranks in {v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g} against "
+                f"chance; threshold {_ms(v['threshold_us'])}: the other ranks' median variation from step to step)"
+            )
+            role = "the straggler (the pipeline runs at its pace; the other stages wait for it)"
+            text = "a pipeline (steps of point-to-point calls only)"  # arrivals at set-up's collectives: nothing here
+        else:
+            evidence = (
+                f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step "
+                f"({_pct(v['share_of_step'])} of the step), the longest of all ranks in {v['last_steps']} of "
+                f"{v['steps']} steady-state steps (p = {v['p_value']:.2g} against chance; threshold "
+                f"{_ms(v['threshold_us'])}: the other ranks' {NOISE_QUANTILE:.0%} quantile)"
+            )
+            role = "the straggler, the other ranks wait for it"
+        if v["straggler"] and v.get("measure") == "work":
+            text += f": {evidence}: {role}"
+        elif v["straggler"]:
+            text += f". {evidence[0].upper()}{evidence[1:]}: {role}"
         else:
             why = {
                 "significance": "not more than chance and noise explain",

@@ -146,6 +146,7 @@ def _straggler(cross, steps_table) -> dict:
         share_of_step=_num(v["share_of_step"]),
         p_value=_num(v["p_value"]),
         reason=None if v["straggler"] else v["reason"],
+        measure=v["measure"],  # held: the others' wait at collectives; work: a pipeline stage's work per step
     )
 
 

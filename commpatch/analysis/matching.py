@@ -371,6 +371,70 @@ def arrival_matrix(df, bins: int = 200, matched=None):
     return out
 
 
+P2P_KEYS = ["group", "channel", "src", "dst", "k"]
+
+
+def _p2p_sides(df, cols):
+    """The sends and the receives of ``df`` (calls with a peer), each indexed by ``P2P_KEYS`` (k:
+    the k-th call of its group, channel, source and destination, in each rank's call order), with
+    ``cols`` prefixed ``send_`` / ``recv_``."""
+    sel = df["op"].isin(list(P2P_SIDES)) & (df["peer"] >= 0)
+    p = df.loc[sel, list(dict.fromkeys(["group", "rank", "peer", "op", "seq", *cols]))]
+    p = p.assign(group=p["group"].astype(str), op=p["op"].astype(str))
+    p["side"] = p["op"].map(lambda o: P2P_SIDES[o][0])
+    p["channel"] = p["op"].map(lambda o: P2P_SIDES[o][1])
+    is_send = p["side"] == "send"
+    p["src"] = np.where(is_send, p["rank"], p["peer"])
+    p["dst"] = np.where(is_send, p["peer"], p["rank"])
+    p = p.sort_values(["rank", "seq"], kind="stable")
+    p["k"] = p.groupby(P2P_KEYS[:-1] + ["side"]).cumcount()
+    sends = p[is_send.loc[p.index]].set_index(P2P_KEYS)[cols].add_prefix("send_")
+    recvs = p[~is_send.loc[p.index]].set_index(P2P_KEYS)[cols].add_prefix("recv_")
+    return sends, recvs
+
+
+def p2p_steps(df):
+    """Per (step, rank) with a point-to-point call: ``first_ns``, the issue of the rank's first such
+    call of the step; ``wait_us``, the time its thread waited in those calls (the ``wait_us`` column:
+    gloo's send / recv timed at their ``Work.wait``; NaN where none was measured); and
+    ``recv_wait_us``, how long its receives waited for their sends by the issue times (per matched
+    pair, the send's issue minus the receive's, when later; for logs without the waits): the
+    pipeline's straggler evidence (``stragglers.verdict``). None without matched pairs."""
+    import pandas as pd
+
+    df = df if "wait_us" in df.columns else df.assign(wait_us=np.nan)
+    sends, recvs = _p2p_sides(df, ["start_ns", "step", "rank", "wait_us"])
+    pairs = recvs.join(sends, how="inner")
+    if not len(pairs):
+        return None
+    wait = np.maximum(pairs["send_start_ns"].to_numpy(np.int64) - pairs["recv_start_ns"].to_numpy(np.int64), 0)
+    waits = (
+        pd.DataFrame(
+            {"step": pairs["recv_step"].to_numpy(np.int64), "rank": pairs["recv_rank"].to_numpy(np.int64), "w": wait}
+        )
+        .groupby(["step", "rank"])["w"]
+        .sum()
+    )
+    calls = pd.concat(
+        [
+            pd.DataFrame(
+                {
+                    "step": x[f"{side}_step"].to_numpy(np.int64),
+                    "rank": x[f"{side}_rank"].to_numpy(np.int64),
+                    "t": x[f"{side}_start_ns"].to_numpy(np.int64),
+                    "wait": x[f"{side}_wait_us"].to_numpy(np.float64),
+                }
+            )
+            for x, side in ((sends, "send"), (recvs, "recv"))
+        ]
+    )
+    by = calls.groupby(["step", "rank"])
+    out = by["t"].min().rename("first_ns").to_frame()
+    out["wait_us"] = by["wait"].sum(min_count=1)
+    out["recv_wait_us"] = waits.reindex(out.index).fillna(0).to_numpy(np.float64) / 1e3
+    return out.reset_index()
+
+
 def match_p2p(df):
     """Pairs of point-to-point calls: k-th send a->b with the k-th receive of b from a.
 
@@ -380,20 +444,8 @@ def match_p2p(df):
     """
     import pandas as pd
 
-    sel = df["op"].isin(list(P2P_SIDES)) & (df["peer"] >= 0)
-    p = df.loc[sel, ["group", "rank", "peer", "op", "bytes", "start_ns", "seq"]]
-    p = p.assign(group=p["group"].astype(str), op=p["op"].astype(str))
-    p["side"] = p["op"].map(lambda o: P2P_SIDES[o][0])
-    p["channel"] = p["op"].map(lambda o: P2P_SIDES[o][1])
-    is_send = p["side"] == "send"
-    p["src"] = np.where(is_send, p["rank"], p["peer"])
-    p["dst"] = np.where(is_send, p["peer"], p["rank"])
-    p = p.sort_values(["rank", "seq"], kind="stable")
     keys = ["group", "channel", "src", "dst"]
-    p["k"] = p.groupby(keys + ["side"]).cumcount()
-    cols = ["op", "bytes", "start_ns"]
-    sends = p[is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("send_")
-    recvs = p[~is_send.loc[p.index]].set_index(keys + ["k"])[cols].add_prefix("recv_")
+    sends, recvs = _p2p_sides(df, ["op", "bytes", "start_ns"])
     out = sends.join(recvs, how="outer").reset_index()
     out["matched"] = out["send_op"].notna() & out["recv_op"].notna()
     # in int64: an unmatched side makes the joined columns float, whose 256 ns steps at today's Unix times
@@ -558,6 +610,7 @@ class CrossRank:
     p2p: Any  # match_p2p
     missing_logs: list  # members of some group with no log file here
     step_arrivals: Any = None  # stragglers.step_arrivals: the straggler verdict's evidence
+    p2p_steps: Any = None  # p2p_steps: a pipeline's straggler evidence (steps of point-to-point calls only)
     transfer_us: Any = None  # transfer_times: per row of the log, aligned with it
     log_ends: Any = None  # log_end_table: logs that end before the others' (not mismatches)
     clock: Any = None  # {rank: data.clock summary}: offsets to rank 0's clock (binary logs)
@@ -579,6 +632,7 @@ def cross_rank(df) -> CrossRank:
         p2p=p2p,
         missing_logs=sorted(members - present),
         step_arrivals=step_arrivals(matched[1]),
+        p2p_steps=p2p_steps(df) if p2p["matched"].any() else None,
         transfer_us=transfer_times(df, matched),
         log_ends=log_end_table(matched[0]),
         clock=df.attrs.get(CLOCK_ATTR),

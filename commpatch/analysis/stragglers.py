@@ -53,6 +53,8 @@ TRIM = 0.2
 STRAGGLER_SHARE = 0.5
 # ... by a median above this quantile of the other ranks' held times over the same steps (their noise)
 NOISE_QUANTILE = 0.9
+# a pipeline stage's extra work per step must exceed this quantile of the other stages' variation
+STAGE_NOISE_QUANTILE = 0.5
 # a rank that held the others up this much longer than any other in set-up is mentioned (a one-off: it
 # never decides the verdict)
 SETUP_LATE_US = 1000.0
@@ -93,10 +95,10 @@ def of(cross, steps_table) -> dict | None:
     arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
     if arrivals is None:
         return None
-    return verdict(arrivals, steps_table, getattr(cross, "clock", None))
+    return verdict(arrivals, steps_table, getattr(cross, "clock", None), getattr(cross, "p2p_steps", None))
 
 
-def verdict(arrivals, steps_table, clock=None) -> dict:
+def verdict(arrivals, steps_table, clock=None, p2p_steps=None) -> dict:
     """The straggler verdict from ``step_arrivals`` and ``per_step`` (either form; its stage column
     says which steps are set-up and steady). Keys: ``rank`` (the candidate, or None), ``straggler``
     (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those in which
@@ -108,8 +110,9 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
     steps but fewer than two with a collective of two or more ranks (a pipeline's point-to-point
     calls only); ``significance``, ``consistency``, ``effect``, ``clock``), ``setup_rank`` and ``setup_late_us`` (the rank that held set-up up longest and by how
     much longer than the next), ``clock_us`` (the uncertainty of the candidate's arrival against the
-    others' from the clock offsets: NaN when one of them is unknown). ``clock``: the per-rank
-    ``data.clock`` summaries."""
+    others' from the clock offsets: NaN when one of them is unknown), ``measure`` (``held``, or
+    ``work`` for a pipeline: see ``_pipeline``). ``clock``: the per-rank ``data.clock`` summaries;
+    ``p2p_steps``: ``matching.p2p_steps`` (either engine's), for steps of point-to-point calls only."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
     out: dict = dict(
@@ -126,6 +129,7 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         setup_rank=None,
         setup_late_us=math.nan,
         clock_us=0.0,
+        measure="held",
     )
     unc = clock_uncertainty(clock, arrivals["rank"].unique().tolist())
     setup = _held(table[table["stage"] == "setup"])
@@ -139,21 +143,69 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         out["steps"] = 0 if held is None else len(held)
         if (steps_table["stage"] == "steady").sum() >= 2:  # steady steps, but not two with collectives to compare
             out["reason"] = "collectives"
+            work = _pipeline(p2p_steps, stage)
+            if work is not None and len(work) >= 2:
+                margins = _margins(work)
+                rank = margins.median().idxmax()
+                others = work.drop(columns=[rank])
+                noise = (others - others.median()).abs().to_numpy(np.float64).ravel()
+                noise = noise[~np.isnan(noise)]
+                late = float(np.nanmedian(margins[rank].to_numpy(np.float64)))
+                threshold = float(np.quantile(noise, STAGE_NOISE_QUANTILE)) if len(noise) else 0.0
+                _decide(out, margins, rank, late, threshold, steps_table, clock_uncertainty(clock, list(work.columns)))
+                out.update(
+                    measure="work",
+                    work_us=float(np.nanmedian(work[rank].to_numpy(np.float64))),
+                    others_work_us=float(np.nanmedian(others.max(axis=1).to_numpy(np.float64))),
+                )
         return out
     margins = _margins(held)
-    ranks = margins.columns
     rank = margins.median().idxmax()
-    d = margins[rank].to_numpy(np.float64)
-    m = len(d)
-    own = held[rank].to_numpy(np.float64)
     others = held.drop(columns=[rank]).to_numpy(np.float64).ravel()
     others = others[~np.isnan(others)]
+    threshold = float(np.quantile(others, NOISE_QUANTILE)) if len(others) else 0.0
+    _decide(out, margins, rank, float(np.nanmedian(held[rank].to_numpy(np.float64))), threshold, steps_table, unc)
+    return out
+
+
+def _pipeline(p2p_steps, stage):
+    """A pipeline's evidence, per steady step (rows) and rank (columns): the rank's work, its step's
+    wall time (from its first point-to-point call of the step to its first of the next) less the time
+    its thread waited in its sends and receives (``wait_us``; where the log has no waits, the time its
+    receives waited for their sends by the issue times: gloo's sends wait for their receives too, so
+    that estimate gives a stage waiting in a send to the work of that stage). A pipeline's stages wait for each other by construction (a
+    stage's receive for the sending stage's compute), so who holds whom up at the calls says more
+    about the schedule than about the ranks; the stage that works longest per step sets the
+    pipeline's pace: the others wait for it. None without such steps."""
+    if p2p_steps is None or not len(p2p_steps):
+        return None
+    t = p2p_steps.sort_values(["rank", "step"], kind="stable")
+    step, rank = t["step"].to_numpy(np.int64), t["rank"].to_numpy(np.int64)
+    first = t["first_ns"].to_numpy(np.int64)
+    nxt = np.append(step[1:], -1)
+    ok = (np.append(rank[1:], -1) == rank) & (nxt == step + 1)
+    span = np.where(ok, (np.append(first[1:], 0) - first) / 1e3, np.nan)
+    waited = t["wait_us"].to_numpy(np.float64) if "wait_us" in t.columns else np.full(len(t), np.nan)
+    waited = np.where(np.isnan(waited), t["recv_wait_us"].to_numpy(np.float64), waited)
+    work = t.assign(work_us=span - waited)
+    work = work[work["step"].map(stage).to_numpy() == "steady"]
+    wide = work.pivot_table(index="step", columns="rank", values="work_us", aggfunc="sum", dropna=False)
+    wide = wide[wide.notna().sum(axis=1) >= 2]
+    return wide if len(wide) else None
+
+
+def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
+    """Fill ``out`` with the candidate ``rank``'s figures (``margins``: per step and rank, the rank's
+    measure minus the largest other's; ``late``: its median effect, how long the others waited for it
+    per step; ``threshold``: the others' noise it must exceed) and the verdict."""
+    ranks = margins.columns
+    d = margins[rank].to_numpy(np.float64)
+    m = len(d)
     steady = steps_table[steps_table["stage"] == "steady"]
     if "ranks" not in steps_table.columns:  # per rank: the mean over ranks per step
         steady = steady.groupby("step").mean(numeric_only=True)
     times = steady["step_us"].dropna()
     step_us = float(times.median()) if len(times) else math.nan  # as steady_state's step_p50_us
-    late = float(np.nanmedian(own))
     # Bonferroni: two tests, and the candidate was picked from n ranks
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
     out.update(
@@ -162,7 +214,7 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         last_steps=int((d > 0).sum()),
         late_median_us=late,
         margin_median_us=float(np.nanmedian(d)),
-        threshold_us=float(np.quantile(others, NOISE_QUANTILE)) if len(others) else 0.0,
+        threshold_us=threshold,
         p_value=p,
         share_of_step=late / step_us if step_us > 0 else math.nan,
     )
@@ -177,7 +229,6 @@ def verdict(arrivals, steps_table, clock=None) -> dict:
         out["reason"] = "effect"
     else:
         out.update(straggler=True, reason=None)
-    return out
 
 
 def _relative(unc, rank, ranks) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 
 import wrapt
 
@@ -21,7 +22,7 @@ from ..data.ops import C10D, DIST, TARGETS
 from ..record import state as _runtime
 from ..record.wrapper import MARK, make_wrapper
 from . import compile_notice as _compile_notice
-from .hooks import when_imported
+from .hooks import Patches, when_imported
 
 FUNCOL = "torch.distributed._functional_collectives"
 _ALSO_IN = {t.name: t.also_in for t in TARGETS}
@@ -41,6 +42,7 @@ class Patcher:
         self.installed: list[tuple[object, str]] = []  # (module, attribute) we replaced
         self.remaps: list[object] = []  # wrappers added to dynamo's remap table
         self._hooked: set[str] = set()
+        self.patches = Patches()  # Work.wait (_wrap_work_wait)
 
     @property
     def active(self) -> bool:
@@ -59,6 +61,7 @@ class Patcher:
             self.originals[target.name] = orig
             self.wrappers[target.name] = make_wrapper(target, orig, self.log, self.timing, host_only)
         self._wrap_lifecycle(c10d)
+        self._wrap_work_wait()
         for name in self.wrappers:
             for modname in _namespaces(name):
                 self._patch_module(modname, name)
@@ -74,6 +77,7 @@ class Patcher:
             if orig is not None:
                 setattr(mod, attr, orig)
         self.installed.clear()
+        self.patches.restore()
         self._remove_remaps()
         self.originals.clear()
         self.wrappers.clear()
@@ -148,6 +152,32 @@ class Patcher:
         if isinstance(remaps, _compile_notice.RemapTable):
             funcol.traceable_collective_remaps = remaps.original
         self.remaps.clear()
+
+    # ---- async works without a future (gloo's send / recv): timed at the thread's wait ------
+    def _wrap_work_wait(self) -> None:
+        """``Work.wait`` stamps the row of a work ``Timing`` keeps for it (``Timing.waited``); any
+        other work's wait is the original's, after one dict lookup."""
+        work = getattr(sys.modules.get("torch._C._distributed_c10d"), "Work", None)
+        if work is None:
+            return
+        timing, pc = self.timing, time.perf_counter_ns
+
+        def make(orig):
+            def wait(self, *args, **kwargs):
+                if id(self) not in timing.at_wait:
+                    return orig(self, *args, **kwargs)
+                began = pc()
+                out = orig(self, *args, **kwargs)
+                try:
+                    timing.waited(self, began)
+                except Exception as exc:  # noqa: BLE001 - the wait returned: the job goes on
+                    _runtime.fail("work_wait", exc)
+                return out
+
+            wait._torchdynamo_inline = orig  # dynamo traces the original (integrations.base.invisible_to_dynamo)
+            return wait
+
+        self.patches.wrap(work, "wait", make)
 
     # ---- lifecycle: groups are forgotten and pending timings resolved on destroy ------
     def _wrap_lifecycle(self, c10d) -> None:

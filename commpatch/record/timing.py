@@ -1,6 +1,10 @@
 """Timing sources beyond host wall time, and lazy resolution of pending measurements.
 
 - ``future``: async CPU calls; the ``Work`` future's completion callback stamps the end.
+- ``wait``: async CPU calls whose ``Work`` has no future (gloo's send / recv): timed to the return
+  of the training thread's ``Work.wait()`` on it (``waited``; ``Patcher`` wraps ``Work.wait``), and
+  the time the thread spent in that wait noted (``Log.waits``: the exposed time). A work never
+  waited for keeps its row without a duration.
 - ``device_event``: tensors on any accelerator (CUDA, XPU, HPU, MTIA, NPU, PrivateUse1 devices),
   through torch's device-generic API (``torch.accelerator.current_stream``, ``torch.Event``):
   pooled events (one pool per device) recorded on the current stream before the call and after
@@ -20,10 +24,11 @@ import os
 import threading
 import time
 
-from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE
+from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE, T_WAIT
 from . import state as _runtime
 
 _pc = time.perf_counter_ns
+AT_WAIT_MAX = 1 << 16  # works without a future kept for their wait; beyond, those never waited for are dropped
 
 
 class Timing:
@@ -41,21 +46,25 @@ class Timing:
         self.nccl_pending: list = []  # (seq, work, device key, start_event)
         self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
+        self.at_wait: dict[int, tuple] = {}  # id(work) -> (work, seq, start): timed at its wait (``waited``)
         self.nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()
         self.apis, self.pools, self.last_end = {}, {}, {}
         self.dev_pending[:], self.nccl_pending[:] = [], []
+        self.at_wait = {}
 
     # ---- CPU ------------------------------------------------------------------------
     def future(self, seq: int, start: int, work, op: int) -> int:
         """Attach a completion stamp to an async CPU work; returns the timing code used."""
-        if not work or op in self.no_future:
+        if not work:
             return T_NONE
+        if op in self.no_future:
+            return self._at_wait(work, seq, start)
         fut = self._future_of(work, op)
         if fut is None:
-            return T_NONE
+            return self._at_wait(work, seq, start) if op in self.no_future else T_NONE
         done, pending = self.log.done, self.log.pending
 
         def stamp(_fut, seq=seq, start=start):
@@ -64,6 +73,24 @@ class Timing:
 
         fut.then(stamp)
         return T_FUTURE
+
+    def _at_wait(self, work, seq: int, start: int) -> int:
+        """Time ``work`` (one, without a future) at the training thread's wait on it."""
+        if isinstance(work, list):
+            return T_NONE
+        if len(self.at_wait) >= AT_WAIT_MAX:  # works never waited for: dropped (their rows stay untimed)
+            self.at_wait.clear()
+        self.at_wait[id(work)] = (work, seq, start)  # the entry keeps the work alive: its id is not reused
+        return T_WAIT
+
+    def waited(self, work, began: int) -> None:
+        """The thread's ``work.wait()``, entered at ``began`` (perf ns), has returned: the row's
+        duration (issue to now) and the time the thread waited in it."""
+        entry = self.at_wait.pop(id(work), None)
+        if entry is not None and entry[0] is work:
+            now = _pc()
+            self.log.done[entry[1]] = now - entry[2]
+            self.log.waits.append((entry[1], now - began))
 
     def _future_of(self, work, op: int):
         """The work's future (one for all works of a batch), or None where none exists."""

@@ -137,7 +137,13 @@ def headline_lines(h: dict) -> list:
         out.append(
             (
                 "straggler",
-                f"rank {s['rank']}: others wait {_ms(s['late_median_us'])}/step for it ({_pct(s['share_of_step'])} "
+                f"rank {s['rank']}: "
+                + (
+                    f"works {_ms(s['late_median_us'])}/step longer than any other pipeline stage, others wait for it "
+                    if s.get("measure") == "work"
+                    else f"others wait {_ms(s['late_median_us'])}/step for it "
+                )
+                + f"({_pct(s['share_of_step'])} "
                 f"of step; longest in {s['last_steps']}/{s['steps']} steps; p = {s['p_value']:.2g}; noise "
                 f"{_ms(s.get('threshold_us'))})",
             )
