@@ -185,6 +185,9 @@ def _report(args, offline) -> int:
         offline.check_plots(args.plots, "--plots")
     if args.tensorboard:
         offline.check_tensorboard(args.tensorboard, "--tensorboard")
+    for kind in ("mlflow", "wandb"):
+        if getattr(args, kind):
+            offline.check_tracker(kind, f"--{kind}")
     steps = offline.read_step_times(*step_times) if step_times else None
     engine = offline.check_engine(args.engine, "--engine")
     progress = _progress(args, "reading")
@@ -218,6 +221,18 @@ def _report(args, offline) -> int:
                 f"tensorboard --logdir {args.tensorboard})",
                 file=sys.stderr,
             )
+        if args.mlflow:
+            with _logging_to("--mlflow", args.mlflow):
+                run_id = run.log_mlflow(args.mlflow, args.mlflow_experiment)
+            print(
+                f"commpatch: logged to MLflow at {_safe(args.mlflow)}: experiment {_safe(args.mlflow_experiment)}, "
+                f"run {run_id} ({_safe(run.name)})",
+                file=sys.stderr,
+            )
+        if args.wandb:
+            with _logging_to("--wandb", args.wandb):
+                where = run.log_wandb(args.wandb)
+            print(f"commpatch: logged to Weights & Biases: {_safe(where)}", file=sys.stderr)
         if args.plots:
             with _writing("--plots", args.plots):
                 written = run.plots(args.plots)
@@ -264,8 +279,9 @@ def _report_compare(args, offline) -> int:
         offline.check_plots(args.plots, "--plots")
     if args.html:
         offline.check_output(args.html, "--html")
-    if args.tensorboard:
-        raise _InputError("--tensorboard writes one run's steps: give the run without --compare")
+    for option in ("tensorboard", "mlflow", "wandb"):
+        if getattr(args, option):
+            raise _InputError(f"--{option} logs one run's steps: give the run without --compare")
     offline.check_global_batch(args.global_batch, "--global-batch")
     try:
         runs = offline.compare(
@@ -302,6 +318,19 @@ def _writing(option: str, path: str):
         raise _InputError(str(exc)) from None
     except OSError as exc:
         raise _InputError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _logging_to(option: str, target: str):
+    """A tracker that refuses the figures (unreachable, a bad URI, no credentials) is one line
+    naming it: the report itself is already printed. What the tracker prints goes to stderr (MLflow
+    prints a "View run" line): stdout is the report's (JSON there must stay JSON)."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except Exception as exc:  # noqa: BLE001 - the tracker's own errors, whatever their class
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise _InputError(f"{option} {_safe(target)}: could not log ({type(exc).__name__}: {_safe(first)})") from None
 
 
 def _safe(text) -> str:
@@ -574,6 +603,24 @@ def main(argv=None) -> int:
         metavar="OUTDIR",
         help="also write TensorBoard scalars per step and rank (OUTDIR/rank{r}: step time, communication and "
         "exposed share, busbw per collective; needs pip install 'commpatch[tensorboard]')",
+    )
+    p.add_argument(
+        "--mlflow",
+        metavar="URI",
+        help="also log the headline and per-step figures as a new MLflow run at this tracking URI "
+        "(needs pip install 'commpatch[mlflow]')",
+    )
+    p.add_argument(
+        "--mlflow-experiment",
+        metavar="NAME",
+        default="commpatch",
+        help="with --mlflow: the experiment (default commpatch)",
+    )
+    p.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="also log the headline and per-step figures as a new Weights & Biases run in this project "
+        "(W&B's own settings apply: WANDB_MODE=offline, WANDB_API_KEY; needs pip install 'commpatch[wandb]')",
     )
     p.add_argument(
         "--module-tree",

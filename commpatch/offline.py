@@ -38,7 +38,7 @@ from .data.schema import COLUMNS
 from .io import discovery
 from .io.reader import LogFileError, LogFileWarning, chosen_run
 from .render import diffs as _diffs
-from .render import html, plots, trace
+from .render import html, plots, trace, trackers
 from .render import tensorboard as tensorboard_writer
 from .render import text as _text
 from .render.people import terminal_safe
@@ -60,6 +60,7 @@ __all__ = [
     "check_output",
     "check_plots",
     "check_tensorboard",
+    "check_tracker",
     "check_top",
     "compare",
     "convert",
@@ -220,6 +221,15 @@ def check_tensorboard(directory, name: str = "tensorboard") -> None:
             f"{name} {directory}: {earlier[0]} already holds TensorBoard events (an earlier "
             "report?): give a new directory (TensorBoard would show both as one run)"
         )
+
+
+TRACKERS = {"mlflow": "mlflow", "wandb": "wandb"}  # extra -> the package it installs (imported by that name)
+
+
+def check_tracker(kind: str, name: str) -> None:
+    """An experiment tracker's package is installed (``render.trackers``), else one line naming the extra."""
+    if importlib.util.find_spec(TRACKERS[kind]) is None:
+        raise ConfigError(f"{name} needs the {TRACKERS[kind]} package: pip install 'commpatch[{kind}]'")
 
 
 def read_step_times(path, name: str = "step_times"):
@@ -557,6 +567,24 @@ class Run:
             _parent(directory, directory=True),
             steps=self.step_times,
         )
+
+    @property
+    def name(self) -> str:
+        """The run's name: its run directory's (the latest run of a directory of runs), else the
+        directory or file given."""
+        chosen = chosen_run(self.paths)
+        first = chosen[0] if chosen else (self.paths[0] if isinstance(self.paths, (list, tuple)) else self.paths)
+        return os.path.basename(os.path.normpath(os.path.abspath(os.fspath(first))))
+
+    def log_mlflow(self, uri: str, experiment: str = "commpatch") -> str:
+        """The report's headline and per-step figures as a new MLflow run (named ``name``) in
+        ``experiment`` at the tracking server ``uri``; returns the run id (``render.trackers``)."""
+        return trackers.log_mlflow(self.report(), uri, experiment, self.name)
+
+    def log_wandb(self, project: str) -> str:
+        """The report's headline and per-step figures as a new Weights & Biases run in ``project``
+        (online or offline as W&B's own settings say); returns its URL or directory."""
+        return trackers.log_wandb(self.report(), project, self.name)
 
     def _plots_data(self) -> tuple:
         """(summary by op and size_bucket, arrival matrix or None): what the plots and the page show."""

@@ -28,6 +28,7 @@ OFFLINE_MODULES = {
     "test_project",
     "test_step_pattern",
     "test_testing",
+    "test_trackers",
 }
 # disks and processes failing under the writer (full, slow, read-only disks, SIGKILL, removed
 # directories): the OS's behaviour, the same on every torch; left out of the venv matrix cells
