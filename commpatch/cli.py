@@ -279,9 +279,9 @@ def _report_compare(args, offline) -> int:
         offline.check_plots(args.plots, "--plots")
     if args.html:
         offline.check_output(args.html, "--html")
-    for option in ("tensorboard", "mlflow", "wandb"):
+    for option, does in (("tensorboard", "writes"), ("mlflow", "logs"), ("wandb", "logs")):
         if getattr(args, option):
-            raise _InputError(f"--{option} logs one run's steps: give the run without --compare")
+            raise _InputError(f"--{option} {does} one run's steps: give the run without --compare")
     offline.check_global_batch(args.global_batch, "--global-batch")
     try:
         runs = offline.compare(

@@ -4,6 +4,8 @@ warning, every parse error said as a one-line ``LogFileError`` naming the line."
 
 from __future__ import annotations
 
+import os
+
 from .discovery import SNIFF
 from .problems import LogFileError, _NotALog
 from .validation import (
@@ -40,7 +42,11 @@ def read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
     cols = [c.name for c in schema if c.name not in fill]
     types = {c.name: arrow_type(pa, c.dtype) for c in schema if c.name not in fill}
 
+    nul_free = None  # the bytes with NUL replaced, when pyarrow split a quoted field at a NUL byte
+
     def source():
+        if nul_free is not None:
+            return pa.BufferReader(nul_free)
         return path if end == size else pa.BufferReader(pa.memory_map(path).read_buffer(end))
 
     # no invalid_row_handler: pyarrow decodes the row for it and prints a raw traceback on stderr
@@ -57,16 +63,31 @@ def read_csv_arrow(pa, path, names, schema, fill, size, end, notes):
             ),
         )
 
-    try:
+    def read():
         try:
-            table = parse(True)
+            return parse(True)
         except pa.ArrowInvalid as exc:
             if "invalid UTF8" not in str(exc):
                 raise
-            table = _fix_utf8(pa, parse(False), path, notes)
+            return _fix_utf8(pa, parse(False), path, notes)
+
+    try:
+        try:
+            table = read()
+        except pa.ArrowInvalid as exc:
+            if not re.search(r"Expected \d+ columns, got \d+", str(exc)):
+                raise
+            damaged = _first_damaged_line(path, len(names), end)
+            with open(path, "rb") as f:
+                data = f.read(end)
+            if damaged is not None or b"\x00" not in data:
+                raise damaged or _damaged_file(path) from None
+            # every line has the header's fields: some pyarrow releases (25) end a quoted field at a
+            # NUL byte; read again with each NUL as U+FFFD (the report never shows a NUL anyway)
+            nul_free = data.replace(b"\x00", "\ufffd".encode())
+            table = read()
+            notes.add(path, "NUL bytes in its text: replaced by U+FFFD")
     except pa.ArrowInvalid as exc:
-        if re.search(r"Expected \d+ columns, got \d+", str(exc)):
-            raise _first_damaged_line(path, len(names)) from None
         m = re.search(
             r"In CSV column #(\d+): (?:Row #\d+: )?CSV conversion error to (\w+): invalid value '(.*)'", str(exc), re.S
         )
@@ -234,18 +255,28 @@ def _fields_on_line(path, number) -> int:
     return len(next(csv.reader([line.rstrip("\r\n")]), []))
 
 
-def _first_damaged_line(path, expected) -> LogFileError:
-    """The error for the first line whose number of fields is not the header's (the error path only)."""
+def _first_damaged_line(path, expected, end=None) -> LogFileError | None:
+    """The error for the first line whose number of fields is not the header's, None when every line
+    has them (the error path only; ``end``: the bytes read, the longest a field can be); a file
+    Python's csv cannot read either is damaged."""
     import csv
 
+    limit = csv.field_size_limit()
     try:
+        csv.field_size_limit(max(limit, end if end is not None else os.path.getsize(path)))  # a field may be that long
         with open(path, encoding="utf-8", errors="replace", newline="") as f:
             reader = csv.reader(f)
             for fields in reader:
                 if len(fields) != expected and reader.line_num > 1:
                     return _damaged_line(path, f"line {reader.line_num}", len(fields), expected)
     except (OSError, csv.Error):
-        pass
+        return _damaged_file(path)
+    finally:
+        csv.field_size_limit(limit)
+    return None
+
+
+def _damaged_file(path) -> LogFileError:
     return LogFileError(
         path, "a line has a number of fields other than the header's: the file is damaged (or two files were joined)"
     )
