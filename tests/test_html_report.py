@@ -477,3 +477,44 @@ def test_straggler_unknown_says_how_many_steady_steps_it_could_compare():
     lines = dict(people.headline_lines(h))
     assert "(18 steady-state steps of 20)" in lines["step time"]
     assert lines["straggler"].startswith("unknown: 0 of the 18 steady-state steps have a collective that two or more")
+
+
+@pytest.mark.parametrize("engine", ["pandas", "duckdb"])
+def test_heatmap_ticks_on_whole_steps(tmp_path, engine):
+    """The skew heatmap's columns are collectives in order, binned; its ticks are steps: each at the
+    first column of that step, labelled with the job's step number, on the PNG (matplotlib) and the
+    page alike, from either engine (they said a collective number counted from 0, labelled "sequence
+    in its group", which it is not)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    import commpatch
+    from commpatch import offline
+    from commpatch.render import plots
+    from commpatch.testing import make_log
+
+    df = make_log(2, 40, seed=3)
+    df["step"] = df["step"] + 100  # the job's own numbering
+    for rank, frame in df.groupby("rank", observed=True):
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
+    with offline.open(str(tmp_path), engine=engine) as run:
+        arrivals = run._plots_data()[1]
+    steps = arrivals.attrs["steps"]
+    assert len(steps) == len(arrivals.columns) and steps == sorted(steps) and steps[0] == 100, steps
+    # each column's first step is that of the first collective it holds
+    per_coll = df[df["rank"] == 0].sort_values("seq")["step"].to_numpy()
+    assert all(steps[j] == per_coll[c] for j, c in enumerate(arrivals.columns)), (steps, list(arrivals.columns))
+    ticks = plots.step_ticks(steps)
+    assert 2 <= len(ticks) <= 10 and all(t == 0 or steps[t] != steps[t - 1] for t in ticks), ticks
+    shown = [steps[t] for t in ticks]
+    assert len(set(shown)) == len(shown) and len({b - a for a, b in zip(shown, shown[1:])}) == 1, (
+        shown
+    )  # every k-th step
+    fig = plots.skew_heatmap(arrivals)
+    ax = fig.axes[0]
+    assert [int(t.get_text()) for t in ax.get_xticklabels()] == [steps[t] for t in ticks]
+    assert list(ax.get_xticks()) == ticks and ax.get_xlabel().startswith("step")
+    data = html.heatmap_data(arrivals)
+    assert data["steps"] == steps and data["columns"] == [int(c) for c in arrivals.columns]
+    assert len(data["ms"]) == 2 and all(len(row) == len(steps) for row in data["ms"])

@@ -39,6 +39,7 @@ from .matching import (
     P2P_OPS,
     P2P_SIDES,
     MismatchKind,
+    bin_steps,
     collective_seq,
     counts_by_group,
     log_end_rows,
@@ -1029,9 +1030,10 @@ class Engine:
         out = self._df(f"""
             WITH idx AS (SELECT g, cseq, fs, row_number() OVER (ORDER BY pos, cseq) - 1 AS i FROM coll)
             SELECT r.rank::BIGINT AS rank, ((i * {bins} // {max(ncoll, 1)}) * {ncoll} + {bins} - 1) // {bins} AS bin,
-                   {_avg("(r.start_ns - idx.fs) / 1e3")} AS arrival_us
+                   {_avg("(r.start_ns - idx.fs) / 1e3")} AS arrival_us, min(r.step)::BIGINT AS step
             FROM rows r JOIN idx ON r."group" = idx.g AND r.cseq = idx.cseq
             GROUP BY ALL""")
+        steps = out.groupby("bin")["step"].min()
         out = out.pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
         out.columns.name = "collective"
-        return out
+        return bin_steps(out, steps)

@@ -359,16 +359,25 @@ def arrival_matrix(df, bins: int = 200, matched=None):
     """Mean arrival delay (issue time minus the earliest rank's, us) per rank and collective bin.
 
     Rows: ranks; columns: the first collective index (in ``match_collectives`` order) of each
-    of at most ``bins`` consecutive bins. The input of the per-rank skew heatmap.
+    of at most ``bins`` consecutive bins. The input of the per-rank skew heatmap; ``attrs["steps"]``:
+    per column, the first step of its collectives (``bin_steps``: the heatmap's ticks).
     """
     waits = (matched or _match(df))[1]
     ncoll = int(waits["collective"].max()) + 1 if len(waits) else 0
     bins = max(1, min(bins, ncoll))
     b = waits["collective"].to_numpy() * bins // max(ncoll, 1)
     starts = (np.arange(bins) * ncoll + bins - 1) // bins  # first collective of each bin
-    out = waits.assign(bin=starts[b]).pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
+    binned = waits.assign(bin=starts[b])
+    out = binned.pivot_table(index="rank", columns="bin", values="arrival_us", aggfunc="mean")
     out.columns.name = "collective"
-    return out
+    return bin_steps(out, binned.groupby("bin")["step"].min())
+
+
+def bin_steps(matrix, steps):
+    """``matrix`` (an arrival matrix) with ``attrs["steps"]``: per column, the first step of its
+    collectives (``steps``: a Series by bin), as plain ints."""
+    matrix.attrs["steps"] = [int(steps.get(c, -1)) for c in matrix.columns]
+    return matrix
 
 
 P2P_KEYS = ["group", "channel", "src", "dst", "k"]

@@ -102,7 +102,13 @@ def heatmap_data(arrivals) -> dict | None:
         return None
     values = arrivals.to_numpy(np.float64) / 1e3
     cells = [[None if not math.isfinite(v) else float(f"{v:.3g}") for v in row] for row in values.tolist()]
-    return dict(ranks=[int(r) for r in arrivals.index], columns=[int(c) for c in arrivals.columns], ms=cells)
+    steps = arrivals.attrs.get("steps")
+    return dict(
+        ranks=[int(r) for r in arrivals.index],
+        columns=[int(c) for c in arrivals.columns],
+        steps=[int(s) for s in steps] if steps is not None and len(steps) == len(arrivals.columns) else None,
+        ms=cells,
+    )
 
 
 def timeline_excerpt(df, steps_table, straggler=None, max_ranks: int = EXCERPT_RANKS, of_ranks=None) -> dict | None:

@@ -101,6 +101,15 @@ def comm_per_step(steps):
     return fig
 
 
+def step_ticks(steps, most: int = 10) -> list[int]:
+    """The columns to tick on a heatmap whose columns start at ``steps`` (per column, its first
+    step): each at the first column of a step, on whole steps only, every k-th step so that at most
+    ``most`` show."""
+    starts = [i for i in range(len(steps)) if i == 0 or steps[i] != steps[i - 1]]
+    every = max(1, -(-len(starts) // most))
+    return starts[::every]
+
+
 def skew_heatmap(arrivals):
     """Arrival delay per rank (rows) and collective bin (columns), from merge.arrival_matrix."""
     fig = _figure(9, max(3.0, min(12.0, 0.25 * len(arrivals) + 2)))
@@ -115,10 +124,17 @@ def skew_heatmap(arrivals):
     )
     ax.set_yticks(range(len(arrivals)))
     ax.set_yticklabels([str(r) for r in arrivals.index], fontsize="small" if len(arrivals) <= 32 else 4)
-    ticks = np.linspace(0, data.shape[1] - 1, num=min(8, data.shape[1])).astype(int) if data.shape[1] else []
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([str(arrivals.columns[t]) for t in ticks])
-    ax.set_xlabel("collective (sequence in its group)")
+    steps = arrivals.attrs.get("steps")
+    if steps is not None and len(steps) == data.shape[1]:
+        ticks = step_ticks(steps)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(steps[t]) for t in ticks])
+        ax.set_xlabel("step (a tick at the step's first collective; columns: the collectives in order, binned)")
+    else:
+        ticks = np.linspace(0, data.shape[1] - 1, num=min(8, data.shape[1])).astype(int) if data.shape[1] else []
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([str(arrivals.columns[t] + 1) for t in ticks])  # counted from 1, as users do
+        ax.set_xlabel("collective (in order, binned)")
     ax.set_ylabel("rank")
     ax.set_title("Arrival delay behind the earliest rank (ms)")
     fig.colorbar(image, ax=ax, label="ms")

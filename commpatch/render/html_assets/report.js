@@ -300,7 +300,8 @@
   function heatmapPlot(h) {
     if (!h) return null;
     const box = plotBox("heatmap", "Arrival delay behind the earliest rank", "per rank (rows) and collective " +
-                        "(columns, binned: each column starts at the collective number shown), mean ms; dark: late");
+                        "(columns: the collectives in order, binned" + (h.steps ? "; a tick where a step starts" :
+                        ": each column starts at the collective number shown") + "), mean ms; dark: late");
     const R = h.ranks.length, C = h.columns.length;
     const cw = Math.max(2, Math.min(24, Math.floor(900 / C))), rh = Math.max(1, Math.min(40, Math.floor(640 / R)));
     const L = 56, T = 6, B = 34, RIGHT = 90;
@@ -323,9 +324,22 @@
     const rstep = Math.max(1, Math.ceil(12 / rh));
     for (let r = 0; r < R; r += rstep) ctx.fillText(String(h.ranks[r]), L - 4, T + r * rh + rh / 2 + 4);
     ctx.textAlign = "center";
-    const cstep = Math.max(1, Math.ceil(60 / cw));
-    for (let c = 0; c < C; c += cstep) ctx.fillText(String(h.columns[c]), L + c * cw + cw / 2, T + R * rh + 14);
-    ctx.fillText("collective (sequence in its group)", L + C * cw / 2, T + R * rh + 30);
+    if (h.steps) {  // ticks on whole steps: at a step's first column, at least 60 px apart
+      let last = -1e9;
+      for (let c = 0; c < C; c++) {
+        if (c > 0 && h.steps[c] === h.steps[c - 1]) continue;
+        const x = L + c * cw;
+        if (x - last < 60) continue;
+        ctx.fillRect(x, T + R * rh, 1, 4);
+        ctx.fillText(String(h.steps[c]), x, T + R * rh + 14);
+        last = x;
+      }
+      ctx.fillText("step (a tick at its first collective)", L + C * cw / 2, T + R * rh + 30);
+    } else {
+      const cstep = Math.max(1, Math.ceil(60 / cw));
+      for (let c = 0; c < C; c += cstep) ctx.fillText(String(h.columns[c] + 1), L + c * cw + cw / 2, T + R * rh + 14);
+      ctx.fillText("collective (in order, binned)", L + C * cw / 2, T + R * rh + 30);
+    }
     ctx.save(); ctx.translate(12, T + R * rh / 2); ctx.rotate(-Math.PI / 2); ctx.fillText("rank", 0, 0); ctx.restore();
     const gx = L + C * cw + 14, gh = Math.min(R * rh, 200);
     for (let y = 0; y < gh; y++) { const c = heat(1 - y / gh); ctx.fillStyle = `rgb(${c})`; ctx.fillRect(gx, T + y, 12, 1); }
@@ -336,7 +350,8 @@
       const x = (ev.clientX - rect.left) * k - L, y = (ev.clientY - rect.top) * k - T;
       const c = Math.floor(x / cw), r = Math.floor(y / rh);
       if (c < 0 || r < 0 || c >= C || r >= R) return "";
-      return `rank ${h.ranks[r]}\ncollectives from #${h.columns[c]}\ndelay ${h.ms[r][c] == null ? "-" : h.ms[r][c] + " ms"}`;
+      const step = h.steps ? `step ${h.steps[c]}\n` : "";
+      return `rank ${h.ranks[r]}\n${step}collectives from #${h.columns[c] + 1}\ndelay ${h.ms[r][c] == null ? "-" : h.ms[r][c] + " ms"}`;
     });
     box.append(cv);
     return box;
