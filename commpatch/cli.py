@@ -417,12 +417,18 @@ def cmd_diff(args) -> int:
     from . import offline  # lazy: the CLI's other commands never load numpy / pandas
 
     try:
+        if args.html:
+            offline.check_output(args.html, "--html")
         with _plain_warnings(offline, "commpatch diff"):
             d = offline.diff(args.a, args.b, engine="pandas")
     except (_config.ConfigError, offline.LogFileError) as exc:
         print(f"commpatch diff: {_safe(exc)}", file=sys.stderr)
         return 2
     print(offline.diff_json(d) if args.format == "json" else offline.diff_text(d))
+    if args.html:
+        with _writing("--html", args.html):
+            path = offline.write_diff_html(d, args.html)
+        print(f"commpatch: diff page written to {_safe(path)}", file=sys.stderr)
     return 0
 
 
@@ -699,6 +705,7 @@ def main(argv=None) -> int:
     p.add_argument("a", help="run A (a directory of runs, a run directory or log files): the reference")
     p.add_argument("b", help="run B: compared against A")
     p.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or json")
+    p.add_argument("--html", metavar="FILE", help="also write the diff as one self-contained HTML page")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("check", help="exit 1 when a run breaks a communication limit (for CI)")

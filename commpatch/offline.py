@@ -756,6 +756,11 @@ def diff_text(d: dict) -> str:
     return "\n".join(_diffs.diff_lines(d))
 
 
+def write_diff_html(d: dict, path) -> str:
+    """``commpatch diff --html``: the diff as one self-contained HTML page at ``path``; returns it."""
+    return html.write(html.diff_page(d), _parent(path))
+
+
 def diff_json(d: dict) -> str:
     """``diff``'s result as ``commpatch diff --format json`` prints it (unknown: null)."""
     return _diffs.diff_json(d)

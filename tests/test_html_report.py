@@ -518,3 +518,41 @@ def test_heatmap_ticks_on_whole_steps(tmp_path, engine):
     data = html.heatmap_data(arrivals)
     assert data["steps"] == steps and data["columns"] == [int(c) for c in arrivals.columns]
     assert len(data["ms"]) == 2 and all(len(row) == len(steps) for row in data["ms"])
+
+
+def test_diff_page_in_headless_chromium(tmp_path, capsys):
+    """``commpatch diff A B --html FILE``: the diff as a page worded as the text (the same sentences),
+    its significant changes as findings, its tables drawn; nothing loaded, no script error, no
+    horizontal scroll at 1,280 px."""
+    import commpatch
+    from commpatch.testing import make_log
+
+    for name, slower in (("a", 1.0), ("b", 1.6)):
+        df = make_log(2, 30, seed=5)
+        df["duration_us"] = df["duration_us"] * slower
+        df["own_us"] = df["own_us"] * slower
+        df["start_ns"] = df["start_ns"] + (df["step"] * 1e6 * (slower - 1) * 10).astype("int64")
+        (tmp_path / name).mkdir()
+        for rank, frame in df.groupby("rank", observed=True):
+            commpatch.export_csv(str(tmp_path / name / f"rank{rank}.csv"), df=frame.reset_index(drop=True))
+    page = str(tmp_path / "diff.html")
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--html", page]) == 0
+    out = capsys.readouterr()
+    assert f"diff page written to {page}" in out.err, out.err
+    text_lines = [line[2:] for line in out.out.splitlines() if line.startswith("- ")]
+    probe = """() => ({width: document.documentElement.scrollWidth,
+        findings: [...document.querySelectorAll('#findings li')].map(li => li.innerText),
+        tables: [...document.querySelectorAll('table[data-table]')].map(t => [t.dataset.table, t.rows.length]),
+        cells: [...document.querySelectorAll('table[data-table] td')].map(td => td.innerText)})"""
+    seen = load(page, probe=probe)
+    assert seen["console"] == [] and seen["requests"] == [], seen
+    p = seen["probe"]
+    assert p["width"] <= 1280, p["width"]
+    tables = dict(p["tables"])
+    assert tables.get("steps", 0) > 1 and tables.get("collectives", 0) > 1, tables
+    significant = [t for t in text_lines if ": significant" in t]
+    assert significant, out.out  # the step time grew: the text says so
+    shown = [f.replace(" [table: steps]", "").replace(" [table: collectives]", "") for f in p["findings"]]
+    for line in significant:  # each significant change of the text is a finding of the page, worded alike
+        assert line in shown, (line, shown)
+    assert not [c for c in p["cells"] if c in ("nan", "NaN", "None", "null", "")], p["cells"]  # unknown said as such

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..analysis.advice import Advice
 from . import people
+from .diffs import fmt, verdict
 from .text import SECTIONS, _gain, terminal_safe
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "html_assets")
@@ -265,6 +266,79 @@ def compare_data(table, by_op, title: str) -> dict:
     )
 
 
+def diff_page(d: dict) -> str:
+    """``commpatch diff --html``: the diff (``analysis.diff``'s dict) as a page of the report's kind,
+    worded as the text (``diffs.fmt`` / ``diffs.verdict``): the significant changes as findings, per
+    step and per collective and message size as sortable tables."""
+    import pandas as pd
+
+    change = "change (95% interval over the steady steps)"
+    steps = pd.DataFrame(
+        [
+            {
+                "figure": x["name"],
+                "A": fmt(x["a"], x["unit"]),
+                "B": fmt(x["b"], x["unit"]),
+                change: verdict(x, x["unit"]),
+            }
+            for x in d["steps"]
+        ]
+    )
+    rows, found = [], []
+    for x in d["steps"]:
+        if x["significant"]:
+            text = f"{x['name']}: {fmt(x['a'], x['unit'])} -> {fmt(x['b'], x['unit'])}: {verdict(x, x['unit'])}"
+            found.append(dict(kind="change", text=text, section="steps"))
+    for c in d["collectives"]:
+        t, n, b = c["time_us"], c["calls"], c["bytes"]
+        where = f"{c['collective']} <= {fmt(float(c['size_bucket']), 'bytes')}"
+        rows.append(
+            {
+                "collective and size": where,
+                "time A (per rank and step)": fmt(t["a"], "us"),
+                "time B": fmt(t["b"], "us"),
+                change: verdict(t, "us"),
+                "calls A": fmt(n["a"], ""),
+                "calls B": fmt(n["b"], ""),
+                "bytes A": fmt(b["a"], "bytes"),
+                "bytes B": fmt(b["b"], "bytes"),
+            }
+        )
+        if t["significant"]:
+            text = f"{where}: time {fmt(t['a'], 'us')} -> {fmt(t['b'], 'us')}: {verdict(t, 'us')}"
+            found.append(dict(kind="change", text=text, section="collectives"))
+    only = [
+        {
+            "run": side,
+            "collective and size": f"{c['collective']} <= {fmt(float(c['size_bucket']), 'bytes')}",
+            "calls": fmt(c["calls"], ""),
+            "time per step": fmt(c["time_us"], "us"),
+        }
+        for side, key in (("only in A", "only_a"), ("only in B", "only_b"))
+        for c in d[key]
+    ]
+    tables = dict(steps=table_data(steps, "Per step (medians over the steady-state steps)"))
+    if rows:
+        tables["collectives"] = table_data(pd.DataFrame(rows), "Per collective and message size")
+    if only:
+        tables["only"] = table_data(pd.DataFrame(only), "Collectives of one run only")
+    return render(
+        dict(
+            title=f"commpatch diff: A = {d['a']}, B = {d['b']}",
+            headline=None,
+            headline_text=[],
+            findings=found or [dict(kind="change", text="no significant change", section="steps")],
+            advice=[],
+            tables=tables,
+            plots={},
+            notes=[
+                f"medians over the steady-state steps ({d['steps_a']} in A, {d['steps_b']} in B); a change is "
+                "significant when its 95% interval (bootstrap over the steps) excludes 0"
+            ],
+        )
+    )
+
+
 # Inside <script> the HTML parser looks for "</script" and, after "<!--", for "<script" (its
 # "double escaped" state, where "</script>" no longer ends the block): a name holding "<!--<script>"
 # would swallow report.js. No "<" may reach the block, nor ">" or "&"; U+2028 / U+2029 (line ends
@@ -312,7 +386,7 @@ def write(text: str, path: str) -> str:
     return path
 
 
-__all__ = ["page", "compare_page", "render", "report_data", "compare_data", "write", "timeline_excerpt"]
+__all__ = ["page", "compare_page", "diff_page", "render", "report_data", "compare_data", "write", "timeline_excerpt"]
 
 
 def compare_page(table, by_op, title: str = "commpatch scaling") -> str:
