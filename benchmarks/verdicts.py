@@ -14,7 +14,7 @@ run is one job in processes that run all runs of a kind in turn (a new model and
 
 Goals: the right rank in >= 95% of the delayed runs, a wrong rank never, a straggler in <= 2% of the
 symmetric runs. A rank named where none was delayed counts against these unless the job's own measure
-of its work agrees (``_heavier``: its training thread's CPU time per step, taken by the job, not by
+of its work agrees (``tests.verdict_workers.works_longer``: its training thread's CPU time per step, taken by the job, not by
 commpatch): the table says how many such. Prints the table (markdown) and the totals; exits 1 when a goal is missed.
 ``--demo N``: instead, ``make demo``'s job N times beside a CPU hog (goal: its straggler named N times).
 """
@@ -59,7 +59,7 @@ def run_kind(kind, n, runs, steps, timeout, cells=None):
 
     from commpatch.data.frame import apply_schema
     from tests.multiproc import run_ranks
-    from tests.verdict_workers import truth_jobs
+    from tests.verdict_workers import truth_jobs, works_longer
 
     jobs, meta = [], []
     for run in range(runs):
@@ -72,21 +72,9 @@ def run_kind(kind, n, runs, steps, timeout, cells=None):
     for j, (cell, slow) in enumerate(meta):
         df = apply_schema(pd.concat([logs[r][j][0] for r in range(n)], ignore_index=True))
         named, v = named_rank(df)
-        heavier = named is not None and _heavier(named, [logs[r][j][3] for r in range(n)], v["late_median_us"])
+        heavier = named is not None and works_longer(named, [logs[r][j][3] for r in range(n)], v["late_median_us"])
         out.append((cell, slow, named, v, logs[0][j][1], logs[0][j][2], heavier))
     return out
-
-
-def _heavier(rank, cpu, late_us) -> bool:
-    """Does the job's own measure agree that ``rank`` works longer than the others: its training
-    thread's median CPU time per step (set-up's two steps left out; ``cpu``: per rank, ns per step)
-    above every other rank's by at least half the verdict's figure? A rank named in a symmetric run
-    that does so is no false verdict: the run was not symmetric (a pipeline's last stage computes
-    the loss and merges the microbatches' outputs: 0.2-1.3 ms more CPU per step in 2-stage runs)."""
-    import statistics
-
-    med = [statistics.median(c[2:]) / 1e3 for c in cpu]
-    return all(med[rank] - m >= 0.5 * late_us for r, m in enumerate(med) if r != rank)
 
 
 def demo_runs(runs: int) -> int:
@@ -207,7 +195,7 @@ def main() -> int:
     right = sum(c["right"] for c in delayed)
     wrong = sum(c["wrong"] for c in delayed)
     false = sum(c["wrong"] for c in symmetric)
-    # named where the job's own CPU time per step says that rank works longer (_heavier): a real straggler
+    # named where the job's own CPU time per step says that rank works longer (works_longer): a real straggler
     heavier_d, heavier_s = sum(c["heavier"] for c in delayed), sum(c["heavier"] for c in symmetric)
     print(
         f"\ndelayed runs: right rank {right} of {d_runs} ({right / max(d_runs, 1):.1%}), wrong rank {wrong} "

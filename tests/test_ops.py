@@ -124,3 +124,25 @@ def test_group_seq_matches_across_ranks(ops_run):
     for name in ("all_reduce", "broadcast", "all_gather_object"):
         seqs = {per_rank[name][0].iloc[0]["group_seq"] for per_rank in results}
         assert len(seqs) == 1, f"{name}: group_seq differs across ranks: {seqs}"
+
+
+def test_works_never_waited_for_stay_bounded():
+    """A job that drops its gloo isend / irecv works without waiting: at most ``AT_WAIT_MAX`` are kept
+    for their wait (each keeps its tensor alive), the others' rows stay untimed; a work waited for
+    after that is still timed, its wait noted."""
+    from commpatch.data.schema import T_WAIT
+    from commpatch.record.log import Log
+    from commpatch.record.timing import AT_WAIT_MAX, Timing
+
+    class Work:  # what Timing keeps of a work: the object, by identity
+        pass
+
+    timing, op = Timing(Log()), 7
+    timing.no_future.add(op)  # as gloo's send / recv, whose get_future() raises
+    for seq in range(3 * AT_WAIT_MAX):
+        assert timing.future(seq, 0, Work(), op) == T_WAIT
+        assert len(timing.at_wait) <= AT_WAIT_MAX
+    work = Work()
+    timing.future(10**6, 5, work, op)
+    timing.waited(work, 10)
+    assert timing.log.done[10**6] > 0 and timing.log.waits[-1][0] == 10**6 and not timing.at_wait.get(id(work))

@@ -10,7 +10,7 @@ from commpatch.data.frame import apply_schema
 
 from .multiproc import run_ranks
 from .test_engine_parity import differences, reports
-from .verdict_workers import truth_jobs
+from .verdict_workers import truth_jobs, works_longer
 
 pytestmark = pytest.mark.slow
 
@@ -74,19 +74,25 @@ def test_delays_inside_a_block_and_before_the_optimizer_are_named():
 
 
 def test_a_pipeline_stage_delayed_is_named_by_both_engines(tmp_path):
-    """A 2-stage GPipe pipeline (point-to-point calls only): rank 1 sleeps 3 ms before each step (about
+    """A 2-stage GPipe pipeline (point-to-point calls only): rank 0 sleeps 3 ms before each step (about
     40% of it): named, by how much longer its stage works per step, by both engines alike (the report
-    used to give no verdict for a pipeline); the symmetric pipeline: none."""
+    used to give no verdict for a pipeline). The undelayed pipeline is not balanced: its last stage
+    computes the loss and merges the outputs, 0.15-1.3 ms more CPU per step from run to run; a rank
+    named there must be one that the job's own CPU time per step says works longer."""
     jobs = [
-        dict(kind="pipeline", spot="before_step", delay_ms=3.0, slow_rank=1, steps=60, seed=5),
+        dict(kind="pipeline", spot="before_step", delay_ms=3.0, slow_rank=0, steps=60, seed=5),
         dict(kind="pipeline", spot=None, steps=60, seed=6),
     ]
-    (delayed, v), (_, s) = _verdicts(run_ranks(truth_jobs, 2, timeout=240, jobs=jobs), jobs)
-    assert v["straggler"] and v["rank"] == 1 and v["measure"] == "work", v
-    assert 2_000 <= v["late_median_us"] <= 6_000, v
-    assert not s["straggler"], s
-    pandas, duckdb, said = _both_engines(delayed, tmp_path, rank=1)
+    logs = run_ranks(truth_jobs, 2, timeout=240, jobs=jobs)
+    (delayed, v), (_, s) = _verdicts(logs, jobs)
+    assert v["straggler"] and v["rank"] == 0 and v["measure"] == "work", ("delayed", v)
+    # 3 ms less the last stage's own extra work; more on a busy machine, where a 3 ms sleep returns
+    # late (a real hold-up), but never a whole step
+    assert v["late_median_us"] >= 1_500 and v["share_of_step"] < 1, ("delayed", v)
+    cpu = [logs[r][1][3] for r in range(2)]
+    assert not s["straggler"] or works_longer(s["rank"], cpu, s["late_median_us"]), ("undelayed", s, cpu)
+    pandas, duckdb, said = _both_engines(delayed, tmp_path, rank=0)
     assert "longer than any other pipeline stage" in said[0][0], said
     advice = [[a for a in r["advice"] if a["rule"] == "straggler"] for r in (pandas, duckdb)]
     assert differences(advice[0], advice[1]) == [] and len(advice[0]) == 1, advice  # equal to 1e-12
-    assert advice[0][0]["evidence"]["rank"] == 1 and "move some to the other stages" in advice[0][0]["change"], advice
+    assert advice[0][0]["evidence"]["rank"] == 0 and "move some to the other stages" in advice[0][0]["change"], advice

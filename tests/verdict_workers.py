@@ -178,3 +178,16 @@ def truth_jobs(rank: int, n: int, jobs: list, calibrate_steps: int = 12):
     finally:
         commpatch.disable()
     return out
+
+
+def works_longer(rank, cpu, late_us) -> bool:
+    """Does the job's own measure agree that ``rank`` works longer than the others: its training
+    thread's median CPU time per step (set-up's two steps left out; ``cpu``: per rank, ns per step,
+    as ``truth_jobs`` returns it) above every other rank's by at least half the verdict's figure
+    ``late_us``? A rank named in a symmetric run that does so is no false verdict: the run was not
+    symmetric (a 2-stage pipeline's last stage computes the loss and merges the microbatches'
+    outputs: 0.15-1.3 ms more CPU per step, docs/decisions/straggler-verdict.md)."""
+    import statistics
+
+    med = [statistics.median(c[2:]) / 1e3 for c in cpu]
+    return all(med[rank] - m >= 0.5 * late_us for r, m in enumerate(med) if r != rank)

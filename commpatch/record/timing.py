@@ -28,7 +28,9 @@ from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE, T_WAIT
 from . import state as _runtime
 
 _pc = time.perf_counter_ns
-AT_WAIT_MAX = 1 << 16  # works without a future kept for their wait; beyond, those never waited for are dropped
+# works without a future kept for their wait (each keeps its tensor alive): beyond this many not yet
+# waited for (a job that drops its works unwaited), they are dropped and their rows stay untimed
+AT_WAIT_MAX = 1024
 
 
 class Timing:
