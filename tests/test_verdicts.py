@@ -85,6 +85,10 @@ def test_a_pipeline_stage_delayed_is_named_by_both_engines(tmp_path):
     ]
     logs = run_ranks(truth_jobs, 2, timeout=240, jobs=jobs)
     (delayed, v), (_, s) = _verdicts(logs, jobs)
+    ops = set(delayed["op"].astype(str))
+    if "batch_isend_irecv" in ops and not ops & {"isend", "irecv"}:  # torch 2.4's schedule: batches, not pairs
+        assert v["rank"] is None and v["reason"] == "collectives" and not s["straggler"], (v, s)
+        pytest.skip("torch 2.4 sends a pipeline's activations in batch_isend_irecv: no pairs, no verdict (said)")
     assert v["straggler"] and v["rank"] == 0 and v["measure"] == "work", ("delayed", v)
     # 3 ms less the last stage's own extra work; more on a busy machine, where a 3 ms sleep returns
     # late (a real hold-up), but never a whole step
