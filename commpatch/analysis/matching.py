@@ -383,10 +383,17 @@ def bin_steps(matrix, steps):
 P2P_KEYS = ["group", "channel", "src", "dst", "k"]
 
 
-def _p2p_sides(df, cols):
+# what match_p2p and p2p_steps read of each side
+P2P_COLUMNS = ("op", "bytes", "start_ns", "step", "rank", "wait_us")
+
+
+def _p2p_sides(df, cols=P2P_COLUMNS):
     """The sends and the receives of ``df`` (calls with a peer), each indexed by ``P2P_KEYS`` (k:
     the k-th call of its group, channel, source and destination, in each rank's call order), with
-    ``cols`` prefixed ``send_`` / ``recv_``."""
+    ``cols`` prefixed ``send_`` / ``recv_`` (``wait_us`` NaN where the log has no such column)."""
+    if "wait_us" in cols and "wait_us" not in df.columns:
+        df = df.assign(wait_us=np.nan)
+    cols = list(cols)
     sel = df["op"].isin(list(P2P_SIDES)) & (df["peer"] >= 0)
     p = df.loc[sel, list(dict.fromkeys(["group", "rank", "peer", "op", "seq", *cols]))]
     p = p.assign(group=p["group"].astype(str), op=p["op"].astype(str))
@@ -402,17 +409,17 @@ def _p2p_sides(df, cols):
     return sends, recvs
 
 
-def p2p_steps(df):
+def p2p_steps(df, sides=None):
     """Per (step, rank) with a point-to-point call: ``first_ns``, the issue of the rank's first such
     call of the step; ``wait_us``, the time its thread waited in those calls (the ``wait_us`` column:
     gloo's send / recv timed at their ``Work.wait``; NaN where none was measured); and
     ``recv_wait_us``, how long its receives waited for their sends by the issue times (per matched
     pair, the send's issue minus the receive's, when later; for logs without the waits): the
-    pipeline's straggler evidence (``stragglers.verdict``). None without matched pairs."""
+    pipeline's straggler evidence (``stragglers.verdict``). None without matched pairs. ``sides``:
+    ``_p2p_sides(df, P2P_COLUMNS)`` when already computed."""
     import pandas as pd
 
-    df = df if "wait_us" in df.columns else df.assign(wait_us=np.nan)
-    sends, recvs = _p2p_sides(df, ["start_ns", "step", "rank", "wait_us"])
+    sends, recvs = sides if sides is not None else _p2p_sides(df, P2P_COLUMNS)
     pairs = recvs.join(sends, how="inner")
     if not len(pairs):
         return None
@@ -444,17 +451,20 @@ def p2p_steps(df):
     return out.reset_index()
 
 
-def match_p2p(df):
+def match_p2p(df, sides=None):
     """Pairs of point-to-point calls: k-th send a->b with the k-th receive of b from a.
 
     Columns: group, channel (tensor / object), src, dst, k, send_op, recv_op, send_bytes,
     recv_bytes, send_start_ns, recv_start_ns, skew_us (|difference of issue times|), late_rank
-    (the side that issued last), matched (both sides present), bytes_mismatch.
+    (the side that issued last), matched (both sides present), bytes_mismatch. ``sides``:
+    ``_p2p_sides(df, P2P_COLUMNS)`` when already computed.
     """
     import pandas as pd
 
     keys = ["group", "channel", "src", "dst"]
-    sends, recvs = _p2p_sides(df, ["op", "bytes", "start_ns"])
+    sends, recvs = sides if sides is not None else _p2p_sides(df, ["op", "bytes", "start_ns"])
+    sends = sends[["send_op", "send_bytes", "send_start_ns"]]
+    recvs = recvs[["recv_op", "recv_bytes", "recv_start_ns"]]
     out = sends.join(recvs, how="outer").reset_index()
     out["matched"] = out["send_op"].notna() & out["recv_op"].notna()
     # in int64: an unmatched side makes the joined columns float, whose 256 ns steps at today's Unix times
@@ -628,7 +638,8 @@ class CrossRank:
 def cross_rank(df) -> CrossRank:
     """Match collectives across ranks and derive stragglers, waits and mismatches in one pass."""
     matched = _match(df)
-    p2p = match_p2p(df)
+    sides = _p2p_sides(df, P2P_COLUMNS)  # once, for the pairs and for a pipeline's steps
+    p2p = match_p2p(df, sides)
     present = set(_present_ranks(df).tolist())
     members = set()
     for s in df["group_ranks"].cat.categories:
@@ -641,7 +652,7 @@ def cross_rank(df) -> CrossRank:
         p2p=p2p,
         missing_logs=sorted(members - present),
         step_arrivals=step_arrivals(matched[1]),
-        p2p_steps=p2p_steps(df) if p2p["matched"].any() else None,
+        p2p_steps=p2p_steps(df, sides) if p2p["matched"].any() else None,
         transfer_us=transfer_times(df, matched),
         log_ends=log_end_table(matched[0]),
         clock=df.attrs.get(CLOCK_ATTR),

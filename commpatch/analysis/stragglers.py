@@ -173,10 +173,11 @@ def _pipeline(p2p_steps, stage):
     wall time (from its first point-to-point call of the step to its first of the next) less the time
     its thread waited in its sends and receives (``wait_us``; where the log has no waits, the time its
     receives waited for their sends by the issue times: gloo's sends wait for their receives too, so
-    that estimate gives a stage waiting in a send to the work of that stage). A pipeline's stages wait for each other by construction (a
-    stage's receive for the sending stage's compute), so who holds whom up at the calls says more
-    about the schedule than about the ranks; the stage that works longest per step sets the
-    pipeline's pace: the others wait for it. None without such steps."""
+    that estimate gives a stage waiting in a send to the work of that stage). A pipeline's stages
+    wait for each other by construction (a stage's receive for the sending stage's compute), so who
+    holds whom up at the calls says more about the schedule than about the ranks; the stage that
+    works longest per step sets the pipeline's pace: the others wait for it. None without such
+    steps."""
     if p2p_steps is None or not len(p2p_steps):
         return None
     t = p2p_steps.sort_values(["rank", "step"], kind="stable")

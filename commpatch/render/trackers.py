@@ -16,17 +16,13 @@ from __future__ import annotations
 import math
 import os
 
+from .tensorboard import STEP_TAGS
+
 PREFIX = "commpatch/"
 STEP = PREFIX + "step/"  # per step: the series
 RUN = PREFIX + "run/"  # once: the headline's figures
-# name -> (column of the steps table, scale)
-STEP_METRICS = {
-    "time_ms": ("step_us", 1e-3),
-    "comm_share": ("comm_share", 1.0),
-    "exposed_share": ("exposed_share", 1.0),
-    "comm_ms": ("busy_us", 1e-3),
-    "exposed_ms": ("exposed_us", 1e-3),
-}
+# name -> (column of the steps table, scale): TensorBoard's per-step scalars, under the same names
+STEP_METRICS = {tag.split("/", 1)[1]: (column, scale) for tag, column, scale in STEP_TAGS}
 
 
 def _number(value) -> float | None:
