@@ -91,7 +91,22 @@ def test_walkthrough_notebook_executes_and_its_committed_outputs_are_current(tmp
     committed = nbformat.read(NOTEBOOK, as_version=4)
     fresh, kept = printed(nb), printed(committed)
     assert all(kept), "the committed notebook has a code cell without outputs: run python tests/test_notebook.py"
-    assert fresh == kept, "the committed notebook's outputs are stale: run python tests/test_notebook.py"
+    assert fresh == kept, (
+        "the committed notebook's outputs are stale: run python tests/test_notebook.py\n" + _first_change(kept, fresh)
+    )
+
+
+def _first_change(kept, fresh) -> str:
+    """The first line that differs between two notebooks' outputs, with its cell and line."""
+    import difflib
+
+    for i, (a, b) in enumerate(zip(kept, fresh)):
+        if a != b:
+            diff = difflib.unified_diff(
+                "\n".join(a).splitlines(), "\n".join(b).splitlines(), "committed", "now", n=1, lineterm=""
+            )
+            return f"code cell {i}:\n" + "\n".join(list(diff)[:12])
+    return f"{len(kept)} code cells committed, {len(fresh)} now"
 
 
 def test_the_committed_notebook_has_its_outputs_and_stays_small():
