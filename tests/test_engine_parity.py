@@ -23,6 +23,9 @@ from commpatch.testing import write_binary_run, write_rank_files
 pytestmark = pytest.mark.skipif(not engine.available(), reason="needs duckdb (commpatch[scale])")
 
 FLOAT_RTOL = 1e-12  # the same sums in another order (see the module docstring)
+# the sections' figures go through pandas' to_json, which writes 10 decimals: two values a few ulps
+# apart (57.022177738850 and ...849) can come out a unit of the 10th decimal apart
+FLOAT_ATOL = 1.5e-10
 
 
 def differences(a, b, path: str = "") -> list[str]:
@@ -34,7 +37,7 @@ def differences(a, b, path: str = "") -> list[str]:
         out = [f"{path}: {len(a)} items against {len(b)}"] if len(a) != len(b) else []
         return out + [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
     if isinstance(a, float) and isinstance(b, float):
-        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=FLOAT_RTOL, abs_tol=1e-300)
+        same = (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=FLOAT_RTOL, abs_tol=FLOAT_ATOL)
         return [] if same else [f"{path}: {a!r} against {b!r}"]
     return [] if type(a) is type(b) and a == b else [f"{path}: {a!r} against {b!r}"]
 
@@ -96,6 +99,33 @@ def test_the_engines_report_the_same_on_unmeasured_calls_and_ddp_buckets(tmp_pat
     overhead = [f["text"] for f in pandas["findings"] if f["kind"] == "overhead"]
     assert len(overhead) == 1 and "calls per step have no duration (broadcast)" in overhead[0], overhead
     assert "DDP's copy of each gradient into its bucket" in overhead[0]
+
+
+@pytest.mark.parametrize("packing", ["timed", "not timed"])
+def test_the_engines_give_the_same_grad_copy_advice(tmp_path, packing):
+    """DDP buckets with a 5 ms finalize after the last all-reduce: gradient_as_bucket_view advice,
+    whose evidence quotes the packing's time per step (40 us a bucket, 2 buckets). The engine staged
+    the bucket rows without pack_us and quoted 0 us (a real DDP hang once showed 42 against 0);
+    a log without the packing timed says so in both, never 0."""
+    import numpy as np
+
+    from commpatch.testing import rank_logs
+
+    pattern = (("ddp_bucket_allreduce", 1 << 22, "float32"), ("ddp_bucket_allreduce", 1 << 20, "float32"))
+    for rank, frame in enumerate(rank_logs(2, 10, pattern=pattern)):
+        frame["async_op"] = True
+        frame["bucket"] = frame.groupby("step").cumcount()
+        frame["bucket_params"] = 3
+        frame["pack_us"] = 40.0 if packing == "timed" else np.nan
+        frame["sync_end_us"] = frame["duration_us"] + 5000.0
+        commpatch.export_csv(str(tmp_path / f"rank{rank}.csv"), df=frame)
+    pandas, _ = assert_same_report(str(tmp_path))
+    advice = [a for a in pandas["advice"] if a["rule"] == "ddp_grad_copy"]
+    assert len(advice) == 1, pandas["advice"]
+    if packing == "timed":
+        assert advice[0]["evidence"]["pack_us"] == 80.0 and "the packing, 80 us," in advice[0]["text"]
+    else:
+        assert advice[0]["evidence"]["pack_us"] is None and "the packing, not timed," in advice[0]["text"]  # JSON: null
 
 
 def test_the_engines_report_the_same_slow_bus_bandwidth(tmp_path):

@@ -193,7 +193,7 @@ def bucket_steps(df, steps_table):
             "params": b["bucket_params"].to_numpy() if "bucket_params" in b.columns else 0,
             "comm": transfer,
             "wait": np.clip(own - transfer, 0, None),  # until the last rank issued it
-            "pack": np.nan_to_num(b["pack_us"].to_numpy(np.float64)) if "pack_us" in b.columns else 0.0,
+            "pack": b["pack_us"].to_numpy(np.float64) if "pack_us" in b.columns else np.nan,  # NaN: not timed
         }
     )
     work = work.sort_values(["rank", "step", "start"], kind="stable")
@@ -206,8 +206,8 @@ def bucket_steps(df, steps_table):
         end=("end", "max"),
         sync_end=("sync_end", "max"),
         comm_us=("comm", "sum"),
-        pack_us=("pack", "sum"),
     )
+    out["pack_us"] = g["pack"].sum(min_count=1)  # unknown where no bucket of the step has it timed
     finish = np.fmax(out["end"], out["sync_end"])
     out["last_bytes"] = last["bytes"]
     out["last_params"] = last["params"]
@@ -379,7 +379,7 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
     bs = bucket_steps(df, steps_table)
     if bs["step"].nunique() < MIN_STEPS:
         return []
-    pack_us = float(np.nanmedian(bs["pack_us"]))
+    pack_us = float(bs["pack_us"].median())  # NaN: the packing not timed (older logs, GPU models)
     finalize_us = float(np.nanmedian(bs["finalize_us"]))
     step_us = st["step_p50_us"]
     if not finalize_us >= max(GRAD_COPY_SHARE * step_us, MIN_GAIN_US):
@@ -398,7 +398,7 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
         f".grad in its finalize after the last all-reduce ({_ms(finalize_us)} per step, {_pct(finalize_us / step_us)} "
         "of the step); with gradient_as_bucket_view=True .grad is a view of the bucket and both copies (and the "
         "copy's memory) go (gradients then alias the buckets: no .grad = None / detach_() of them by hand). The "
-        f"gain is not predicted: the log times the windows that hold the copies (the packing, {_ms(pack_us)}, "
+        f"gain is not predicted: the log times the windows that hold the copies (the packing, {_ms(pack_us) if pack_us == pack_us else 'not timed'}, "
         "and the finalize), which also hold the reducer's hooks and the thread's wake-up after the all-reduce, "
         "not the copies (a 3.77 ms finalize once came with 0.29 ms saved)."
     )

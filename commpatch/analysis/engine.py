@@ -67,6 +67,7 @@ ADVICE_COLUMNS = (
     "own_us",
     "async_op",
     "sync_end_us",
+    "pack_us",
     "bucket_params",
     "bucket",
     "device",
