@@ -289,9 +289,7 @@ def test_latest_run_is_the_one_that_started_last(tmp_path, capsys):
     assert "reading the latest, aa-new; the other run(s): zz-old" in err
     one = tmp_path / "one"
     write_binary_run(str(one / "r1"), 2, 100, straggler=None, mismatch=None)
-    assert (
-        report_title(run_cli(capsys, str(one))[1]).startswith(f"commpatch report: run r1 (the only one in {one}): ")
-    )
+    assert report_title(run_cli(capsys, str(one))[1]).startswith(f"commpatch report: run r1 (the only one in {one}): ")
     # the run directory itself, or its files: no run named
     assert run_cli(capsys, str(one / "r1"))[1].splitlines()[0].startswith("commpatch report: 200 calls")
 
