@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip --disable-pip-version-check -q
 STAMP = .make-installed
 
-.PHONY: install demo test matrix bench docs lint clean
+.PHONY: install demo test test-slow matrix bench docs lint clean
 
 $(STAMP): setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
 	ci/apt.sh
@@ -19,8 +19,19 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) examples/demo.py --nproc 2 --out commpatch_demo
 
+# The suite in two parts each: the tests run in parallel (pytest-xdist; a module's tests in one
+# worker, so they share its jobs), then those marked `serial` one at a time (verdicts on time measured
+# in real jobs). `make test` leaves out those marked `slow` (fault injection, fuzzing, 1,024-rank logs,
+# truth-table slices, the type check): `make test-slow` runs them; CI runs both (.ci/run).
+WORKERS ?= 3
+PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTEST) -n $(WORKERS) --dist loadfile -m "not slow and not serial"
+	$(PYTEST) -m "serial and not slow"
+
+test-slow: $(STAMP)
+	$(PYTEST) -n $(WORKERS) --dist loadfile -m "slow and not serial"
+	$(PYTEST) -m "slow and serial"
 
 # the documentation site (docs/ -> site/; the reference pages are generated from the code)
 docs: $(STAMP)

@@ -4,9 +4,9 @@
 #     with the newest Python, each in a fresh venv (the index's wheels are CUDA builds: run on the
 #     CPU here; their downloads and venvs are cached in $COMMPATCH_MATRIX_CACHE between runs);
 #   - the suite once more with the C recorder not built (the pure-Python hot path).
-# Each cell leaves out the tests marked `offline` (files and synthetic logs only: tests/conftest.py),
-# which `make test` runs: nothing in them depends on torch's version or on the recorder; the venv
-# cells also leave out those marked `system` (failing disks and killed processes: the OS's behaviour).
+# The venv cells run the tests marked `torch` (those that touch torch's own API: tests/conftest.py);
+# the pure cell leaves out those marked `offline` (files and synthetic logs only) and `slow` (more
+# jobs, not more paths of the recorder), which `make test` / `make test-slow` run.
 # Usage: ci/matrix.sh [cell ...]   cells: oldest newest pure (default: all three)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +56,11 @@ venv_cell() {       # name: a venv with that Python and torch, commpatch install
     "$venv/bin/python" -m commpatch install-hook >/dev/null
     echo "matrix[$name]: $("$venv/bin/python" --version), torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"
     # CI_MATRIX_CELL: the README support-table test then fails (not skips) when the torch has no row
-    (cd "$REPO" && CI_MATRIX_CELL=$name "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not offline and not system")
+    # the tests that touch torch's own API (marker `torch`, tests/conftest.py), in parallel but for
+    # those that measure time (`serial`)
+    (cd "$REPO" && CI_MATRIX_CELL=$name "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${WORKERS:-3}" \
+        --dist loadfile -m "torch and not serial" &&
+        CI_MATRIX_CELL=$name "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "torch and serial")
 }
 
 pure_cell() {       # the suite on a copy of the checkout without the compiled C recorder
@@ -68,7 +72,8 @@ pure_cell() {       # the suite on a copy of the checkout without the compiled C
         'from commpatch.record import rows; assert rows._hot is None, "the C recorder is built here"')
     echo "matrix[pure]: the suite with the pure-Python recorder"
     # the recorder's paths are those of every recording test: the multi-process `slow` ones add jobs, not paths
-    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider -m "not offline and not slow")
+    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-3}" --dist loadfile \
+        -m "not offline and not slow and not serial" && python3 -m pytest -q -p no:cacheprovider -m "serial and not slow")
 }
 
 if [ "${1:-}" = "--one" ]; then       # one cell, in a process of its own: set -e holds inside it

@@ -33,6 +33,46 @@ OFFLINE_MODULES = {
 # disks and processes failing under the writer (full, slow, read-only disks, SIGKILL, removed
 # directories): the OS's behaviour, the same on every torch; left out of the venv matrix cells
 SYSTEM_MODULES = {"test_faults", "test_durable"}
+# Tests whose verdicts are about time measured in real jobs (stragglers, delays, clocks, a device kept
+# busy): they hold beside a CPU hog, not beside two more test processes with their ranks. `make test`
+# runs them after the others, one at a time (the others run in parallel: pytest-xdist).
+SERIAL_MODULES = {
+    "test_advice",
+    "test_clock",
+    "test_diff",
+    "test_emulated_device",
+    "test_multihost",
+    "test_steps",
+    "test_stragglers",
+    "test_verdicts",
+}
+# What touches torch's own API (what is patched, how frameworks call it, its stores and process
+# groups): the version-matrix cells run these on each torch (ci/matrix.sh); the rest reads logs or
+# analyses rows, the same on every torch, and runs on the main cell.
+TORCH_MODULES = {
+    "test_activation",
+    "test_clock",
+    "test_compat",
+    "test_core",
+    "test_ddp_transparency",
+    "test_emulated_device",
+    "test_hangs",
+    "test_integrations_backends",
+    "test_integrations_checkpoint",
+    "test_integrations_compiled",
+    "test_integrations_ddp",
+    "test_integrations_fsdp",
+    "test_integrations_functional",
+    "test_integrations_modules",
+    "test_integrations_pipeline",
+    "test_integrations_reenable",
+    "test_multiproc_core",
+    "test_ops",
+    "test_p2p_rows",
+    "test_readme",
+    "test_transparency",
+    "test_watchdog",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,6 +84,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.offline)
         if module in SYSTEM_MODULES:
             item.add_marker(pytest.mark.system)
+        if module in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+        if module in TORCH_MODULES:
+            item.add_marker(pytest.mark.torch)
 
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")

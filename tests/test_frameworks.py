@@ -8,7 +8,8 @@ import pytest
 from tests import framework_workers as fw
 from tests.multiproc import run_ranks
 
-pytestmark = pytest.mark.timeout(400)
+# real frameworks (HF Trainer, Accelerate, Lightning) as witnesses: minutes of jobs, `make test-slow`
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def _check(results):

@@ -383,6 +383,7 @@ def _report(results: dict, tmp_path: Path) -> list[str]:
     return failed
 
 
+@pytest.mark.slow
 def test_fuzzed_logs_never_crash_hang_or_blow_memory(writer_log, tmp_path):
     cplog, csv_path = writer_log
     binary, text = Path(cplog).read_bytes(), Path(csv_path).read_text()
@@ -431,6 +432,7 @@ def test_fuzzed_parquet_never_crashes_hangs_or_blows_memory(writer_log, tmp_path
     assert got["peak_mb"] - got["baseline_mb"] < PEAK_MB, got
 
 
+@pytest.mark.slow  # every saved case, through both readers
 @pytest.mark.parametrize("reader", ["pyarrow", "pandas"])
 def test_corpus_replays(tmp_path, reader):
     """Every input that once crashed a reader (or hung it, or printed escapes): now fine, with

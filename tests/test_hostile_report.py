@@ -115,7 +115,7 @@ def test_names_with_markup_escapes_bidi_and_200k_characters(tmp_path, engine):
     assert "x" * 200_000 in shown or "x" * 1_000 in shown
 
 
-@pytest.mark.parametrize(("rows", "names"), [(2_000, 1_000), (100_000, 50_000)])
+@pytest.mark.parametrize(("rows", "names"), [(2_000, 1_000), pytest.param(100_000, 50_000, marks=pytest.mark.slow)])
 def test_as_many_names_as_calls_cost_no_more_than_a_few(tmp_path, rows, names):
     """Every call of the run reported, both engines, within TIMEOUT_S (before issue 33: 11 s for
     1,000 names, no answer in 150 s for 50,000)."""

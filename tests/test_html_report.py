@@ -102,6 +102,7 @@ def test_headline_says_unknown_for_one_rank(logs):
     assert "mismatches:     not checked" in text
 
 
+@pytest.mark.slow  # 1,024 ranks written and reported: `make test-slow`
 def test_text_report_fits_120_columns_at_1024_ranks(big):
     lines = big["text"].splitlines()
     assert lines[2] == "Headline:" and "1024 rank(s) 0-1023" in lines[0]
@@ -111,6 +112,7 @@ def test_text_report_fits_120_columns_at_1024_ranks(big):
     assert max(map(len, wide.splitlines())) > people.WIDTH and " overlap_unknown_us " in wide
 
 
+@pytest.mark.slow  # 1,024 ranks written and reported: `make test-slow`
 def test_page_is_sized_by_aggregates_at_1024_ranks(big):
     size = os.path.getsize(big["page"])
     assert size < 5e6, size
@@ -256,6 +258,7 @@ def test_pages_of_one_rank_and_of_one_step_in_headless_chromium(logs, tmp_path):
     check_page(load(single), ["bandwidth", "steps", "heatmap", "timeline"])
 
 
+@pytest.mark.slow  # 1,024 ranks written and reported: `make test-slow`
 def test_page_at_1024_ranks_in_headless_chromium(big):
     out = load(big["page"])
     check_page(out, ["bandwidth", "steps", "heatmap", "timeline"])

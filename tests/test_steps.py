@@ -123,6 +123,7 @@ def test_hand_written_data_parallel_loop_gets_steps_from_its_pattern(tmp_path, c
     assert [s for op, _, s in per_rank[0] if op == "all_reduce"] == [i for i in range(1, 9) for _ in range(4)]
 
 
+@pytest.mark.slow
 def test_ground_truth_benchmark_runs(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:

@@ -96,6 +96,7 @@ def mlflow_server(tmp_path_factory):
         server.wait(timeout=30)
 
 
+@pytest.mark.slow  # a real MLflow server started: `make test-slow`
 def test_mlflow_holds_the_reports_steps_and_headline(run_dir, capsys, mlflow_server):
     """``report --mlflow URI``: a new, finished run named after the log's run directory, whose metric
     histories are the report's steps table (the step: the job's) and whose run metrics and tags are
@@ -174,6 +175,7 @@ def _wandb_records(path):
     return records
 
 
+@pytest.mark.slow  # wandb's offline run and its reader: `make test-slow`
 def test_wandb_offline_run_holds_the_reports_steps_and_headline(run_dir, capsys, monkeypatch, tmp_path):
     """``report --wandb PROJECT`` with ``WANDB_MODE=offline``: the run's history is the report's steps
     table (W&B's step: the job's), its summary the headline; step 5 has no communication value."""
