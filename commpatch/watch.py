@@ -73,8 +73,14 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
     try:
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
+                # whether the job had ended is asked before reading: what the ranks wrote before their
+                # exports is then read to its end and in the last frame (asked after, a frame drawn
+                # before the last rows were read was the last one: step 22 of 24 under load)
+                ended = seen and finished(follower)
                 if follower.poll():
                     grew, seen = time.monotonic(), True
+                    while ended and follower.poll():
+                        pass
                 quiet = time.monotonic() - grew
                 snap = snapshot(follower, time.time_ns(), stuck_s)
                 snap["title"] = f"commpatch watch {follower.directory()} ({time.strftime('%H:%M:%S')})"
@@ -86,7 +92,7 @@ def watch(directory: str, interval: float = 1.0, idle: float = 60.0, stuck_s: fl
                 if say is not None:
                     say.update(follower, seen, quiet, idle)
                 live.update(screen(snap), refresh=True)
-                if seen and finished(follower):
+                if ended:
                     reason = "the job ended: every rank wrote its export at exit"
                     break
                 if quiet >= idle:
