@@ -184,3 +184,23 @@ def test_tensor_parallel_wait_is_the_exposed_time(late_rank, delay_s):
         assert table["exposed_us"].to_numpy() == pytest.approx(table["step"].map(df.groupby("step")["wait_us"].sum()))
         assert (table["overlap_unknown_us"] == 0).all()
         assert steady_state(table)["exposed_share"] > 0
+
+
+def test_a_functional_tensor_around_a_fake_one_is_traced_not_run():
+    """AOT autograd's functionalization runs a DTensor graph on FunctionalTensors around fake tensors,
+    with torch.compiler.is_compiling() False (torch 2.6 and 2.11): each forward's all-reduce was
+    recorded once more as a row of a collective that never ran. Around a real tensor it runs."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    from commpatch.integrations.functional import _traced
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    real = torch.ones(3)
+    assert _traced(fake, FakeTensor) and not _traced(real, FakeTensor)
+    with FunctionalTensorMode():
+        around_fake, around_real = FunctionalTensor.to_functional(fake), FunctionalTensor.to_functional(real)
+        assert isinstance(around_fake, FunctionalTensor) and isinstance(around_real, FunctionalTensor)
+        assert _traced(around_fake, FakeTensor) and not _traced(around_real, FakeTensor)

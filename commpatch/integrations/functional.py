@@ -111,7 +111,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         try:
             first = args[0] if args else next(iter(kwargs.values()))
             tensor = first[0] if many else first
-            traced = isinstance(tensor, FakeTensor) or tensor.is_meta  # (make_fx, export): nothing runs
+            traced = _traced(tensor, FakeTensor)  # (make_fx, export, AOT autograd): nothing runs
             if not traced:
                 group = args[gpos] if len(args) > gpos else kwargs["group"]
                 tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
@@ -190,6 +190,18 @@ def _wait_wrapper(orig, waits: Waits):
         return out
 
     return wait_tensor
+
+
+def _traced(tensor, fake_type) -> bool:
+    """A tensor being traced, not one a collective runs on: fake or meta, or a FunctionalTensor
+    around one (AOT autograd's functionalization runs the graph so, torch.compiler.is_compiling()
+    False there on torch 2.6 and 2.11: each forward's all-reduce was recorded once more)."""
+    import torch
+
+    functional = getattr(getattr(torch._subclasses, "functional_tensor", None), "FunctionalTensor", None)
+    if functional is not None and isinstance(tensor, functional):
+        tensor = torch._from_functional_tensor(tensor.elem)
+    return isinstance(tensor, fake_type) or tensor.is_meta
 
 
 def _storage_key(tensor):
