@@ -59,9 +59,9 @@ def fsdp2_cpu_unsupported() -> str | None:
 
 
 def leaf(public: str) -> str:
-    """The function a row of ``public`` is named after: torch >= 2.5 implements
-    all_gather_into_tensor / reduce_scatter_tensor through ``*_single`` functions (the innermost
-    call is recorded), an older torch has no such function."""
+    """The function a row of ``public`` is named after: a torch with ``*_single`` functions (2.13 and
+    2.15 here) implements all_gather_into_tensor / reduce_scatter_tensor through
+    them (the innermost call is recorded); one without (2.4, 2.8, 2.11 as seen) records ``public``."""
     import torch.distributed as dist
 
     single = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}[public]
