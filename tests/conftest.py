@@ -42,6 +42,9 @@ SERIAL_MODULES = {
     "test_diff",
     "test_emulated_device",
     "test_multihost",
+    # its committed outputs compared unequal once among 3 workers, not since (the test prints the
+    # line that differs when it does): alone until that line is seen
+    "test_notebook",
     "test_steps",
     "test_stragglers",
     "test_verdicts",
