@@ -199,8 +199,9 @@ def test_a_functional_tensor_around_a_fake_one_is_traced_not_run():
     with FakeTensorMode():
         fake = torch.ones(3)
     real = torch.ones(3)
-    assert _traced(fake, FakeTensor) and not _traced(real, FakeTensor)
+    assert _traced(fake, FakeTensor, FunctionalTensor) and not _traced(real, FakeTensor, FunctionalTensor)
     with FunctionalTensorMode():
         around_fake, around_real = FunctionalTensor.to_functional(fake), FunctionalTensor.to_functional(real)
         assert isinstance(around_fake, FunctionalTensor) and isinstance(around_real, FunctionalTensor)
-        assert _traced(around_fake, FakeTensor) and not _traced(around_real, FakeTensor)
+        assert _traced(around_fake, FakeTensor, FunctionalTensor)
+        assert not _traced(around_real, FakeTensor, FunctionalTensor)

@@ -398,7 +398,7 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
         f".grad in its finalize after the last all-reduce ({_ms(finalize_us)} per step, {_pct(finalize_us / step_us)} "
         "of the step); with gradient_as_bucket_view=True .grad is a view of the bucket and both copies (and the "
         "copy's memory) go (gradients then alias the buckets: no .grad = None / detach_() of them by hand). The "
-        f"gain is not predicted: the log times the windows that hold the copies (the packing, {_ms(pack_us) if pack_us == pack_us else 'not timed'}, "
+        f"gain is not predicted: the log times the windows that hold the copies (the packing, {'not timed' if math.isnan(pack_us) else _ms(pack_us)}, "
         "and the finalize), which also hold the reducer's hooks and the thread's wake-up after the all-reduce, "
         "not the copies (a 3.77 ms finalize once came with 0.29 ms saved)."
     )

@@ -94,6 +94,11 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
+    try:
+        from torch._subclasses.functional_tensor import FunctionalTensor
+    except ImportError:  # a torch without it: no graph is functionalized so
+        FunctionalTensor = None
+
     compiling, dynamo_compiling = torch.compiler.is_compiling, torch.compiler.is_dynamo_compiling
     resolve = getattr(funcol, "_resolve_group", None) or getattr(funcol, "_resolve_group_name", None)  # < 2.5
     grad_enabled = torch.is_grad_enabled
@@ -111,7 +116,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         try:
             first = args[0] if args else next(iter(kwargs.values()))
             tensor = first[0] if many else first
-            traced = _traced(tensor, FakeTensor)  # (make_fx, export, AOT autograd): nothing runs
+            traced = _traced(tensor, FakeTensor, FunctionalTensor)  # (make_fx, export, AOT autograd): nothing runs
             if not traced:
                 group = args[gpos] if len(args) > gpos else kwargs["group"]
                 tag = (args[tpos] if tpos is not None and len(args) > tpos else kwargs.get("tag", "")) or ""
@@ -192,14 +197,13 @@ def _wait_wrapper(orig, waits: Waits):
     return wait_tensor
 
 
-def _traced(tensor, fake_type) -> bool:
+def _traced(tensor, fake_type, functional_type) -> bool:
     """A tensor being traced, not one a collective runs on: fake or meta, or a FunctionalTensor
     around one (AOT autograd's functionalization runs the graph so, torch.compiler.is_compiling()
     False there on torch 2.6 and 2.11: each forward's all-reduce was recorded once more)."""
-    import torch
+    if functional_type is not None and isinstance(tensor, functional_type):
+        import torch
 
-    functional = getattr(getattr(torch._subclasses, "functional_tensor", None), "FunctionalTensor", None)
-    if functional is not None and isinstance(tensor, functional):
         tensor = torch._from_functional_tensor(tensor.elem)
     return isinstance(tensor, fake_type) or tensor.is_meta
 
