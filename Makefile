@@ -23,15 +23,12 @@ demo: $(STAMP)
 # worker, so they share its jobs), then those marked `serial` one at a time (verdicts on time measured
 # in real jobs). `make test` leaves out those marked `slow` (fault injection, fuzzing, 1,024-rank logs,
 # truth-table slices, the type check): `make test-slow` runs them; CI runs both (.ci/run).
-WORKERS ?= 3
-PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider
+export WORKERS ?= 3
 test: $(STAMP)
-	$(PYTEST) -n $(WORKERS) --dist loadfile -m "not slow and not serial"
-	$(PYTEST) -m "serial and not slow"
+	ci/pytest_two_parts.sh $(PYTHON) "not slow"
 
 test-slow: $(STAMP)
-	$(PYTEST) -n $(WORKERS) --dist loadfile -m "slow and not serial"
-	$(PYTEST) -m "slow and serial"
+	ci/pytest_two_parts.sh $(PYTHON) "slow"
 
 # the documentation site (docs/ -> site/; the reference pages are generated from the code)
 docs: $(STAMP)

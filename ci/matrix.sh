@@ -58,9 +58,7 @@ venv_cell() {       # name: a venv with that Python and torch, commpatch install
     # CI_MATRIX_CELL: the README support-table test then fails (not skips) when the torch has no row
     # the tests that touch torch's own API (marker `torch`, tests/conftest.py), in parallel but for
     # those that measure time (`serial`)
-    (cd "$REPO" && CI_MATRIX_CELL=$name "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${WORKERS:-3}" \
-        --dist loadfile -m "torch and not serial" &&
-        CI_MATRIX_CELL=$name "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "torch and serial")
+    (cd "$REPO" && CI_MATRIX_CELL=$name "$REPO/ci/pytest_two_parts.sh" "$venv/bin/python" "torch")
 }
 
 pure_cell() {       # the suite on a copy of the checkout without the compiled C recorder
@@ -72,8 +70,7 @@ pure_cell() {       # the suite on a copy of the checkout without the compiled C
         'from commpatch.record import rows; assert rows._hot is None, "the C recorder is built here"')
     echo "matrix[pure]: the suite with the pure-Python recorder"
     # the recorder's paths are those of every recording test: the multi-process `slow` ones add jobs, not paths
-    (cd "$copy" && python3 -m pytest -q -p no:cacheprovider -n "${WORKERS:-3}" --dist loadfile \
-        -m "not offline and not slow and not serial" && python3 -m pytest -q -p no:cacheprovider -m "serial and not slow")
+    (cd "$copy" && "$REPO/ci/pytest_two_parts.sh" python3 "not offline and not slow")
 }
 
 if [ "${1:-}" = "--one" ]; then       # one cell, in a process of its own: set -e holds inside it
