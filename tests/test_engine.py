@@ -176,3 +176,21 @@ def test_convert_to_a_rank_partitioned_parquet_dataset_that_report_and_duckdb_re
                          FROM read_parquet('{dataset}/*/*.parquet', hive_partitioning = true)
                          WHERE collective = 'all_reduce' GROUP BY rank ORDER BY comm_s DESC""").fetchall()
     assert len(top) == 8 and all(calls == 120 for _, calls, _ in top)
+
+
+def test_the_engine_keeps_to_its_memory_limit(tmp_path):
+    """The collectives' table is built within the engine's memory limit (DuckDB spills): a top-2
+    aggregate per collective (the second-latest arrival) kept a list per collective in memory and
+    failed at 1,024 ranks x 25,000 rows within 2 GB (here: 64 ranks x 20,000 rows within 64 MB)."""
+    write_binary_run(str(tmp_path / "logs"), 64, 20_000, straggler=3)
+    with engine.Engine(memory_limit="64MB") as eng:
+        import functools
+
+        stage = functools.partial(engine.stage, directory=eng.directory)
+        for staged in cpio.read_ranks([str(tmp_path / "logs")], stage, columns=report.REPORT_COLUMNS, workers=2):
+            eng.add(staged)
+        pre = eng.results()
+    assert pre.calls > 1_000_000
+    assert int(pre.ranks["rank"].iloc[0]) == 3  # the straggler: the longest late
+    held = pre.step_arrivals.groupby("rank")["held_us"].median()
+    assert int(held.idxmax()) == 3 and held[3] > 300  # it issues every call 400 us late

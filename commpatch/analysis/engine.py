@@ -809,7 +809,6 @@ class Engine:
                        n = g.members AS complete, g.pos
                 FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
                              arg_max(rank, {self._ORDER}) AS straggler,
-                             (max({self._ORDER}, 2)[2] // 1048576)::BIGINT AS l2,
                              min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
                       FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
                 JOIN groups g ON c.g = g.g
@@ -887,10 +886,20 @@ class Engine:
         """``stragglers.step_arrivals`` in SQL: per step and rank, the longest time the rank alone held up
         one of the step's collectives of two or more ranks (its issue time minus the latest other rank's:
         the second-latest when it was the last)."""
-        late = "greatest(CASE WHEN r.rank = c.straggler THEN r.start_ns - c.l2 ELSE r.start_ns - c.ls END, 0) / 1e3"
-        return self._df(f"""
-            SELECT r.step, r.rank::BIGINT AS rank, max({late}) AS held_us, count(*)::BIGINT AS collectives
+        # the second-latest issue time of each collective: the latest of the ranks but the last one
+        # (a top-2 aggregate in the ``coll`` scan kept a list per collective: out of memory at
+        # 1,024 ranks x 25,000 rows within the engine's 2 GB)
+        return self._df("""
+            WITH l2 AS (
+                SELECT c.g, c.cseq, max(r.start_ns) AS l2
+                FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                WHERE c.n > 1 AND r.rank <> c.straggler GROUP BY ALL)
+            SELECT r.step, r.rank::BIGINT AS rank,
+                   max(CASE WHEN r.rank = c.straggler THEN greatest(r.start_ns - l2.l2, 0) ELSE 0 END) / 1e3
+                       AS held_us,
+                   count(*)::BIGINT AS collectives
             FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                        JOIN l2 ON l2.g = c.g AND l2.cseq = c.cseq
             WHERE c.n > 1 GROUP BY ALL ORDER BY r.step, rank""")
 
     def _p2p_steps(self):

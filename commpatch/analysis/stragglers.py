@@ -256,11 +256,18 @@ def _margins(wide):
     """Per step and rank of a held_us table: the rank's held_us minus the largest other rank's."""
     values = wide.to_numpy(np.float64)
     filled = np.where(np.isnan(values), -np.inf, values)
-    out = np.empty_like(values)
-    for j in range(values.shape[1]):
-        others = np.delete(filled, j, axis=1)
-        out[:, j] = values[:, j] - others.max(axis=1)
-    return wide.__class__(out, index=wide.index, columns=wide.columns)
+    if values.shape[1] < 2:
+        return wide.__class__(np.full_like(values, np.nan), index=wide.index, columns=wide.columns)
+    # the largest other is the row's largest, but for the rank that holds it: the second largest
+    # (linear in the ranks: a copy of the table without each rank in turn was 19 s at 1,024 ranks)
+    rows = np.arange(len(filled))
+    top = filled.argmax(axis=1)
+    first = filled[rows, top]
+    rest = filled.copy()
+    rest[rows, top] = -np.inf
+    second = rest.max(axis=1)
+    others = np.where(np.arange(values.shape[1])[None, :] == top[:, None], second[:, None], first[:, None])
+    return wide.__class__(values - others, index=wide.index, columns=wide.columns)
 
 
 def _binom_sf(k: int, m: int, p: float) -> float:
