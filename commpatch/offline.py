@@ -462,6 +462,7 @@ class Run:
                 steps=self.window,
                 progress=self.progress,
                 workers=min(2, os.cpu_count() or 1),
+                batch_bytes=_engine.STAGE_BATCH_BYTES,
             ):
                 eng.add(staged)
                 in_flight += staged.in_flight

@@ -194,3 +194,33 @@ def test_the_engine_keeps_to_its_memory_limit(tmp_path):
     assert int(pre.ranks["rank"].iloc[0]) == 3  # the straggler: the longest late
     held = pre.step_arrivals.groupby("rank")["held_us"].median()
     assert int(held.idxmax()) == 3 and held[3] > 300  # it issues every call 400 us late
+
+
+def _ranks_and_rows(df):
+    return sorted(set(df["rank"].tolist())), len(df)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ranks_read_in_batches_give_what_ranks_read_alone_give(tmp_path, workers):
+    """``read_ranks(batch_bytes=...)``: the same rows, ranks and notes as one rank per task, in fewer
+    tasks; a file holding several ranks' rows (a merged CSV) sends its batch back to one rank per
+    task (its rows may repeat another task's file: the job checks see it before the transform)."""
+    import warnings
+
+    paths = write_rank_files(str(tmp_path), 8, steps=5)
+    with open(paths[6], "a") as out, open(paths[7]) as src:
+        out.writelines(src.readlines()[1:])  # rank6.csv holds ranks 6 and 7
+    os.remove(paths[7])
+    seen = []
+    for batch in (0, 1 << 30, 3 * max(os.path.getsize(p) for p in paths[:6])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = list(cpio.read_ranks([str(tmp_path)], _ranks_and_rows, workers=workers, batch_bytes=batch))
+        ranks = sorted(r for rs, _ in got for r in rs)
+        seen.append((got, ranks, sum(n for _, n in got), sorted(str(w.message) for w in caught)))
+    assert seen[0][1] == list(range(8)) and seen[0][0][-1][0] == [6, 7]
+    for got in seen[1:]:
+        assert got[1:] == seen[0][1:]
+    assert [r for r, _ in seen[0][0]] == [[0], [1], [2], [3], [4], [5], [6, 7]]  # one rank per task
+    assert [r for r, _ in seen[1][0]] == [[0], [1], [2], [3], [4], [5], [6, 7]]  # its batch: back to that
+    assert [r for r, _ in seen[2][0]][:2] == [[0, 1, 2], [3, 4, 5]]  # other batches: one frame each

@@ -9,6 +9,7 @@ The package's and the users' entry point: the names of ``discovery`` (``runs``, 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from ..data.attrs import shared
@@ -243,12 +244,17 @@ def _stepless_ranks(pa, data) -> list:
     return sorted(flat)
 
 
-def read_ranks(paths, transform, columns=None, ranks=None, steps=None, progress=None, workers: int = 1):
+def read_ranks(
+    paths, transform, columns=None, ranks=None, steps=None, progress=None, workers: int = 1, batch_bytes: int = 0
+):
     """Yield ``transform(df)`` for the rows of each rank in turn (``df`` as ``read`` gives it for
     that rank's file(s)): memory for ``workers`` ranks at a time, whatever the number of ranks.
     With ``workers`` > 1 the files are read and transformed in that many processes (``transform``
     must then be picklable: a module-level function or a ``functools.partial`` of one). The same
-    checks and warnings as ``read``; ``progress(done, total)`` after each rank."""
+    checks and warnings as ``read``; ``progress(done, total)`` after each rank (of ``total``).
+    ``batch_bytes``: ranks whose files together hold up to that many bytes (at most
+    ``BATCH_RANKS``) are read and transformed as one frame (``transform`` must then take any
+    ranks): a rank's fixed cost in pandas (~0.1 s) is paid once per batch."""
     plan = _Plan(columns, ranks, steps)
     notes = Notes()
     try:
@@ -257,22 +263,54 @@ def read_ranks(paths, transform, columns=None, ranks=None, steps=None, progress=
         for path, scanned in files:
             rank = file_rank(path)
             by_rank.setdefault(("rank", rank) if rank is not None else ("file", path), []).append((path, scanned))
-        tasks = list(by_rank.values())
-        jobs, foreign = Jobs(), 0
-        for done, (result, problems, keys, n_foreign) in enumerate(_run_tasks(tasks, plan, transform, workers), 1):
-            for problem, where in problems.items():
-                for path in where:
-                    notes.add(path, problem)
-            admitted = [jobs.admit(path, k, notes) for path, k in keys]  # all: every check runs
-            foreign += n_foreign
+        tasks = _batches(list(by_rank.items()), batch_bytes)
+        jobs, foreign, done = Jobs(), 0, 0
+        for task, (result, problems, keys, n_foreign) in zip(tasks, _run_tasks(tasks, plan, transform, workers)):
+            if result is _UNBATCHED:  # a file of the batch holds rows of a rank it is not named after
+                outcomes = [_rank_task([files], plan, transform) for files in task]
+            else:
+                outcomes = [(result, problems, keys, n_foreign)]
+            for result, problems, keys, n_foreign in outcomes:
+                for problem, where in problems.items():
+                    for path in where:
+                        notes.add(path, problem)
+                admitted = [jobs.admit(path, k, notes) for path, k in keys]  # all: every check runs
+                foreign += n_foreign
+                if result is not None and all(admitted):
+                    yield result
+            done += len(task)
             if progress is not None:
-                progress(done, len(tasks))
-            if result is not None and all(admitted):
-                yield result
+                progress(done, len(by_rank))
         if foreign and foreign == len(files):
             raise LogFileNotFoundError(describe_paths(paths), f"no commpatch log among {len(files)} file(s)")
     finally:
         notes.emit()
+
+
+BATCH_RANKS = 256  # ranks in a batch of read_ranks at most
+
+
+def _batches(groups, batch_bytes):
+    """The tasks of ``read_ranks``: each a list of ranks' file lists (``groups``: (key, files) by rank
+    or by file), ranks together up to ``batch_bytes`` of files; files that name no rank alone."""
+    tasks, batch, size = [], [], 0
+    for key, files in groups:
+        if batch_bytes <= 0 or key[0] != "rank":
+            tasks.append([files])
+            continue
+        try:
+            n = sum(os.path.getsize(path) for path, _ in files)
+        except OSError:
+            n = batch_bytes
+        if batch and (size + n > batch_bytes or len(batch) >= BATCH_RANKS):
+            tasks.append(batch)
+            batch, size = [], 0
+        batch.append(files)
+        size += n
+    return tasks + ([batch] if batch else [])
+
+
+_UNBATCHED = "unbatched"  # _rank_task's result for a batch to read one rank at a time
 
 
 def _run_tasks(tasks, plan, transform, workers):
@@ -296,12 +334,18 @@ def _run_tasks(tasks, plan, transform, workers):
                 future.cancel()
 
 
-def _rank_task(files, plan, transform):
-    """Read one rank's file(s) and transform the rows: (result or None, problems, keys, foreign)."""
+def _rank_task(task, plan, transform):
+    """Read the file(s) of each rank of ``task`` (a list of ranks' lists of (path, scanned)) and
+    transform their rows as one frame: (result or None, problems, keys, foreign)."""
     notes = Notes()
     parts = _Parts(plan, notes)
-    for path, scanned in files:
-        parts.load(path, scanned)
+    for files in task:
+        for path, scanned in files:
+            parts.load(path, scanned)
+    if len(task) > 1 and any(k["rank"] != file_rank(path) for path, keys in parts.keys for k in keys):
+        # a file with another rank's rows may repeat a file read in another task: the checks of
+        # ``Jobs`` (in read_ranks) must see it before its rows are transformed, as unbatched
+        return _UNBATCHED, {}, [], 0
     result = transform(parts.frame()) if parts.parts else None
     return result, notes.problems, parts.keys, len(parts.foreign)
 
