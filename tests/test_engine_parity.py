@@ -244,3 +244,28 @@ def test_the_engines_report_the_same_real_ddp_hang(tmp_path):
     _run_until_hang(tmp_path, "ddp", 2)
     pandas, _ = assert_same_report(str(tmp_path))
     assert pandas["findings"][0]["text"].startswith("hang: rank 0 waits in ddp_bucket_allreduce #")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.offline
+def test_the_engine_names_the_hang_straggler_and_mismatch_at_4096_ranks(tmp_path):
+    """4,096 ranks of 60 rows (TP-8, DP-512 and world groups, p2p): rank 5 a straggler (every call
+    3 ms late), rank 11's 7th call moving twice the bytes, rank 9 never issuing a world all_reduce
+    the others wait in: the DuckDB engine gives the same findings as at 1,024 ranks (findings, not
+    time: benchmarks/merge_scale.py measures the time)."""
+    write_binary_run(str(tmp_path), 4096, 60, straggler=5, straggler_delay_us=3000.0, mismatch=(11, 7), hang=9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with commpatch.open(str(tmp_path), engine="duckdb") as run:
+            report = run.to_dict()
+    assert not any(f["kind"] == "engine" for f in report["findings"])  # nothing left out
+    first = report["findings"][0]
+    assert first["kind"] == "hang" and first["text"].startswith("hang: ranks 0-8 10-4095 wait in all_reduce #")
+    assert "rank 9 never issued it" in first["text"] and report["headline"]["hang"]["verdict"] == "hang"
+    assert [r["missing"] for r in report["sections"]["hangs"]] == ["9"]
+    assert report["headline"]["straggler"]["rank"] == 5
+    assert any(
+        m["kind"] == "bytes" and "on rank(s) 11" in m["detail"] for m in report["sections"]["mismatches"]
+    ), report["sections"]["mismatches"]
+    assert report["sections"]["ranks"][0]["rank"] == 5

@@ -430,8 +430,13 @@ class Engine:
 
     def _decode(self, df, column, codes_of):
         """Replace the codes of ``df[column]`` by their names."""
+        import pandas as pd
+
         names = self.names.get(codes_of, {})
-        df[column] = [names.get(int(c), "") if c == c and c is not None else None for c in df[column]]
+        # per distinct code, not per row (2 M rows: 3.9 s in Python, 0.1 s so)
+        codes, uniques = pd.factorize(df[column], use_na_sentinel=True)
+        mapped = np.array([names.get(int(c), "") for c in uniques] + [None], dtype=object)
+        df[column] = mapped[codes]  # a missing value (code -1): None
         return df
 
     def _df(self, sql, *params):
@@ -565,7 +570,8 @@ class Engine:
                 FROM {self._transfer_source()} WHERE {where} ORDER BY rank, step, start_ns""")
             self._decode(r, "op", "op")
             self._decode(r, "group", "group")
-            r["collective"] = [describe_op(op)[0] for op in r["op"]]
+            codes, ops = pd.factorize(r["op"], use_na_sentinel=False)
+            r["collective"] = np.array([describe_op(op)[0] for op in ops], dtype=object)[codes]  # per distinct op
             r["async_op"] = False  # no bucket (the mask the rules apply: steps._bucket_mask)
             parts.append(r)
         if not parts:
