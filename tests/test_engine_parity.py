@@ -265,7 +265,7 @@ def test_the_engine_names_the_hang_straggler_and_mismatch_at_4096_ranks(tmp_path
     assert "rank 9 never issued it" in first["text"] and report["headline"]["hang"]["verdict"] == "hang"
     assert [r["missing"] for r in report["sections"]["hangs"]] == ["9"]
     assert report["headline"]["straggler"]["rank"] == 5
-    assert any(
-        m["kind"] == "bytes" and "on rank(s) 11" in m["detail"] for m in report["sections"]["mismatches"]
-    ), report["sections"]["mismatches"]
+    assert any(m["kind"] == "bytes" and "on rank(s) 11" in m["detail"] for m in report["sections"]["mismatches"]), (
+        report["sections"]["mismatches"]
+    )
     assert report["sections"]["ranks"][0]["rank"] == 5
