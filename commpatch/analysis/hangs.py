@@ -123,9 +123,10 @@ class Digest:
     members: dict
 
 
-def digest(df, flights: dict) -> Digest:
+def digest(df, flights: dict, cseq=None) -> Digest:
     """The ``Digest`` of ``df`` (any ranks) for the calls in flight of ``flights`` (``merge_flights``).
-    Vectorised on integer codes: the engine takes one per rank it stages."""
+    Vectorised on integer codes: the engine takes one per rank it stages. ``cseq``: the rows'
+    ``collective_seq``, when computed already."""
     import pandas as pd
 
     if not len(df) or not {"rank", "seq", "op", "group", "group_ranks", "peer", "start_ns"} <= set(df.columns):
@@ -169,7 +170,7 @@ def digest(df, flights: dict) -> Digest:
             "peer": peer[idx],
             "start_ns": start[idx],
             "dur": dur[idx],
-            "cseq": collective_seq(df)[idx],
+            "cseq": (collective_seq(df) if cseq is None else cseq)[idx],
             "async_op": is_async[idx],
         }
     )
