@@ -571,30 +571,38 @@ def step_marks(job):
     import pandas as pd
 
     cols = ["rank", "step", "wall_us", "cpu_us", "input_us", "input_cpu_us"]
-    frames = []
+    parts: list = []  # per rank: its columns (numpy per rank: a DataFrame per rank took 24 s at 16,384 ranks)
     for notes in job or ():
-        marks = pd.DataFrame(notes.get("step_marks") or [], columns=["step", "at", "ns", "cpu"])
+        marks = np.asarray(notes.get("step_marks") or [], dtype=np.float64).reshape(-1, 4)
         if not len(marks):
             continue
-        start = marks[marks["at"] == 0].drop_duplicates("step", keep="last").set_index("step").sort_index()
-        fwd = marks[marks["at"] == 1].drop_duplicates("step", keep="first").set_index("step")
-        nxt = start.reindex(start.index + 1)
-        out = pd.DataFrame(
+        step, at, ns, cpu = marks[:, 0].astype(np.int64), marks[:, 1], marks[:, 2], marks[:, 3]
+        begun = np.flatnonzero(at == 0)
+        # per step, its last start mark (steps in order) and its first forward mark
+        last = np.unique(step[begun][::-1], return_index=True)[1]
+        keep = begun[len(begun) - 1 - last]
+        starts, fwd = step[keep], np.flatnonzero(at == 1)
+        fwd_steps, fwd_first = np.unique(step[fwd], return_index=True)
+
+        def at_step(wanted, steps, values):
+            """values[i] where steps[i] == wanted (steps sorted, unique), else NaN."""
+            pos = np.minimum(np.searchsorted(steps, wanted), max(len(steps) - 1, 0))
+            found = (steps[pos] == wanted) if len(steps) else np.zeros(len(wanted), bool)
+            return np.where(found, values[pos] if len(steps) else np.nan, np.nan)
+
+        parts.append(
             {
-                "rank": int(notes.get("rank", -1)),
-                "step": start.index.to_numpy(),
-                "wall_us": (nxt["ns"].to_numpy(np.float64) - start["ns"].to_numpy(np.float64)) / 1e3,
-                "cpu_us": (nxt["cpu"].to_numpy(np.float64) - start["cpu"].to_numpy(np.float64)) / 1e3,
-                "input_us": (fwd["ns"].reindex(start.index).to_numpy(np.float64) - start["ns"].to_numpy(np.float64))
-                / 1e3,
-                "input_cpu_us": (
-                    fwd["cpu"].reindex(start.index).to_numpy(np.float64) - start["cpu"].to_numpy(np.float64)
-                )
-                / 1e3,
+                "rank": np.full(len(keep), int(notes.get("rank", -1)), np.int64),
+                "step": starts,
+                "wall_us": (at_step(starts + 1, starts, ns[keep]) - ns[keep]) / 1e3,
+                "cpu_us": (at_step(starts + 1, starts, cpu[keep]) - cpu[keep]) / 1e3,
+                "input_us": (at_step(starts, fwd_steps, ns[fwd][fwd_first]) - ns[keep]) / 1e3,
+                "input_cpu_us": (at_step(starts, fwd_steps, cpu[fwd][fwd_first]) - cpu[keep]) / 1e3,
             }
         )
-        frames.append(out)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+    if not parts:
+        return pd.DataFrame(columns=cols)
+    return pd.DataFrame({c: np.concatenate([p[c] for p in parts]) for c in cols})
 
 
 RANK_STEP_COLUMNS = ("steps", "step_us", "busy_us", "exposed_us", "outside_us", "cpu_us", "input_us", "input_cpu_us")
