@@ -331,3 +331,39 @@ def test_answers_rewritten_through_the_store_make_no_straggler(tmp_path, other_m
     else:
         assert row["status"] == "same_machine" and row["offset_us"] == 0 == row["max_offset_us"], row
         assert "run on rank 0's machine" in clocks and "not applied" in clocks, clocks
+
+
+def test_the_verdict_of_a_result_is_computed_once_per_steps_table():
+    """``stragglers.of``: findings, headline and advice ask for the same result's verdict: computed
+    once (2 s each at 16,384 ranks), a copy each time; a new steps table or new arrivals are judged
+    anew."""
+    import types
+
+    from commpatch.analysis import stragglers
+
+    steps = pd.DataFrame(
+        {"step": np.arange(30), "stage": ["setup"] + ["steady"] * 28 + ["end"], "step_us": 10_000.0, "ranks": 2}
+    )
+    late = np.r_[0.0, np.random.default_rng(3).normal(3000, 200, 29)]
+    arrivals = pd.DataFrame(
+        {
+            "step": np.repeat(np.arange(30), 2),
+            "rank": np.tile([0, 1], 30),
+            "held_us": np.column_stack([np.zeros(30), late]).ravel(),
+            "collectives": 2,
+        }
+    )
+    cross = types.SimpleNamespace(step_arrivals=arrivals)
+    calls = []
+    original = stragglers.verdict
+    try:
+        stragglers.verdict = lambda *a: calls.append(a) or original(*a)
+        first = stragglers.of(cross, steps)
+        first["rank"] = "changed by a caller"
+        again = stragglers.of(cross, steps)
+        assert len(calls) == 1 and again["rank"] == 1 and again["straggler"]
+        cross.step_arrivals = arrivals.assign(held_us=arrivals["held_us"][::-1].to_numpy())  # rank 0 late now
+        assert stragglers.of(cross, steps)["rank"] == 0 and len(calls) == 2
+        assert stragglers.of(cross, steps.copy())["rank"] == 0 and len(calls) == 3
+    finally:
+        stragglers.verdict = original

@@ -95,7 +95,14 @@ def of(cross, steps_table) -> dict | None:
     arrivals = getattr(cross, "step_arrivals", None) if cross is not None else None
     if arrivals is None:
         return None
-    return verdict(arrivals, steps_table, getattr(cross, "clock", None), getattr(cross, "p2p_steps", None))
+    # once per (result, steps table): findings, headline and advice each ask (2 s each at 16,384
+    # ranks); the entry holds the tables it was computed from, so an id is never reused for another
+    cache = cross.__dict__.setdefault("_straggler_verdicts", {}) if hasattr(cross, "__dict__") else {}
+    entry = cache.get(id(steps_table))
+    if entry is None or entry[0] is not steps_table or entry[1] is not arrivals:
+        clock, p2p = getattr(cross, "clock", None), getattr(cross, "p2p_steps", None)
+        entry = cache[id(steps_table)] = (steps_table, arrivals, verdict(arrivals, steps_table, clock, p2p))
+    return dict(entry[2])
 
 
 def verdict(arrivals, steps_table, clock=None, p2p_steps=None) -> dict:
