@@ -224,3 +224,39 @@ def test_ranks_read_in_batches_give_what_ranks_read_alone_give(tmp_path, workers
     assert [r for r, _ in seen[0][0]] == [[0], [1], [2], [3], [4], [5], [6, 7]]  # one rank per task
     assert [r for r, _ in seen[1][0]] == [[0], [1], [2], [3], [4], [5], [6, 7]]  # its batch: back to that
     assert [r for r, _ in seen[2][0]][:2] == [[0, 1, 2], [3, 4, 5]]  # other batches: one frame each
+
+
+@pytest.mark.parametrize("engine_name", ["pandas", "duckdb"])
+def test_each_host_converts_its_ranks_and_the_report_reads_their_directories(tmp_path, engine_name, capsys):
+    """The logs of a job on several hosts: each host converts its own ranks to a rank-partitioned
+    Parquet dataset where they are (``commpatch convert --to parquet``); the report reads the list of
+    the hosts' directories, or a glob over them, as the whole job (the same findings as the binary
+    logs in one directory); a host whose directory is missing is named by its ranks."""
+    import shutil
+
+    import commpatch
+
+    whole = tmp_path / "whole"
+    write_binary_run(str(whole), 8, 400, straggler=5, mismatch=(2, 7))
+    for host, ranks in (("node0", range(4)), ("node1", range(4, 8))):
+        (tmp_path / host).mkdir()
+        for r in ranks:
+            shutil.copy(whole / f"rank{r}.cplog", tmp_path / host)
+        assert main(["convert", str(tmp_path / host), "--to", "parquet", "--no-progress"]) == 0
+        assert sorted(os.listdir(tmp_path / host / "parquet")) == [f"rank={r}" for r in ranks]
+    capsys.readouterr()
+
+    def findings(*paths):
+        with commpatch.open(list(map(str, paths)), engine=engine_name) as run:
+            report = run.to_dict()
+        return [f["kind"] for f in report["findings"]], report
+
+    want, report = findings(whole)
+    assert report["headline"]["straggler"]["rank"] == 5
+    for paths in ([tmp_path / "node0" / "parquet", tmp_path / "node1" / "parquet"], [tmp_path / "node*" / "parquet"]):
+        got, other = findings(*paths)
+        assert got == want and other["headline"]["straggler"] == report["headline"]["straggler"]
+        assert other["sections"]["mismatches"] == report["sections"]["mismatches"]
+    got, other = findings(tmp_path / "node0" / "parquet")  # node1's directory not given
+    missing = [f for f in other["findings"] if f["kind"] == "missing_logs"]
+    assert missing and missing[0]["text"].startswith("no log for rank(s) 4-7 of this job")

@@ -62,15 +62,31 @@ def expand(paths) -> list[str]:
         paths = [paths]
     files: list[str] = []
     paths = [str(p) for p in paths]
+    paths = [f for p in paths for f in ((sorted(glob.glob(p)) or [p]) if any(ch in p for ch in "*?[") else [p])]
     chosen = one_run([p for p in paths if os.path.isdir(p) and not log_files(p)])
     for p in paths:
         if os.path.isdir(p):
             files += log_files(p) or log_files(chosen.get(p) or p)
-        elif any(ch in p for ch in "*?["):
-            files += sorted(glob.glob(p))
         else:
             files.append(p)
     return files
+
+
+def _globs(paths) -> tuple[list[str], set]:
+    """``paths`` with each glob pattern (that names no file itself) replaced by what it matches,
+    files and directories (a directory per host: ``logs/node*``, ``/shared/*/parquet``), and the
+    set of those found by a pattern (read as a directory's files are: a foreign file is skipped)."""
+    out, globbed = [], set()
+    for p in paths:
+        if not os.path.exists(p) and any(ch in p for ch in "*?["):
+            found = [f for f in sorted(glob.glob(p)) if os.path.isfile(f) or os.path.isdir(f)]
+            if not found:
+                raise LogFileNotFoundError(p, "matches no file or directory")
+            out += found
+            globbed.update(found)
+        else:
+            out.append(p)
+    return out, globbed
 
 
 def describe_paths(paths) -> str:
@@ -87,10 +103,12 @@ def resolve(paths, notes) -> list[tuple[str, bool]]:
         paths = [paths]
     out: list[tuple[str, bool]] = []
     seen: dict[str, str] = {}
-    paths = [str(os.fspath(p)) for p in paths]
+    paths, globbed = _globs([str(os.fspath(p)) for p in paths])
     chosen = one_run([p for p in paths if os.path.isdir(p) and not log_files(p)], notes)
     for p in paths:
-        if os.path.isdir(p):
+        if p in globbed and os.path.isfile(p):
+            found, scanned = [p], True
+        elif os.path.isdir(p):
             found = log_files(p)
             if not found:
                 run = chosen.get(p)
@@ -102,11 +120,6 @@ def resolve(paths, notes) -> list[tuple[str, bool]]:
             scanned = True
         elif os.path.exists(p):
             found, scanned = [p], False
-        elif any(ch in p for ch in "*?["):
-            found = [f for f in sorted(glob.glob(p)) if os.path.isfile(f)]
-            if not found:
-                raise LogFileNotFoundError(p, "matches no file")
-            scanned = True
         else:
             raise LogFileNotFoundError(p, "no such file or directory")
         for f in found:
