@@ -260,3 +260,26 @@ def test_each_host_converts_its_ranks_and_the_report_reads_their_directories(tmp
     got, other = findings(tmp_path / "node0" / "parquet")  # node1's directory not given
     missing = [f for f in other["findings"] if f["kind"] == "missing_logs"]
     assert missing and missing[0]["text"].startswith("no log for rank(s) 4-7 of this job")
+
+
+def test_quantiles_from_a_sort_equal_the_quantile_states(tmp_path):
+    """When the summary's quantile states do not fit the engine's memory (164 M durations in a few
+    groups at 16,384 ranks x 10,000 rows: out of memory within 2 GB), the engine takes p50 / p95
+    from a sort of the durations, which spills: the same figures as ``quantile_cont``, group by group."""
+    import functools
+
+    write_binary_run(str(tmp_path / "logs"), 16, 4000, straggler=3)
+    with engine.Engine() as eng:
+        stage = functools.partial(engine.stage, directory=eng.directory)
+        for staged in cpio.read_ranks([str(tmp_path / "logs")], stage, columns=report.REPORT_COLUMNS):
+            eng.add(staged)
+        want = eng.summary(["op", "size_bucket"])
+        raw = eng._df(
+            "SELECT op AS _k0, CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END AS _k1,"
+            " quantile_cont(dur, [0.5, 0.95]) AS _q FROM rows GROUP BY ALL ORDER BY ALL"
+        )
+        cols = '"op" AS _k0, CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END AS _k1'
+        got = eng._sorted_quantiles(raw, ["_k0", "_k1"], cols, "rows", "true")
+    assert len(want) == len(raw) > 3
+    for q, expected in zip(got, raw["_q"]):
+        np.testing.assert_allclose(q, list(expected), rtol=1e-12)
