@@ -251,7 +251,7 @@ def read_ranks(
     that rank's file(s)): memory for ``workers`` ranks at a time, whatever the number of ranks.
     With ``workers`` > 1 the files are read and transformed in that many processes (``transform``
     must then be picklable: a module-level function or a ``functools.partial`` of one). The same
-    checks and warnings as ``read``; ``progress(done, total)`` after each rank (of ``total``).
+    checks and warnings as ``read``; ``progress(done, total)`` after each rank, or each batch (``done``: ranks read).
     ``batch_bytes``: ranks whose files together hold up to that many bytes (at most
     ``BATCH_RANKS``) are read and transformed as one frame (``transform`` must then take any
     ranks): a rank's fixed cost in pandas (~0.1 s) is paid once per batch."""
