@@ -583,26 +583,27 @@ def step_marks(job):
         keep = begun[len(begun) - 1 - last]
         starts, fwd = step[keep], np.flatnonzero(at == 1)
         fwd_steps, fwd_first = np.unique(step[fwd], return_index=True)
-
-        def at_step(wanted, steps, values):
-            """values[i] where steps[i] == wanted (steps sorted, unique), else NaN."""
-            pos = np.minimum(np.searchsorted(steps, wanted), max(len(steps) - 1, 0))
-            found = (steps[pos] == wanted) if len(steps) else np.zeros(len(wanted), bool)
-            return np.where(found, values[pos] if len(steps) else np.nan, np.nan)
-
         parts.append(
             {
                 "rank": np.full(len(keep), int(notes.get("rank", -1)), np.int64),
                 "step": starts,
-                "wall_us": (at_step(starts + 1, starts, ns[keep]) - ns[keep]) / 1e3,
-                "cpu_us": (at_step(starts + 1, starts, cpu[keep]) - cpu[keep]) / 1e3,
-                "input_us": (at_step(starts, fwd_steps, ns[fwd][fwd_first]) - ns[keep]) / 1e3,
-                "input_cpu_us": (at_step(starts, fwd_steps, cpu[fwd][fwd_first]) - cpu[keep]) / 1e3,
+                "wall_us": (_at_step(starts + 1, starts, ns[keep]) - ns[keep]) / 1e3,
+                "cpu_us": (_at_step(starts + 1, starts, cpu[keep]) - cpu[keep]) / 1e3,
+                "input_us": (_at_step(starts, fwd_steps, ns[fwd][fwd_first]) - ns[keep]) / 1e3,
+                "input_cpu_us": (_at_step(starts, fwd_steps, cpu[fwd][fwd_first]) - cpu[keep]) / 1e3,
             }
         )
     if not parts:
         return pd.DataFrame(columns=cols)
     return pd.DataFrame({c: np.concatenate([p[c] for p in parts]) for c in cols})
+
+
+def _at_step(wanted, steps, values):
+    """``values[i]`` where ``steps[i]`` is each of ``wanted`` (``steps`` sorted and unique), else NaN."""
+    if not len(steps):
+        return np.full(len(wanted), np.nan)
+    pos = np.minimum(np.searchsorted(steps, wanted), len(steps) - 1)
+    return np.where(steps[pos] == wanted, values[pos], np.nan)
 
 
 RANK_STEP_COLUMNS = ("steps", "step_us", "busy_us", "exposed_us", "outside_us", "cpu_us", "input_us", "input_cpu_us")

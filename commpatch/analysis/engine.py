@@ -95,6 +95,15 @@ class EngineError(RuntimeError):
     """DuckDB could not compute the report (out of memory or disk space for its temporary files)."""
 
 
+def _per_distinct(values, function):
+    """``function`` of each value (None for a missing one), called once per distinct value (2 M rows
+    decoded one by one in Python: 3.9 s; so: 0.1 s)."""
+    import pandas as pd
+
+    codes, uniques = pd.factorize(values, use_na_sentinel=True)
+    return np.array([function(u) for u in uniques] + [None], dtype=object)[codes]
+
+
 def _engine_errors(function, *args):
     import duckdb
 
@@ -430,13 +439,8 @@ class Engine:
 
     def _decode(self, df, column, codes_of):
         """Replace the codes of ``df[column]`` by their names."""
-        import pandas as pd
-
         names = self.names.get(codes_of, {})
-        # per distinct code, not per row (2 M rows: 3.9 s in Python, 0.1 s so)
-        codes, uniques = pd.factorize(df[column], use_na_sentinel=True)
-        mapped = np.array([names.get(int(c), "") for c in uniques] + [None], dtype=object)
-        df[column] = mapped[codes]  # a missing value (code -1): None
+        df[column] = _per_distinct(df[column], lambda c: names.get(int(c), ""))  # a missing value: None
         return df
 
     def _df(self, sql, *params):
@@ -485,7 +489,7 @@ class Engine:
             out.step_arrivals = self._step_arrivals()
             out.p2p_steps = self._p2p_steps()
             skew = self._top_skew(top)
-            out.p2p = self._p2p(set(ranks))
+            out.p2p = self._p2p()
             # one scan for the rows of every collective shown: the top skews, those whose fields
             # disagree (when few) and the first missing one of each group
             wanted = pd.concat(
@@ -570,8 +574,7 @@ class Engine:
                 FROM {self._transfer_source()} WHERE {where} ORDER BY rank, step, start_ns""")
             self._decode(r, "op", "op")
             self._decode(r, "group", "group")
-            codes, ops = pd.factorize(r["op"], use_na_sentinel=False)
-            r["collective"] = np.array([describe_op(op)[0] for op in ops], dtype=object)[codes]  # per distinct op
+            r["collective"] = _per_distinct(r["op"], lambda op: describe_op(op)[0])
             r["async_op"] = False  # no bucket (the mask the rules apply: steps._bucket_mask)
             parts.append(r)
         if not parts:
@@ -669,12 +672,12 @@ class Engine:
         query = f"""
             SELECT {cols}, {sums("true")}, {stats}{f", {bandwidth}" if also else ""}
             FROM {source} WHERE {where} GROUP BY ALL"""
+        import duckdb
+
         try:
             raw = self._df(query)
-        except Exception as exc:  # a quantile state holds every duration of its group, in memory
-            import duckdb
-
-            if sums_only or not isinstance(exc, duckdb.OutOfMemoryException):
+        except duckdb.OutOfMemoryException:  # a quantile state holds every duration of its group, in memory
+            if sums_only:
                 raise
             raw = self._df(query.replace("quantile_cont(dur, [0.5, 0.95]) AS _q", "NULL AS _q"))
             raw["_q"] = self._sorted_quantiles(raw, keys, cols, source, where)
@@ -996,26 +999,19 @@ class Engine:
             FULL OUTER JOIN (SELECT "group" AS g, * FROM p2p WHERE side = 1) r
               ON s.g = r.g AND s.channel = r.channel AND s.src = r.src AND s.dst = r.dst AND s.k = r.k"""
 
-    def _p2p(self, present):
+    def _p2p(self):
         """Point-to-point pairs in one pass: the channels table, and per channel its first unmatched
         call (both ends have a log) and its first size mismatch, from which ``_mismatches`` takes
         the first per group."""
         if "p2p" not in self.tables:
             self.p2p_firsts = []
             return None
-        import pandas as pd
-
-        self.con.register("_p", pd.DataFrame({"rank": np.array(sorted(present), np.int64)}))
-        try:
-            self.con.execute("CREATE OR REPLACE TABLE _present AS SELECT * FROM _p")
-        finally:
-            self.con.unregister("_p")
         first = """{'channel': p.channel, 'src': p.src, 'dst': p.dst, 'k': p.k, 'send_op': p.send_op,
                     'recv_op': p.recv_op, 'send_bytes': p.send_bytes, 'recv_bytes': p.recv_bytes}"""
         order = "(p.channel, p.src, p.dst, p.k)"
         # and the missing side's log goes on to the other side's issue (matching.mismatches)
-        # (both ends have a log: joined with the ranks present; a list of literals in the FILTER was
-        # tested per row against every rank: 62 s at 16,384 ranks, 0.6 s joined)
+        # (both ends have a log: joined with ``_last``, a row per rank with rows; a list of literals
+        # in the FILTER was tested per row against every rank: 62 s at 16,384 ranks, 0.6 s joined)
         unmatched = "NOT matched AND ps.rank IS NOT NULL AND pd.rank IS NOT NULL AND l.t >= p.t"
         bytes_bad = "matched AND send_bytes <> recv_bytes"
         out = self._df(f"""
@@ -1028,7 +1024,7 @@ class Engine:
                    arg_min({first}, {order}) FILTER (WHERE {bytes_bad}) AS _bytes
             FROM ({self._pairs_sql()}) p JOIN groups g ON p.g = g.g
             LEFT JOIN _last l ON l.rank = CASE WHEN p.send_op IS NULL THEN p.src ELSE p.dst END
-            LEFT JOIN _present ps ON ps.rank = p.src LEFT JOIN _present pd ON pd.rank = p.dst
+            LEFT JOIN _last ps ON ps.rank = p.src LEFT JOIN _last pd ON pd.rank = p.dst
             GROUP BY g.name, p.channel, p.src, p.dst ORDER BY g.name, channel, p.src, p.dst""")
         ops = self.names.get("op", {})
         self.p2p_firsts = []

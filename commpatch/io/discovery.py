@@ -61,8 +61,8 @@ def expand(paths) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
-    paths = [str(p) for p in paths]
-    paths = [f for p in paths for f in ((sorted(glob.glob(p)) or [p]) if any(ch in p for ch in "*?[") else [p])]
+    matched = [(str(p), _matches(str(p))) for p in paths]
+    paths = [f for p, found in matched for f in (found if found is not None else [p])]
     chosen = one_run([p for p in paths if os.path.isdir(p) and not log_files(p)])
     for p in paths:
         if os.path.isdir(p):
@@ -78,15 +78,23 @@ def _globs(paths) -> tuple[list[str], set]:
     set of those found by a pattern (read as a directory's files are: a foreign file is skipped)."""
     out, globbed = [], set()
     for p in paths:
-        if not os.path.exists(p) and any(ch in p for ch in "*?["):
-            found = [f for f in sorted(glob.glob(p)) if os.path.isfile(f) or os.path.isdir(f)]
-            if not found:
-                raise LogFileNotFoundError(p, "matches no file or directory")
-            out += found
-            globbed.update(found)
-        else:
+        found = _matches(p)
+        if found is None:
             out.append(p)
+            continue
+        if not found:
+            raise LogFileNotFoundError(p, "matches no file or directory")
+        out += found
+        globbed.update(found)
     return out, globbed
+
+
+def _matches(path) -> list[str] | None:
+    """The files and directories a glob pattern matches, sorted; None when ``path`` is no pattern (or
+    names an existing file itself)."""
+    if os.path.exists(path) or not any(ch in path for ch in "*?["):
+        return None
+    return [f for f in sorted(glob.glob(path)) if os.path.isfile(f) or os.path.isdir(f)]
 
 
 def describe_paths(paths) -> str:

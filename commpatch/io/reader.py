@@ -267,7 +267,7 @@ def read_ranks(
         jobs, foreign, done = Jobs(), 0, 0
         for task, (result, problems, keys, n_foreign) in zip(tasks, _run_tasks(tasks, plan, transform, workers)):
             if result is _UNBATCHED:  # a file of the batch holds rows of a rank it is not named after
-                outcomes = [_rank_task([files], plan, transform) for files in task]
+                outcomes = [_rank_task([entry], plan, transform) for entry in task]
             else:
                 outcomes = [(result, problems, keys, n_foreign)]
             for result, problems, keys, n_foreign in outcomes:
@@ -291,12 +291,12 @@ BATCH_RANKS = 256  # ranks in a batch of read_ranks at most
 
 
 def _batches(groups, batch_bytes):
-    """The tasks of ``read_ranks``: each a list of ranks' file lists (``groups``: (key, files) by rank
-    or by file), ranks together up to ``batch_bytes`` of files; files that name no rank alone."""
+    """The tasks of ``read_ranks``: each a list of (key, files) of ``groups`` (key: ("rank", r) or
+    ("file", path)), ranks together up to ``batch_bytes`` of files; files that name no rank alone."""
     tasks, batch, size = [], [], 0
     for key, files in groups:
         if batch_bytes <= 0 or key[0] != "rank":
-            tasks.append([files])
+            tasks.append([(key, files)])
             continue
         try:
             n = sum(os.path.getsize(path) for path, _ in files)
@@ -305,7 +305,7 @@ def _batches(groups, batch_bytes):
         if batch and (size + n > batch_bytes or len(batch) >= BATCH_RANKS):
             tasks.append(batch)
             batch, size = [], 0
-        batch.append(files)
+        batch.append((key, files))
         size += n
     return tasks + ([batch] if batch else [])
 
@@ -335,14 +335,16 @@ def _run_tasks(tasks, plan, transform, workers):
 
 
 def _rank_task(task, plan, transform):
-    """Read the file(s) of each rank of ``task`` (a list of ranks' lists of (path, scanned)) and
+    """Read the file(s) of each entry of ``task`` (``_batches``: (key, list of (path, scanned))) and
     transform their rows as one frame: (result or None, problems, keys, foreign)."""
     notes = Notes()
     parts = _Parts(plan, notes)
-    for files in task:
+    named = {}  # path -> the rank its first bytes name
+    for key, files in task:
         for path, scanned in files:
+            named[path] = key[1]
             parts.load(path, scanned)
-    if len(task) > 1 and any(k["rank"] != file_rank(path) for path, keys in parts.keys for k in keys):
+    if len(task) > 1 and any(k["rank"] != named[path] for path, keys in parts.keys for k in keys):
         # a file with another rank's rows may repeat a file read in another task: the checks of
         # ``Jobs`` (in read_ranks) must see it before its rows are transformed, as unbatched
         return _UNBATCHED, {}, [], 0
