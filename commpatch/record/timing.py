@@ -9,7 +9,9 @@
   through torch's device-generic API (``torch.accelerator.current_stream``, ``torch.Event``):
   pooled events (one pool per device) recorded on the current stream before the call and after
   it (sync) or inside ``get_future().then()`` (async: the callback runs on a stream that waits
-  for the collective). Never a device synchronize on the hot path: events are queried lazily,
+  for the collective). Never a device synchronize on the hot path: events are queried lazily
+  (every 64 new measurements, by the thread that records them: ``benchmarks/gpu/percall.py``
+  measured a resolver thread of its own on an H100 host, starved of the GIL, costing more),
   synchronized only when the log is read or written, and not touched at all while the
   stream is capturing (CUDA graphs: those rows say ``timing=none``). A device whose backend
   has no events makes the row ``timing=none`` (counted in ``internal_errors()``, warned once).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 
 from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE, T_WAIT
 from . import state as _runtime
@@ -40,11 +43,10 @@ class Timing:
         self.apis: dict = {}  # (device type, index) -> _DeviceApi
         self.pools: dict = {}  # (device type, index) -> free events
         self.created = 0  # events ever created (pools keep it flat)
-        # measurements in flight before a new event is created rather than resolving first; doubled
-        # past what a resolve left in flight (a device far behind the host), so the resolves cost
-        # O(1) per call, not O(in flight)
-        self.resolve_at = _EARLY
-        self.dev_pending: list = []  # (seq, device key, gid, start_event, end_event)
+        self.dev_pending: list = []  # (seq, device key, gid, start_event, end_event), new since the last resolve
+        self.chains: dict = {}  # (device key, gid) -> deque of dev_pending's items, in seq order, unresolved
+        self.in_chains = 0  # items in self.chains
+        self.examined = 0  # items taken in or queried by resolves (the tests' probe of their cost)
         self.nccl_pending: list = []  # (seq, work, device key, start_event)
         self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
@@ -53,7 +55,7 @@ class Timing:
 
     def after_fork(self) -> None:
         self.lock = threading.Lock()
-        self.apis, self.pools, self.last_end = {}, {}, {}
+        self.apis, self.pools, self.last_end, self.chains, self.in_chains = {}, {}, {}, {}, 0
         self.dev_pending[:], self.nccl_pending[:] = [], []
         self.at_wait = {}
 
@@ -206,15 +208,11 @@ class Timing:
         return 0 <= gid < len(groups) and len(groups[gid].backends) > 1 and groups[gid].backends[1] == "nccl"
 
     def _event(self, key, api):
+        if len(self.dev_pending) >= _EARLY and not self.lock.locked():
+            self.resolve()  # completed measurements give their events back (O(new + resolved))
         pool = self.pools.get(key)
         if pool:
             return pool.pop()
-        if len(self.dev_pending) >= self.resolve_at and not self.lock.locked():
-            self.resolve()  # completed measurements give their events back
-            self.resolve_at = max(_EARLY, 2 * len(self.dev_pending))
-            pool = self.pools.get(key)
-            if pool:
-                return pool.pop()
         self.created += 1
         return api.event()
 
@@ -229,7 +227,7 @@ class Timing:
     def resolve(self, block: bool = False) -> None:
         """Fold finished measurements into the log; ``block`` waits for device ones (read/exit).
         Nothing is queried or synchronized on a device whose current stream is capturing."""
-        if not (self.dev_pending or self.nccl_pending):
+        if not (self.dev_pending or self.in_chains or self.nccl_pending):
             return
         with self.lock:
             try:
@@ -242,35 +240,60 @@ class Timing:
     def _resolve_device(self, block: bool, capturing) -> None:
         """Durations, and own times: a call's completion minus the later of its start and the
         completion of the previous call on its group, both on the device (the previous end event is
-        kept until the next call of the group is resolved). Calls of a group resolve in seq order."""
-        done, own, last = self.log.done, self.log.own, self.last_end
-        pending = sorted(_take(self.dev_pending), key=lambda p: p[0])
-        keep, stalled = [], set()
-        for item in pending:
-            seq, key, gid, ev0, ev1 = item
-            if key in capturing or (key, gid) in stalled:
-                keep.append(item)
+        kept until the next call of the group is resolved). New measurements join their group's
+        chain in seq order; a chain resolves from its head and stops at the first one not yet
+        complete, so a resolve costs what is new and what it resolves, never what stays in flight
+        (a device far behind the host: walking every measurement in flight at each resolve was
+        quadratic in the calls queued)."""
+        chains = self.chains
+        new = _take(self.dev_pending)
+        if new:
+            new.sort(key=_first)
+            for item in new:
+                chain = chains.get((item[1], item[2]))
+                if chain is None:
+                    chains[(item[1], item[2])] = deque((item,))
+                elif chain and chain[-1][0] > item[0]:  # a late completion callback: in seq order
+                    ordered = sorted([*chain, item], key=_first)
+                    chain.clear()
+                    chain.extend(ordered)
+                else:
+                    chain.append(item)
+            self.in_chains += len(new)
+        examined, resolved = len(new), 0
+        done, own, last, pending, pools = self.log.done, self.log.own, self.last_end, self.log.pending, self.pools
+        for (key, gid), chain in chains.items():
+            if key in capturing:
                 continue
-            if block:
-                ev1.synchronize()
-            if not ev1.query():
-                keep.append(item)
-                stalled.add((key, gid))
-                continue
-            duration = ev0.elapsed_time(ev1)  # ms
-            prev = last.get((key, gid))
-            mine = duration
-            if prev is not None:
-                gap = prev.elapsed_time(ev1)  # this call's completion after the previous one's
-                if 0 < gap < duration:
-                    mine = gap
-                self._free(key, prev)
-            last[(key, gid)] = ev1
-            self._free(key, ev0)
-            done[seq] = int(duration * 1e6)
-            own[seq] = int(mine * 1e6)
-            self.log.pending.pop(seq, None)
-        self.dev_pending.extend(keep)
+            pool = pools.setdefault(key, [])
+            while chain:
+                examined += 1
+                seq, _, _, ev0, ev1 = chain[0]
+                if block:
+                    ev1.synchronize()
+                if not ev1.query():
+                    break
+                chain.popleft()
+                duration = ev0.elapsed_time(ev1)  # ms
+                prev = last.get((key, gid))
+                mine = duration
+                if prev is not None:
+                    gap = prev.elapsed_time(ev1)  # this call's completion after the previous one's
+                    if 0 < gap < duration:
+                        mine = gap
+                    pool.append(prev)
+                last[(key, gid)] = ev1
+                pool.append(ev0)
+                done[seq] = int(duration * 1e6)
+                own[seq] = int(mine * 1e6)
+                pending.pop(seq, None)
+                resolved += 1
+        self.in_chains -= resolved
+        self.examined += examined
+
+    def in_flight(self) -> int:
+        """Device measurements not yet resolved."""
+        return len(self.dev_pending) + self.in_chains
 
     def _resolve_nccl(self, block: bool, capturing) -> None:
         keep, done = [], self.log.done
@@ -294,6 +317,10 @@ class Timing:
         self.nccl_pending.extend(keep)
 
 
+def _first(item):
+    return item[0]
+
+
 def _take(items: list) -> list:
     """Remove and return what ``items`` holds now; completion callbacks may append meanwhile
     (their items stay)."""
@@ -303,7 +330,7 @@ def _take(items: list) -> list:
     return out
 
 
-_EARLY = 64  # measurements in flight before a new event is created rather than resolving first
+_EARLY = 64  # new device measurements that make the next event's fetch resolve first
 
 
 class _DeviceApi:

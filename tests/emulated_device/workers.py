@@ -354,7 +354,7 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
         commpatch.reset()
         emu.sleep(x, 50)
         dist.all_reduce(x)  # pending across the capture
-        created, pending = timing.created, len(timing.dev_pending)
+        created, pending = timing.created, timing.in_flight()
         emu.reset_host_waits()
         with emu.capturing():
             dist.all_reduce(x)
@@ -362,7 +362,7 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
             timing.resolve(block=True)  # must not touch the pending measurement
             out["capture"] = {
                 "created": timing.created - created,
-                "pending": len(timing.dev_pending) - pending,
+                "pending": timing.in_flight() - pending,
                 "waits": emu.host_waits(),
             }
         out["capture_rows"] = _rows(commpatch.log())
@@ -378,6 +378,10 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
                 created.append(timing.created)
         out["pool"] = created
         out["pool_rows"] = len(commpatch.log())
+        out["events_created"] = timing.created
+        out["events_accounted"] = (
+            sum(len(p) for p in timing.pools.values()) + 2 * timing.in_flight() + len(timing.last_end)
+        )
     finally:
         commpatch.disable()
     torch.accelerator.synchronize()
@@ -494,15 +498,6 @@ def commpatch_behind(rank, world_size, calls=2000, sleep_ms=3000):
 
     commpatch.enable(output="none")
     timing = default().timing
-    walked = [0, 0]  # items walked, resolves
-    orig = timing._resolve_device
-
-    def counting(block, capturing):
-        walked[0] += len(timing.dev_pending)
-        walked[1] += 1
-        return orig(block, capturing)
-
-    timing._resolve_device = counting
     try:
         t = torch.ones(64, device="emu")
         emu.sleep(t, sleep_ms)
@@ -510,15 +505,15 @@ def commpatch_behind(rank, world_size, calls=2000, sleep_ms=3000):
         for _ in range(calls):
             dist.all_reduce(t)
         issue_s = time.perf_counter() - t0
-        in_flight = len(timing.dev_pending)
+        in_flight = timing.in_flight()
+        examined_while_behind = timing.examined
         df = commpatch.log()  # waits for the device
     finally:
-        timing._resolve_device = orig
         commpatch.disable()
     rows = df[df["op"] == "all_reduce"]
     return {
-        "walked": walked[0],
-        "resolves": walked[1],
+        "examined_while_behind": examined_while_behind,  # measurements taken in or queried by resolves
+        "examined": timing.examined,
         "issue_s": issue_s,
         "in_flight_after_issue": in_flight,
         "rows": len(rows),
