@@ -191,3 +191,30 @@ def works_longer(rank, cpu, late_us) -> bool:
 
     med = [statistics.median(c[2:]) / 1e3 for c in cpu]
     return all(med[rank] - m >= 0.5 * late_us for r, m in enumerate(med) if r != rank)
+
+
+def reduce_to_root(rank: int, n: int, steps: int = 40, late_ms: float = 0.0, late_rank: int = 1):
+    """A step that reduces 16 MB of statistics to rank 0 after a small all-reduce, ``steps`` times:
+    the root receives and adds while the others only send, so it leaves the reduce last, by about
+    what it spent adding, every step. ``late_ms``: ``late_rank`` sleeps that long before each step.
+    Returns the rank's log."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+
+    torch.set_num_threads(1)
+    commpatch.enable(output="none")
+    try:
+        stats, x = torch.ones(4 << 20), torch.ones(1024)
+        for _ in range(steps):
+            if late_ms and rank == late_rank:
+                time.sleep(late_ms / 1e3)
+            dist.all_reduce(x)
+            dist.reduce(stats, dst=0)
+            commpatch.step()
+        return commpatch.log()
+    finally:
+        commpatch.disable()

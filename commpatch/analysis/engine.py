@@ -45,6 +45,7 @@ from .matching import (
     log_end_rows,
     mismatch_table,
     reach_steps,
+    releases,
 )
 from .pattern import ATTR as PATTERN_ATTR
 from .pattern import warn_refused, with_pattern_steps
@@ -137,6 +138,7 @@ class Staged:
     flights: list = field(default_factory=list)  # its data.logfile.in_flight dicts (watchdog dumps too)
     hang_digest: Any = None  # hangs.Digest of its rows (None: read with a window of steps)
     job: list = field(default_factory=list)  # its job notes (data.logfile.JOB_ATTR: step marks, settings)
+    released: int = 0  # rows whose rank's last blocking collective is known (matching.releases)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -192,6 +194,12 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()  # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
+    # when the rank was released from its previous collective, where that call held the host (the
+    # straggler's evidence leaves out a later release: matching.releases); null where unknown
+    rel, pkey, known = releases(df, rows["cseq"], rows["group"])
+    rows["rel"] = pa.array(rel, mask=~known)
+    rows["pkey"] = pa.array(pkey, mask=~known)
+    released = int(known.sum())
     bucketed = _bucket_mask(df)
     rows["bucketed"] = bucketed  # DDP's gradient buckets: the advice reads them apart (advice.bucket_steps)
     for i, key in enumerate(by):
@@ -207,7 +215,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     # dictionary pages only where values repeat (measured: 38 -> 14 ms for 100k rows)
     low = [c for c in rows if c in ("rank", "group", "op", "dtype", "bytes") or c.startswith("k")]
     pq.write_table(
-        pa.table({k: pa.array(v, from_pandas=True) for k, v in rows.items()}),
+        pa.table({k: v if isinstance(v, pa.Array) else pa.array(v, from_pandas=True) for k, v in rows.items()}),
         os.path.join(directory, "rows", name),
         row_group_size=1 << 20,
         use_dictionary=low,
@@ -268,6 +276,7 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         flights=flights,
         # what the hang attribution reads of its rows (a few; analysis.hangs), as the pandas path reads them
         hang_digest=None if STEPLESS_ATTR in df.attrs else _hangs.digest(df, merge_flights(flights), rows["cseq"]),
+        released=released,
     )
 
 
@@ -381,6 +390,7 @@ class Engine:
         self.clock: dict = {}  # rank -> data.clock summary (its offset to rank 0's clock)
         self.job: list = []  # the ranks' job notes (step marks, settings)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
+        self.released = 0  # rows with a known release by a blocking collective: _step_arrivals corrects
         self.tables: set = set()
         self.flights: list = []  # every rank's data.logfile.in_flight dicts
         self.digests: list = []  # every rank's hangs.Digest (None for a rank read with a window of steps)
@@ -418,6 +428,7 @@ class Engine:
         self.job += staged.job
         self.flights += staged.flights
         self.digests.append(staged.hang_digest)
+        self.released += staged.released
 
     def _connect(self) -> None:
         import duckdb
@@ -941,21 +952,50 @@ class Engine:
         # the second-latest issue time of each collective (l2): the latest of the ranks but the last
         # one (a top-2 aggregate in the ``coll`` scan kept a list per collective: out of memory at
         # 1,024 ranks x 25,000 rows within the engine's 2 GB); the last one held the others up by
-        # ls - l2 in its step (``sstep``). One scan of the rows for l2 and the count of collectives
-        # per (step, rank) (grouping sets: 3.9 s against 6.6 s for two joins at 25.6 M rows).
-        return self._df("""
+        # ls - l2 in its step (``sstep``). Without any known release (NCCL, async calls): one scan of
+        # the rows for l2 and the count of collectives per (step, rank) (grouping sets: 3.9 s against
+        # 6.6 s for two joins at 25.6 M rows). With them, less how much later the last rank was
+        # released by its last blocking collective than the second-latest (its row: the highest rank
+        # of those issued at l2, as matching orders them) was by the same one (matching.late_released;
+        # ``rel`` / ``pkey``, staged; null where unknown).
+        if not self.released:
+            return self._df("""
+                WITH a AS (
+                    SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g, c.cseq) AS gs,
+                           max(r.start_ns) FILTER (WHERE r.rank <> c.straggler) AS l2,
+                           count(*) FILTER (WHERE c.n > 1) AS k
+                    FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                    GROUP BY GROUPING SETS ((c.g, c.cseq), (r.step, r.rank))),
+                held AS (
+                    SELECT c.sstep AS step, c.straggler AS rank, max(greatest(c.ls - a.l2, 0)) / 1e3 AS held_us
+                    FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq WHERE a.gs = 0 AND c.n > 1 GROUP BY ALL)
+                SELECT a.step, a.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, a.k::BIGINT AS collectives
+                FROM a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
+                WHERE a.gs = 3 AND a.k > 0 ORDER BY a.step, rank""")
+        other, mine = "FILTER (WHERE r.rank <> c.straggler)", "FILTER (WHERE r.rank = c.straggler)"
+        order = self._ORDER.replace("start_ns", "r.start_ns").replace("+ rank", "+ r.rank")
+        # one statement each (the held times, then the counts beside them): together they ran out of
+        # the memory limit where each alone does not (64 ranks x 20,000 rows within 64 MB)
+        self.con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE _held AS
             WITH a AS (
-                SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g, c.cseq) AS gs,
-                       max(r.start_ns) FILTER (WHERE r.rank <> c.straggler) AS l2,
-                       count(*) FILTER (WHERE c.n > 1) AS k
-                FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
-                GROUP BY GROUPING SETS ((c.g, c.cseq), (r.step, r.rank))),
-            held AS (
-                SELECT c.sstep AS step, c.straggler AS rank, max(greatest(c.ls - a.l2, 0)) / 1e3 AS held_us
-                FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq WHERE a.gs = 0 AND c.n > 1 GROUP BY ALL)
-            SELECT a.step, a.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, a.k::BIGINT AS collectives
-            FROM a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
-            WHERE a.gs = 3 AND a.k > 0 ORDER BY a.step, rank""")
+                SELECT c.g, c.cseq, max(r.start_ns) {other} AS l2,
+                       arg_max_null(r.rel, {order}) {other} AS orel, arg_max_null(r.pkey, {order}) {other} AS okey,
+                       max(r.rel) {mine} AS srel, max(r.pkey) {mine} AS skey
+                FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq WHERE c.n > 1 GROUP BY c.g, c.cseq)
+            SELECT c.sstep AS step, c.straggler AS rank,
+                   max(greatest(c.ls - a.l2 - CASE WHEN a.skey = a.okey THEN greatest(a.srel - a.orel, 0) ELSE 0 END,
+                                0)) / 1e3 AS held_us
+            FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq GROUP BY ALL""")
+        try:
+            return self._df("""
+                WITH k AS (
+                    SELECT r.step, r.rank, count(*) AS k FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                    WHERE c.n > 1 GROUP BY ALL)
+                SELECT k.step, k.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, k.k::BIGINT AS collectives
+                FROM k LEFT JOIN _held h ON k.step = h.step AND k.rank = h.rank ORDER BY k.step, rank""")
+        finally:
+            self.con.execute("DROP TABLE IF EXISTS _held")
 
     def _p2p_steps(self):
         """``matching.p2p_steps`` in SQL: per (step, rank) with a point-to-point call, the issue of its

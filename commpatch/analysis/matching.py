@@ -212,6 +212,8 @@ def _match(df):
     latest_other[second + 1] = start[order[second]]
     late = np.full(len(sub), np.nan)
     late[order] = np.where(np.repeat(multi, size), (start[order] - latest_other) / 1e3, np.nan)
+    # less what its later release from the previous collective explains (the root of a reduce)
+    late = late_released(late, l_rows[multi], order[second], *releases(sub, cseq, group))
     # the arrival-free transfer time: from the last rank's issue (or the end of the row's queueing
     # behind earlier calls of its group, when later) to the row's completion; only where every
     # member of the group has a log here and the row's duration is on the host's clock
@@ -242,6 +244,52 @@ def _match(df):
         }
     )
     return table, waits, sub, cseq
+
+
+def releases(df, cseq, group):
+    """Per row of ``df``: when its rank was last released by a collective (``cseq`` >= 0) that held
+    the host until it completed (a sync call whose time in the call, ``host_us``, covers its
+    duration: gloo's calls, a barrier; not an async call, nor a sync one that returned while its
+    device work went on), issued before the row in its step or the step before, and that
+    collective's key (``group`` code << 32 | cseq): (release ns, key, known). A rank released later
+    than the others by the same collective (the root of a reduce receives and adds while the others
+    only send) issues what follows later, the async calls after it too, without more work of its
+    own: ``late_released`` takes that out of the straggler's evidence."""
+    n = len(df)
+    rel, key, known = np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, bool)
+    if not n or "host_us" not in df.columns or "async_op" not in df.columns:
+        return rel, key, known
+    host = df["host_us"].to_numpy(np.float64)
+    duration = durations(df)
+    sync = ~df["async_op"].to_numpy(bool)
+    rank, seq, start = df["rank"].to_numpy(np.int64), df["seq"].to_numpy(np.int64), df["start_ns"].to_numpy(np.int64)
+    step = df["step"].to_numpy(np.int64)
+    idx = np.flatnonzero(cseq >= 0)
+    o = idx[np.lexsort((seq[idx], rank[idx]))]  # each rank's collectives in issue order
+    if len(o) < 2:
+        return rel, key, known
+    with np.errstate(invalid="ignore"):
+        held = sync[o] & (host[o] >= duration[o])  # NaN (unknown) compares False
+    # the last held position strictly before each position (-1: none)
+    at = np.maximum.accumulate(np.where(held, np.arange(len(o)), -1))
+    prev = np.concatenate(([-1], at[:-1]))
+    p = o[np.maximum(prev, 0)]
+    ok = (prev >= 0) & (rank[p] == rank[o]) & (step[p] >= step[o] - 1)
+    rel[o] = start[p] + np.nan_to_num(host[p] * 1e3).astype(np.int64)
+    key[o] = np.where(ok, (group[p].astype(np.int64) << 32) | cseq[p], -1)
+    known[o] = ok
+    return rel, key, known
+
+
+def late_released(late_us, last, other, rel, key, known) -> np.ndarray:
+    """``late_us`` of the rows ``last`` (the last rank of their collective) less how much later their
+    rank was released by its last blocking collective than the latest other rank (rows ``other``)
+    was by the same one (``releases``), never below 0 nor above what the others waited."""
+    both = known[last] & known[other] & (key[last] == key[other]) & (key[last] >= 0)
+    skew = np.where(both, (rel[last] - rel[other]) / 1e3, 0.0)
+    out = late_us.copy()
+    out[last] = np.maximum(late_us[last] - np.maximum(skew, 0.0), 0.0)
+    return out
 
 
 def log_ends(df, sub, cseq, group, rank):
