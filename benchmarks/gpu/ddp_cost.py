@@ -124,9 +124,52 @@ def determinism(torch, math_sdpa):
     return same
 
 
+def where(torch, make, steps=20):
+    """Where the host time of a step goes, plain and with commpatch: the CUDA runtime / driver calls
+    per step (torch.profiler's CPU trace: its event names and counts, within the steps) and, with
+    commpatch, the Python functions that cost most (cProfile, own time per step)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    step = make(torch)
+    for name in ("plain", "commpatch"):
+        commpatch.disable()
+        if name == "commpatch":
+            commpatch.enable(output="none")
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        counts = {}
+        for e in prof.events():
+            if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn"):
+                counts[e.name] = counts.get(e.name, 0) + 1
+        out[name] = {"runtime_calls_per_step": {k: v / steps for k, v in sorted(counts.items())}}
+        if name == "commpatch":
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            pr.disable()
+            text = io.StringIO()
+            pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+            out[name]["cprofile"] = text.getvalue()
+    commpatch.disable()
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
+    p.add_argument("--where", action="store_true", help="also: runtime calls and a cProfile per step")
     args = p.parse_args()
     import tempfile
 
@@ -150,6 +193,15 @@ def main():
                 f"{label:18s} {name:22s} host {v['host_ms']:7.3f} ms  total {v['total_ms']:7.3f} ms  x{v['ratio_total']:.4f}",
                 flush=True,
             )
+    if args.where:
+        result["where (bf16 transformer)"] = where(torch, transformer)
+        w = result["where (bf16 transformer)"]
+        for k in sorted(set(w["plain"]["runtime_calls_per_step"]) | set(w["commpatch"]["runtime_calls_per_step"])):
+            a = w["plain"]["runtime_calls_per_step"].get(k, 0)
+            b = w["commpatch"]["runtime_calls_per_step"].get(k, 0)
+            if a != b:
+                print(f"per step {k:40s} plain {a:8.1f} commpatch {b:8.1f}", flush=True)
+        print(w["commpatch"]["cprofile"][:4000], flush=True)
     dist.destroy_process_group()
     if args.json:
         with open(args.json, "w") as f:

@@ -32,6 +32,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ import commpatch.session  # noqa: E402
 row, failed_row, render_table, verdict, clean = kit.row, kit.failed_row, kit.render_table, kit.verdict, kit.clean
 STEP_RATIO_MAX = 1.01
 DELAY_MS = 20.0
+EVENTS_MAX = 1024  # many_calls: events for what is in flight
 RSS_GROWTH_MAX_MB = 32.0  # host memory growth from 20% to 100% of the calls
 
 
@@ -152,6 +154,67 @@ class Checks:
             ]
         except Exception as exc:  # noqa: BLE001
             return [failed_row("graph_capture", name, exc)]
+
+    # ---- captures begun with measurements in flight
+    def capture_race(self):
+        """A query of an event during a (global-mode) capture breaks it: 30 times, 300 timed
+        collectives are issued (in flight, resolved every 64) and a graph holding an all_reduce is
+        captured at once, then replayed; every capture must succeed, every replay equal the plain
+        computation, and the measurements in flight resolve after the captures."""
+        name = "graph capture with timed collectives in flight: 30 captures"
+        if self.dry:
+            return [row("capture_race", name, "skip", "no CUDA graphs on CPU", "-")]
+        torch, dist = self.torch, self.dist
+        try:
+            commpatch.reset()
+            commpatch.enable(output="none")
+            tm = commpatch.session.default().timing
+            x = torch.ones(1 << 12, device=self.dev)
+            static = torch.randn(1 << 12, device=self.dev)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    y = static * 2
+                    dist.all_reduce(y)
+            torch.cuda.current_stream().wait_stream(side)
+            self.sync()
+            failures, equal, in_flight = [], 0, 0
+            for i in range(30):
+                for _ in range(300):
+                    dist.all_reduce(x)
+                in_flight = max(in_flight, tm.in_flight())
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        y = static * 2
+                        dist.all_reduce(y)
+                        out = y + 1
+                    static.copy_(torch.full_like(static, float(i)))
+                    graph.replay()
+                    self.sync()
+                    equal += bool(torch.equal(out, static * 2 + 1))
+                except Exception as exc:  # noqa: BLE001
+                    failures.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+                    self.sync()
+            df = commpatch.log()
+            commpatch.disable()
+            timed = int((df["timing"].astype(str) == "device_event").sum())
+            ok = not failures and equal == 30 and timed == 30 * 300 + 3
+            return [
+                row(
+                    "capture_race",
+                    name,
+                    "pass" if ok else "fail",
+                    f"captures failed: {len(failures)} {failures[:2]}; replays equal: {equal} of 30; at most "
+                    f"{in_flight} measurements in flight as a capture began; rows timed by device events: {timed}",
+                    f"every capture succeeds, every replay equal, every timed call resolved ({30 * 300 + 3})",
+                    failures=failures,
+                )
+            ]
+        except Exception as exc:  # noqa: BLE001
+            commpatch.disable()
+            return [failed_row("capture_race", name, exc)]
 
     # ---- torch.compile reduce-overhead with a functional collective
     def compile_graphs(self):
@@ -484,7 +547,11 @@ class Checks:
             growth = last["rss_mb"] - first["rss_mb"]
             dgrowth = last["device_mb"] - first["device_mb"]
             events = [m["events_created"] for m in marks.values()]
-            flat_events = events[-1] == events[1]
+            tm = commpatch.session.default().timing
+            # every event created is back in the pool or a group's last end once the log was read
+            accounted = sum(len(p) for p in tm.pools.values()) + 2 * tm.in_flight() + len(tm.last_end)
+            # in flight: what the device lags plus at most 64 new ones: a bound, not the calls made
+            flat_events = events[-1] <= EVENTS_MAX and accounted == tm.created
             ok = growth <= RSS_GROWTH_MAX_MB and dgrowth <= 1.0 and flat_events and len(df) == total
             return [
                 row(
@@ -492,8 +559,9 @@ class Checks:
                     name,
                     "pass" if ok else "fail",
                     f"rows {len(df)}, timed {timed}; host RSS +{growth:.1f} MB and device +{dgrowth:.2f} MB from "
-                    f"{total // 5:,} to {total:,} calls; events created {events}",
-                    f"RSS growth <= {RSS_GROWTH_MAX_MB} MB, device <= 1 MB, events flat, every call a row",
+                    f"{total // 5:,} to {total:,} calls; events created {events}, accounted for {accounted}",
+                    f"RSS growth <= {RSS_GROWTH_MAX_MB} MB, device <= 1 MB, events <= {EVENTS_MAX} and none lost, "
+                    "every call a row",
                     marks=marks,
                 )
             ]
@@ -526,15 +594,24 @@ def gloo_worker(rank, world, store_dir, out_dir, delayed, enabled, result_path, 
     torch.manual_seed(rank)
     w = torch.randn(1024, 1024, device=dev)
     acc = torch.zeros(1024, device=dev)
+    # the job's own clock (one machine: one clock) before each collective and after each blocking one:
+    # the evidence the verdict is held to, measured without commpatch
+    times = []
     for _ in range(40):
         if delayed and rank == 1:
             time.sleep(DELAY_MS / 1e3)
         x = torch.tanh(w @ torch.randn(1024, device=dev, generator=None) * 0.01)
+        t = {"all_reduce": time.time_ns()}
         dist.all_reduce(x)
+        t["all_reduce_end"] = time.time_ns()
+        t["all_reduce_async"] = time.time_ns()
         work = dist.all_reduce(acc, async_op=True)
         work.wait()
         acc += x
+        t["barrier"] = time.time_ns()
         dist.barrier()
+        t["barrier_end"] = time.time_ns()
+        times.append(t)
         if enabled:
             commpatch.step()
     if not dry:
@@ -542,8 +619,47 @@ def gloo_worker(rank, world, store_dir, out_dir, delayed, enabled, result_path, 
     if enabled:
         commpatch.export_csv(os.path.join(out_dir, f"rank{rank}.csv"))
         commpatch.disable()
-    torch.save(acc.cpu(), result_path.format(rank=rank))
+    torch.save({"acc": acc.cpu(), "times": times}, result_path.format(rank=rank))
     dist.destroy_process_group()
+
+
+def _late_truth(times, threshold_us, skip=2):
+    """Which rank the other waited for, from the two workers' own clocks (``gloo_worker``), with the
+    verdict's own definition and none of commpatch's data: per step, at each collective the last rank
+    held it up from the other's issue to its own, less how much later it was released by its last
+    blocking call (the sync all-reduce, the barrier) than the other was; its figure for the step
+    is its longest hold-up. A rank is the one waited for when it held longer in at least half the
+    steps by a median above the verdict's noise threshold. (rank or None, its median us, share)."""
+    import statistics
+
+    # each collective, the blocking call before it: the previous step's barrier, the sync all-reduce
+    before = {
+        "all_reduce": ("barrier_end", -1),
+        "all_reduce_async": ("all_reduce_end", 0),
+        "barrier": ("all_reduce_end", 0),
+    }
+    held = [[], []]
+    for s in range(max(skip, 1), min(len(times[0]), len(times[1]))):
+        h = [0.0, 0.0]
+        for op, (released, back) in before.items():
+            arrive = [times[r][s][op] for r in (0, 1)]
+            rel = [times[r][s + back][released] for r in (0, 1)]
+            last = 0 if arrive[0] > arrive[1] else 1
+            late = (arrive[last] - arrive[1 - last]) - max(0, rel[last] - rel[1 - last])
+            h[last] = max(h[last], late / 1e3)
+        held[0].append(h[0])
+        held[1].append(h[1])
+    for rank in (0, 1):
+        share = sum(a > b for a, b in zip(held[rank], held[1 - rank])) / len(held[rank])
+        med = statistics.median(held[rank])
+        if share >= 0.5 and med > threshold_us:
+            return rank, med, share
+    longer = 0 if statistics.median(held[0]) >= statistics.median(held[1]) else 1
+    return (
+        None,
+        statistics.median(held[longer]),
+        sum(a > b for a, b in zip(held[longer], held[1 - longer])) / len(held[longer]),
+    )
 
 
 def gloo_cuda(args, torch):
@@ -566,28 +682,41 @@ def gloo_cuda(args, torch):
                 start_method="spawn",
             )
             runs[label] = (logs, [torch.load(result.format(rank=r)) for r in range(2)])
+            runs[label] = (logs, [r["acc"] for r in runs[label][1]], [r["times"] for r in runs[label][1]])
+            if getattr(args, "logs", None):
+                shutil.copytree(logs, os.path.join(args.logs, f"gloo-{label}"), dirs_exist_ok=True)
         same = all(torch.equal(a, b) for a, b in zip(runs["delayed"][1], runs["off"][1]))
-        verdicts, timings = {}, {}
+        verdicts, timings, truths = {}, {}, {}
         for label in ("delayed", "symmetric"):
             df = commpatch.read_csv(runs[label][0])
             timings[label] = df["timing"].astype(str).value_counts().to_dict()
             with commpatch.open(runs[label][0]) as run:
                 rep = run.to_dict()
-            verdicts[label] = rep["headline"].get("straggler")
+            verdicts[label] = v = rep["headline"].get("straggler") or {}
+            truths[label] = _late_truth(runs[label][2], v.get("threshold_us") or 0.0)
         v, s = verdicts["delayed"], verdicts["symmetric"]
-        named = bool(v and v.get("verdict") == "straggler" and v.get("rank") == 1)
+        named = v.get("verdict") == "straggler" and v.get("rank") == 1
+        said = s.get("rank") if s.get("verdict") == "straggler" else None
+        # the symmetric job shares one GPU between its ranks, which need not wait for each other
+        # equally: its verdict must agree with which rank the other really waited for (the workers'
+        # own clocks), not with an assumption that nobody did
+        agrees = said == truths["symmetric"][0] and truths["delayed"][0] == 1
         device_timed = "device_event" in timings["delayed"] or args.dry_run_cpu
-        ok = same and named and not (s and s.get("verdict") == "straggler") and device_timed
+        ok = same and named and agrees and device_timed
+        t = truths["symmetric"]
         out.append(
             row(
                 "gloo_cuda",
                 name,
                 "pass" if ok else "fail",
                 f"results equal with / without commpatch: {same}; timings {timings['delayed']}; delayed job: "
-                f"{_said(v)}; symmetric job: {_said(s)}",
-                "equal; device-event rows; rank 1 named; none in the symmetric job",
+                f"{_said(v)}; symmetric job: {_said(s)}; its ranks' own clocks: "
+                + (f"rank {t[0]} held the other up" if t[0] is not None else "neither rank held the other up")
+                + f" (the longer: a median {t[1]:.1f} us per step, longer in {t[2]:.0%} of the steps)",
+                "equal; device-event rows; rank 1 named; the symmetric job's verdict agrees with the ranks' own clocks",
                 verdicts=verdicts,
                 timings=timings,
+                truth={k: list(x) for k, x in truths.items()},
             )
         )
     except Exception as exc:  # noqa: BLE001
@@ -609,6 +738,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--dry-run-cpu", action="store_true")
     p.add_argument("--only", default="", help="comma-separated check names")
+    p.add_argument("--logs", metavar="DIR", help="copy the gloo jobs' commpatch logs here (one folder per job)")
     args = p.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -629,7 +759,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(0)
         kit.init_group(torch, dist, "nccl", store, device=torch.device("cuda", 0))
     checks = Checks(args, torch, dist, out_dir)
-    for check in ("graph_capture", "compile_graphs", "ddp_bf16", "fsdp2_dtensor", "call_overhead", "many_calls"):
+    checks_run = ("graph_capture", "capture_race", "compile_graphs", "ddp_bf16", "fsdp2_dtensor", "call_overhead")
+    for check in (*checks_run, "many_calls"):
         if only and check not in only:
             continue
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Where commpatch's host time per GPU collective goes: the raw CUDA / torch calls its device timing
-makes, each timed alone, then sync all_gather_into_tensor (8 KiB, 1 rank, NCCL) per call plain, with
-commpatch timing=host and timing=auto, a cProfile of the commpatch calls, and the same with the device
-kept 50 ms behind the host (measurements pile up unresolved).
+makes, each timed alone (elapsed_time and query also on events that just completed), then sync
+all_gather_into_tensor (8 KiB, 1 rank, NCCL) per call plain, with commpatch timing=host and timing=auto,
+and under torch.profiler, in alternating rounds; a cProfile of the commpatch calls, and the same with the device
+kept 100 ms behind the host (measurements pile up unresolved).
 
     python benchmarks/gpu/percall.py [--json PATH]
 """
@@ -75,21 +76,51 @@ def main():
     def call():
         dist.all_gather_into_tensor(out, inp)
 
-    configs = {"plain": None, "timing=host": {"timing": "host"}, "timing=auto": {}}
+    # fresh events: what the resolver pays per call (the timestamps read once)
+    fresh = [torch.Event(device=dev, enable_timing=True) for _ in range(4000)]
+    for e in fresh:
+        e.record()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for e in fresh[:2000]:
+        e.query()
+    res["raw_us"]["torch.Event.query() fresh"] = (time.perf_counter() - t0) * 1e6 / 2000
+    t0 = time.perf_counter()
+    for a, b in zip(fresh[2000::2], fresh[2001::2]):
+        a.elapsed_time(b)
+    res["raw_us"]["torch.Event.elapsed_time() fresh"] = (time.perf_counter() - t0) * 1e6 / 1000
+    print({k: round(v, 2) for k, v in res["raw_us"].items() if "fresh" in k}, flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    configs = {
+        "plain": None,
+        "timing=host": {"timing": "host"},
+        "timing=auto": {},
+        "torch.profiler": "profiler",
+    }
     calls = {k: [] for k in configs}
-    for r in range(7):
+    for r in range(9):
         for k, cfg in configs.items() if r % 2 else list(configs.items())[::-1]:
             commpatch.disable()
-            if cfg is not None:
+            if isinstance(cfg, dict):
                 commpatch.reset()
                 commpatch.enable(output="none", **cfg)
             torch.cuda.synchronize()
-            v = per_call(call, n=2000, rounds=1)
+            if cfg == "profiler":
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                    v = per_call(call, n=2000, rounds=1)
+            else:
+                v = per_call(call, n=2000, rounds=1)
             torch.cuda.synchronize()
             if r:
                 calls[k].append(v)
     commpatch.disable()
     res["call_us"] = {k: statistics.median(v) for k, v in calls.items()}
+    res["added_us"] = {k: v - res["call_us"]["plain"] for k, v in res["call_us"].items() if k != "plain"}
+    res["ratio_to_profiler"] = {
+        k: v / res["added_us"]["torch.profiler"] for k, v in res["added_us"].items() if k != "torch.profiler"
+    }
+
     print("per sync all_gather (8 KiB):", {k: round(v, 2) for k, v in res["call_us"].items()}, flush=True)
     # the device 50 ms behind: 3000 async calls queued behind a sleep, host time per call
     behind = {}
