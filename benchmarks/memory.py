@@ -3,7 +3,9 @@
 Usage: python benchmarks/memory.py [--calls 1000000] [--out DIR]
 Prints: bytes per row held by the live log (and the process RSS growth per row), then the
 seconds to build the DataFrame, write CSV (pyarrow, and pandas' own to_csv for comparison
-on a 100k-row slice) and write Parquet.
+on a 100k-row slice) and write Parquet; then ``commpatch.log()`` + ``commpatch.export_csv()`` (which
+reads the log again) against a plain pyarrow write of the same frame (``Table.from_pandas`` +
+``pyarrow.csv.write_csv``), alternating, 3 rounds (goal: <= 2x).
 """
 
 import argparse
@@ -64,6 +66,20 @@ def main() -> None:
         f"Parquet: {t3 - t2:.2f} s ({os.path.getsize(parquet) / 1e6:.0f} MB); pandas to_csv on 100k rows: {t5 - t4:.2f} s "
         f"(x{(t5 - t4) * len(df) / 100_000 / max(t2 - t1, 1e-9):.1f} the pyarrow time, extrapolated)"
     )
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    ratios = []
+    for r in range(3):
+        t0 = time.perf_counter()
+        frame = commpatch.log()
+        commpatch.export_csv(os.path.join(out, f"again{r}-rank{{rank}}.csv"))
+        t1 = time.perf_counter()
+        pacsv.write_csv(pa.Table.from_pandas(frame, preserve_index=False), os.path.join(out, f"plain{r}.csv"))
+        t2 = time.perf_counter()
+        ratios.append((t1 - t0) / (t2 - t1))
+        print(f"log() + export_csv(): {t1 - t0:.2f} s; a plain pyarrow write of the frame: {t2 - t1:.2f} s (x{ratios[-1]:.2f})")
+    print(f"log() + export_csv() against a plain pyarrow write: x{sorted(ratios)[1]:.2f} (median of 3; goal <= 2)")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     commpatch.disable()
     dist.destroy_process_group()
