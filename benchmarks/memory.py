@@ -78,7 +78,9 @@ def main() -> None:
         pacsv.write_csv(pa.Table.from_pandas(frame, preserve_index=False), os.path.join(out, f"plain{r}.csv"))
         t2 = time.perf_counter()
         ratios.append((t1 - t0) / (t2 - t1))
-        print(f"log() + export_csv(): {t1 - t0:.2f} s; a plain pyarrow write of the frame: {t2 - t1:.2f} s (x{ratios[-1]:.2f})")
+        print(
+            f"log() + export_csv(): {t1 - t0:.2f} s; a plain pyarrow write of the frame: {t2 - t1:.2f} s (x{ratios[-1]:.2f})"
+        )
     print(f"log() + export_csv() against a plain pyarrow write: x{sorted(ratios)[1]:.2f} (median of 3; goal <= 2)")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3:.0f} MB")
     commpatch.disable()
