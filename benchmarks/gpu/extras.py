@@ -550,7 +550,8 @@ class Checks:
             tm = commpatch.session.default().timing
             # every event created is back in the pool or a group's last end once the log was read
             accounted = sum(len(p) for p in tm.pools.values()) + 2 * tm.in_flight() + len(tm.last_end)
-            # in flight: what the device lags plus at most 64 new ones: a bound, not the calls made
+            # in flight: what the device lags (a resolve when the pool runs dry, at twice what the last
+            # one left): a bound, not the calls made
             flat_events = events[-1] <= EVENTS_MAX and accounted == tm.created
             ok = growth <= RSS_GROWTH_MAX_MB and dgrowth <= 1.0 and flat_events and len(df) == total
             return [

@@ -10,7 +10,7 @@
   pooled events (one pool per device) recorded on the current stream before the call and after
   it (sync) or inside ``get_future().then()`` (async: the callback runs on a stream that waits
   for the collective). Never a device synchronize on the hot path: events are queried lazily
-  (every 64 new measurements, by the thread that records them: ``benchmarks/gpu/percall.py``
+  (when the pool is empty, by the thread that records them: ``benchmarks/gpu/percall.py``
   measured a resolver thread of its own on an H100 host, starved of the GIL, costing more),
   synchronized only when the log is read or written, and not touched at all while the
   stream is capturing (CUDA graphs: those rows say ``timing=none``). A device whose backend
@@ -43,6 +43,7 @@ class Timing:
         self.apis: dict = {}  # (device type, index) -> _DeviceApi
         self.pools: dict = {}  # (device type, index) -> free events
         self.created = 0  # events ever created (pools keep it flat)
+        self.resolve_at = _EARLY  # measurements in flight before a new event is created rather than resolving first
         self.dev_pending: list = []  # (seq, device key, gid, start_event, end_event), new since the last resolve
         self.chains: dict = {}  # (device key, gid) -> deque of dev_pending's items, in seq order, unresolved
         self.in_chains = 0  # items in self.chains
@@ -208,11 +209,17 @@ class Timing:
         return 0 <= gid < len(groups) and len(groups[gid].backends) > 1 and groups[gid].backends[1] == "nccl"
 
     def _event(self, key, api):
-        if len(self.dev_pending) >= _EARLY and not self.lock.locked():
-            self.resolve()  # completed measurements give their events back (O(new + resolved))
         pool = self.pools.get(key)
         if pool:
             return pool.pop()
+        if self.in_flight() >= self.resolve_at and not self.lock.locked():
+            self.resolve()  # completed measurements give their events back (O(new + resolved))
+            # doubled past what the resolve left in flight (a device far behind the host): a
+            # resolve per new event would query a chain's head each time, for nothing
+            self.resolve_at = max(_EARLY, 2 * self.in_flight())
+            pool = self.pools.get(key)
+            if pool:
+                return pool.pop()
         self.created += 1
         return api.event()
 
@@ -330,7 +337,7 @@ def _take(items: list) -> list:
     return out
 
 
-_EARLY = 64  # new device measurements that make the next event's fetch resolve first
+_EARLY = 64  # measurements in flight at least, before an empty pool makes a resolve
 
 
 class _DeviceApi:
