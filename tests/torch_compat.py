@@ -45,17 +45,11 @@ def comm_debug_mode():
 
 
 def fsdp2_cpu_unsupported() -> str | None:
-    """Why FSDP2 cannot run on CPU tensors with this torch (None when it can): torch 2.4's
-    ``FSDPCommContext.init`` creates CUDA streams unconditionally; the device-aware ``lazy_init``
-    that replaced it runs on CPU (gloo)."""
-    import importlib
+    """Why FSDP2 cannot run on CPU tensors with this torch (None when it can): what ``commpatch env``
+    says of it (``integrations.fsdp.cpu_gap``)."""
+    from commpatch.integrations.fsdp import cpu_gap
 
-    import torch
-
-    context = importlib.import_module(fsdp_param_group().__module__).FSDPCommContext
-    if hasattr(context, "lazy_init"):
-        return None
-    return f"FSDP2 of torch {torch.__version__} creates CUDA streams unconditionally: it does not run on CPU"
+    return cpu_gap()
 
 
 def leaf(public: str) -> str:

@@ -35,6 +35,29 @@ def wanted(settings: dict) -> bool:
     return modules.wanted(settings)
 
 
+def cpu_gap() -> str | None:
+    """Why FSDP2 cannot run on CPU tensors with the installed torch (None when it can): torch 2.4's
+    ``FSDPCommContext.init`` creates CUDA streams unconditionally; the device-aware ``lazy_init``
+    that replaced it runs on CPU (gloo). A limit of torch's (the plain job fails too), which
+    ``commpatch env`` says, as the tests that skip for it."""
+    import importlib
+
+    import torch
+
+    for name in FSDP2:
+        try:
+            context = getattr(importlib.import_module(name), "FSDPCommContext", None)
+        except ImportError:
+            continue
+        if context is not None and not hasattr(context, "lazy_init"):
+            return (
+                f"FSDP2 of torch {torch.__version__} runs on GPUs only (its comm context creates CUDA streams): "
+                "a job on CPU tensors cannot use it, with or without commpatch"
+            )
+        return None
+    return None
+
+
 def apply(ctx) -> None:
     for module in FSDP2:
         when_imported(module, _patch_fsdp2)
@@ -120,6 +143,7 @@ def _attributed(orig, unit_of):
 
 INTEGRATION = Integration(
     name="fsdp",
+    gaps=cpu_gap,
     patches="FSDP2 FSDPParamGroup.unshard / post_backward; FSDP1 _runtime_utils._unshard / _reduce_grad",
     relies_on=tuple(
         Needs("|".join(f"{m}.FSDPParamGroup.{a}" for m in FSDP2), "FSDP2's module attribution")
