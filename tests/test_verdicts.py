@@ -78,9 +78,9 @@ def test_a_rank_released_last_is_no_straggler_and_a_late_one_still_is(tmp_path):
     adds while rank 1 only sends, so rank 0 leaves the reduce last and issues the next step's
     all-reduce last, by about what it spent adding, every step. That is no work of its own between
     the two: the verdict said "rank 0 the straggler" (0.2-0.3 ms per step, p 1e-7 to 1e-10 in 3 of
-    4 runs; an H100 run of two gloo ranks found the same after a sync all-reduce) until the evidence
-    left out a later release by the last collective that held the host (matching.releases). With
-    rank 1 sleeping 2 ms before each step, rank 1 is named, by both engines."""
+    4 runs) until the evidence left out a later release by the last rooted collective that held the
+    host (matching.releases). With rank 1 sleeping 2 ms before each step, rank 1 is named, by both
+    engines."""
     runs = {
         label: apply_schema(pd.concat(run_ranks(reduce_to_root, 2, timeout=120, late_ms=late), ignore_index=True))
         for label, late in (("symmetric", 0.0), ("delayed", 2.0))

@@ -595,8 +595,8 @@ def gloo_worker(rank, world, store_dir, out_dir, delayed, enabled, result_path, 
     torch.manual_seed(rank)
     w = torch.randn(1024, 1024, device=dev)
     acc = torch.zeros(1024, device=dev)
-    # the job's own clock (one machine: one clock) before each collective and after each blocking one:
-    # the evidence the verdict is held to, measured without commpatch
+    # the job's own clock (one machine: one clock) before each collective: the evidence the verdict is
+    # held to, measured without commpatch
     times = []
     for _ in range(40):
         if delayed and rank == 1:
@@ -604,14 +604,12 @@ def gloo_worker(rank, world, store_dir, out_dir, delayed, enabled, result_path, 
         x = torch.tanh(w @ torch.randn(1024, device=dev, generator=None) * 0.01)
         t = {"all_reduce": time.time_ns()}
         dist.all_reduce(x)
-        t["all_reduce_end"] = time.time_ns()
         t["all_reduce_async"] = time.time_ns()
         work = dist.all_reduce(acc, async_op=True)
         work.wait()
         acc += x
         t["barrier"] = time.time_ns()
         dist.barrier()
-        t["barrier_end"] = time.time_ns()
         times.append(t)
         if enabled:
             commpatch.step()
@@ -627,27 +625,19 @@ def gloo_worker(rank, world, store_dir, out_dir, delayed, enabled, result_path, 
 def _late_truth(times, threshold_us, skip=2):
     """Which rank the other waited for, from the two workers' own clocks (``gloo_worker``), with the
     verdict's own definition and none of commpatch's data: per step, at each collective the last rank
-    held it up from the other's issue to its own, less how much later it was released by its last
-    blocking call (the sync all-reduce, the barrier) than the other was; its figure for the step
-    is its longest hold-up. A rank is the one waited for when it held longer in at least half the
-    steps by a median above the verdict's noise threshold. (rank or None, its median us, share)."""
+    held it up from the other's issue to its own (no rooted collective in this job: nothing to take
+    out for a later release, ``matching.releases``); its figure for the step is its longest hold-up.
+    A rank is the one waited for when it held longer in at least half the steps by a median above
+    the verdict's noise threshold. (rank or None, its median us, share)."""
     import statistics
 
-    # each collective, the blocking call before it: the previous step's barrier, the sync all-reduce
-    before = {
-        "all_reduce": ("barrier_end", -1),
-        "all_reduce_async": ("all_reduce_end", 0),
-        "barrier": ("all_reduce_end", 0),
-    }
     held = [[], []]
-    for s in range(max(skip, 1), min(len(times[0]), len(times[1]))):
+    for s in range(skip, min(len(times[0]), len(times[1]))):
         h = [0.0, 0.0]
-        for op, (released, back) in before.items():
+        for op in ("all_reduce", "all_reduce_async", "barrier"):
             arrive = [times[r][s][op] for r in (0, 1)]
-            rel = [times[r][s + back][released] for r in (0, 1)]
             last = 0 if arrive[0] > arrive[1] else 1
-            late = (arrive[last] - arrive[1 - last]) - max(0, rel[last] - rel[1 - last])
-            h[last] = max(h[last], late / 1e3)
+            h[last] = max(h[last], (arrive[last] - arrive[1 - last]) / 1e3)
         held[0].append(h[0])
         held[1].append(h[1])
     for rank in (0, 1):

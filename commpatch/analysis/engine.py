@@ -138,7 +138,7 @@ class Staged:
     flights: list = field(default_factory=list)  # its data.logfile.in_flight dicts (watchdog dumps too)
     hang_digest: Any = None  # hangs.Digest of its rows (None: read with a window of steps)
     job: list = field(default_factory=list)  # its job notes (data.logfile.JOB_ATTR: step marks, settings)
-    released: int = 0  # rows whose rank's last blocking collective is known (matching.releases)
+    released: int = 0  # rows whose rank's last blocking rooted collective is known (matching.releases)
 
 
 _CAT_COLUMNS = ("group", "op", "dtype")
@@ -194,8 +194,8 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     rows["host"] = df["timing"].isin(HOST_CLOCK_NAMES).to_numpy()  # for the transfer time (matching.transfer_times)
     rows["busbytes"] = np.where(measured & (factor > 0), nbytes * np.nan_to_num(factor), 0.0)
     rows["step"] = df["step"].to_numpy(np.int64)
-    # when the rank was released from its previous collective, where that call held the host (the
-    # straggler's evidence leaves out a later release: matching.releases); null where unknown
+    # when the rank was released by its last rooted collective that held the host (the straggler's
+    # evidence leaves out a later release: matching.releases); null where unknown
     rel, pkey, known = releases(df, rows["cseq"], rows["group"])
     rows["rel"] = pa.array(rel, mask=~known)
     rows["pkey"] = pa.array(pkey, mask=~known)
@@ -390,7 +390,7 @@ class Engine:
         self.clock: dict = {}  # rank -> data.clock summary (its offset to rank 0's clock)
         self.job: list = []  # the ranks' job notes (step marks, settings)
         self.counts: dict[str, Any] = dict(calls=0, unmeasured=0, p2p_calls=0, batch_calls=0)
-        self.released = 0  # rows with a known release by a blocking collective: _step_arrivals corrects
+        self.released = 0  # rows with a known release by a blocking rooted collective: _step_arrivals corrects
         self.tables: set = set()
         self.flights: list = []  # every rank's data.logfile.in_flight dicts
         self.digests: list = []  # every rank's hangs.Digest (None for a rank read with a window of steps)
@@ -955,7 +955,7 @@ class Engine:
         # ls - l2 in its step (``sstep``). Without any known release (NCCL, async calls): one scan of
         # the rows for l2 and the count of collectives per (step, rank) (grouping sets: 3.9 s against
         # 6.6 s for two joins at 25.6 M rows). With them, less how much later the last rank was
-        # released by its last blocking collective than the second-latest (its row: the highest rank
+        # released by its last blocking rooted collective than the second-latest (its row: the highest rank
         # of those issued at l2, as matching orders them) was by the same one (matching.late_released;
         # ``rel`` / ``pkey``, staged; null where unknown).
         if not self.released:

@@ -247,14 +247,17 @@ def _match(df):
 
 
 def releases(df, cseq, group):
-    """Per row of ``df``: when its rank was last released by a collective (``cseq`` >= 0) that held
-    the host until it completed (a sync call whose time in the call, ``host_us``, covers its
-    duration: gloo's calls, a barrier; not an async call, nor a sync one that returned while its
-    device work went on), issued before the row in its step or the step before, and that
-    collective's key (``group`` code << 32 | cseq): (release ns, key, known). A rank released later
-    than the others by the same collective (the root of a reduce receives and adds while the others
-    only send) issues what follows later, the async calls after it too, without more work of its
-    own: ``late_released`` takes that out of the straggler's evidence."""
+    """Per row of ``df``: when its rank was last released by a rooted collective (``cseq`` >= 0, a
+    root: reduce, gather, scatter, broadcast and their object forms) that held the host until it
+    completed (a sync call whose time in the call, ``host_us``, covers its duration: gloo's calls;
+    not an async call, nor a sync one that returned while its device work went on), issued before
+    the row in its step or the step before, and that collective's key (``group`` code << 32 |
+    cseq): (release ns, key, known). The root of a reduce receives and adds while the others only
+    send: it leaves last by the collective's own design and issues what follows later, the async
+    calls after it too, without more work of its own; ``late_released`` takes that out of the
+    straggler's evidence. A symmetric collective's (all-reduce, all-gather, barrier) release skew
+    stays in: there it is the ranks' own noise (taken out, it lowered the noise threshold below
+    what symmetric FSDP2 jobs on CPU hold each other up by: one of six named)."""
     n = len(df)
     rel, key, known = np.zeros(n, np.int64), np.full(n, -1, np.int64), np.zeros(n, bool)
     if not n or "host_us" not in df.columns or "async_op" not in df.columns:
@@ -268,8 +271,9 @@ def releases(df, cseq, group):
     o = idx[np.lexsort((seq[idx], rank[idx]))]  # each rank's collectives in issue order
     if len(o) < 2:
         return rel, key, known
+    rooted = df["peer"].to_numpy(np.int64) >= 0 if "peer" in df.columns else np.zeros(n, bool)
     with np.errstate(invalid="ignore"):
-        held = sync[o] & (host[o] >= duration[o])  # NaN (unknown) compares False
+        held = sync[o] & rooted[o] & (host[o] >= duration[o])  # NaN (unknown) compares False
     # the last held position strictly before each position (-1: none)
     at = np.maximum.accumulate(np.where(held, np.arange(len(o)), -1))
     prev = np.concatenate(([-1], at[:-1]))
@@ -283,8 +287,8 @@ def releases(df, cseq, group):
 
 def late_released(late_us, last, other, rel, key, known) -> np.ndarray:
     """``late_us`` of the rows ``last`` (the last rank of their collective) less how much later their
-    rank was released by its last blocking collective than the latest other rank (rows ``other``)
-    was by the same one (``releases``), never below 0 nor above what the others waited."""
+    rank was released by its last blocking rooted collective than the latest other rank (rows
+    ``other``) was by the same one (``releases``), never below 0 nor above what the others waited."""
     both = known[last] & known[other] & (key[last] == key[other]) & (key[last] >= 0)
     skew = np.where(both, (rel[last] - rel[other]) / 1e3, 0.0)
     out = late_us.copy()

@@ -11,9 +11,9 @@ collectives (a mean over the step's collectives, as before, called that "too lit
 A delay a rank carries over several collectives (DDP's buckets, issued without waiting) is counted
 once, and the jitter of many collectives does not add up (a sum of the waits at each collective
 made a 5 ms delay carried over 4 buckets 20 ms, and a symmetric job's jitter milliseconds). A rank
-released later by a collective that held the host (the root of a gloo reduce receives and adds
-while the others only send) issues what follows later with no more work of its own: ``late_us``
-leaves that out (``matching.late_released``).
+released later by a rooted collective that held the host (the root of a gloo reduce receives and
+adds while the others only send) issues what follows later with no more work of its own:
+``late_us`` leaves that out (``matching.late_released``).
 
 Being the last is what some rank always is, and the collectives of one step are not independent
 draws, so the unit of evidence is the steady-state step (a one-off delay in set-up is reported
