@@ -250,8 +250,8 @@ class Timing:
         kept until the next call of the group is resolved). New measurements join their group's
         chain in seq order; a chain resolves from its head and stops at the first one not yet
         complete, so a resolve costs what is new and what it resolves, never what stays in flight
-        (a device far behind the host: walking every measurement in flight at each resolve was
-        quadratic in the calls queued)."""
+        (a device far behind the host: walking every measurement in flight at each resolve cost as
+        much as what was in flight)."""
         chains = self.chains
         new = _take(self.dev_pending)
         if new:
