@@ -854,7 +854,11 @@ class Engine:
 
     # the first / last arrival of a collective: the earliest / latest issue time, ties broken by rank
     # as the pandas path sorts them (a 128-bit key: 20 bits of rank below the time)
-    _ORDER = "(start_ns::HUGEINT * 1048576 + rank)"
+    @staticmethod
+    def _order(alias: str = "") -> str:
+        """The arrival order of rows (issue time, then rank: as matching sorts them), of table ``alias``."""
+        at = f"{alias}." if alias else ""
+        return f"({at}start_ns::HUGEINT * 1048576 + {at}rank)"
 
     def _match(self) -> None:
         """One row per collective (group, cseq) with the few aggregates every row must feed (measured
@@ -871,7 +875,7 @@ class Engine:
                 SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < e.expected AS missing, g.expected - e.expected AS ended,
                        n = g.members AS complete, g.pos
                 FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
-                             arg_max(rank, {self._ORDER}) AS straggler, arg_max(step, {self._ORDER}) AS sstep,
+                             arg_max(rank, {self._order()}) AS straggler, arg_max(step, {self._order()}) AS sstep,
                              min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
                       FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
                 JOIN groups g ON c.g = g.g
@@ -973,7 +977,7 @@ class Engine:
                 FROM a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
                 WHERE a.gs = 3 AND a.k > 0 ORDER BY a.step, rank""")
         other, mine = "FILTER (WHERE r.rank <> c.straggler)", "FILTER (WHERE r.rank = c.straggler)"
-        order = self._ORDER.replace("start_ns", "r.start_ns").replace("+ rank", "+ r.rank")
+        order = self._order("r")
         # one statement each (the held times, then the counts beside them): together they ran out of
         # the memory limit where each alone does not (64 ranks x 20,000 rows within 64 MB)
         self.con.execute(f"""

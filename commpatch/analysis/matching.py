@@ -212,7 +212,7 @@ def _match(df):
     latest_other[second + 1] = start[order[second]]
     late = np.full(len(sub), np.nan)
     late[order] = np.where(np.repeat(multi, size), (start[order] - latest_other) / 1e3, np.nan)
-    # less what its later release from the previous collective explains (the root of a reduce)
+    # less what its later release by its last blocking rooted collective explains (the root of a reduce)
     late = late_released(late, l_rows[multi], order[second], *releases(sub, cseq, group))
     # the arrival-free transfer time: from the last rank's issue (or the end of the row's queueing
     # behind earlier calls of its group, when later) to the row's completion; only where every
