@@ -192,7 +192,16 @@ def _report(args, offline) -> int:
     engine = offline.check_engine(args.engine, "--engine")
     progress = _progress(args, "reading")
     with offline.open(
-        args.paths, ranks=ranks, steps=window, engine=engine, by=by, step_times=steps, top=top, progress=progress
+        args.paths,
+        ranks=ranks,
+        steps=window,
+        engine=engine,
+        by=by,
+        step_times=steps,
+        top=top,
+        progress=progress,
+        spark_master=args.spark_master,
+        spark_dir=args.spark_dir,
     ) as run:
         if (args.trace or args.module_tree) and run.engine == "pandas":
             run.rows()  # one read serves the report and the exports (the report alone reads fewer columns)
@@ -586,10 +595,22 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--engine",
-        choices=("auto", "pandas", "duckdb"),
+        choices=("auto", "pandas", "duckdb", "spark"),
         default="auto",
         help="duckdb: the cross-rank report on DuckDB, in bounded memory (pip install 'commpatch[scale]'); "
+        "spark: the same queries on Apache Spark (pip install 'commpatch[spark]'); "
         "auto (default): DuckDB from 256 MB of logs on when it is installed, else pandas",
+    )
+    p.add_argument(
+        "--spark-master",
+        metavar="URL",
+        help="with --engine spark: the Spark master (spark://host:7077, yarn, ...; default local[*])",
+    )
+    p.add_argument(
+        "--spark-dir",
+        metavar="DIR",
+        help="with --engine spark: where the ranks are staged for Spark, a directory every executor reads "
+        "at the same path (a shared file system; default: the temporary directory)",
     )
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")
     p.add_argument(

@@ -73,7 +73,8 @@ __all__ = [
 ]
 
 DEFAULT_BY = ("collective", "size_bucket")
-ENGINES = ("auto", "pandas", "duckdb")
+ENGINES = ("auto", "pandas", "duckdb", "spark")
+SQL_ENGINES = ("duckdb", "spark")  # the report from staged Parquet files (analysis.engine)
 PLOT_BINS = 200  # arrival-matrix columns of the plots and the HTML page (DuckDB engine)
 SCALING = {
     "weak": "weak scaling, the same batch per rank: efficiency = T(N0) / T(N), speedup = efficiency x N / N0; "
@@ -174,11 +175,16 @@ def check_top(value, name: str = "top") -> int:
 
 def check_engine(value, name: str = "engine") -> str:
     """``auto`` (DuckDB from ``analysis.engine.AUTO_BYTES`` of logs on, when installed), ``pandas``
-    or ``duckdb`` (refused when DuckDB is not installed)."""
+    ``duckdb`` (refused when DuckDB is not installed) or ``spark`` (when PySpark is not)."""
     if value not in ENGINES:
         raise ConfigError(f"{name} {value!r}: choose from {', '.join(ENGINES)}")
     if value == "duckdb" and not _engine.available():
         raise ConfigError(f"{name} duckdb: DuckDB is not installed: pip install 'commpatch[scale]'")
+    if value == "spark":
+        from .analysis import spark
+
+        if not spark.available():
+            raise ConfigError(f"{name} spark: PySpark is not installed: {spark.INSTALL}")
     return value
 
 
@@ -314,7 +320,9 @@ class Run:
     not read). ``steps``: only steps A to B-1 (``"100:200"``, ``(100, None)``, ``range(100, 200)``).
     ``engine``: ``"pandas"`` (every row in one DataFrame), ``"duckdb"`` (the report's tables in
     bounded memory: ``pip install 'commpatch[scale]'``) or ``"auto"`` (DuckDB from 256 MB of logs
-    on when installed). ``by``: the summary's grouping. ``step_times``: a step-times CSV (or a
+    on when installed), or ``"spark"`` (the DuckDB engine's queries on Apache Spark, ``spark_master``: a
+    master URL, default ``local[*]``; ``spark_dir``: where the ranks are staged, a directory every
+    executor reads: ``pip install 'commpatch[spark]'``). ``by``: the summary's grouping. ``step_times``: a step-times CSV (or a
     DataFrame: step, duration_us, optionally rank) instead of the steps the log holds. ``top``:
     collectives listed by arrival skew. ``progress(done, total)``: called as files are read.
 
@@ -331,6 +339,8 @@ class Run:
         step_times=None,
         top: int = 10,
         progress=None,
+        spark_master: str | None = None,
+        spark_dir: str | None = None,
     ) -> None:
         self.paths = _paths(paths)
         self.ranks = parse_ranks(ranks)
@@ -338,6 +348,13 @@ class Run:
         self.by = check_by(by)
         self.top = check_top(top)
         self._engine_choice = check_engine(engine)
+        if (spark_master or spark_dir) and self._engine_choice != "spark":
+            raise ConfigError(
+                f"spark_master / spark_dir (--spark-master / --spark-dir) are for the spark engine, not {self._engine_choice!r}"
+            )
+        if spark_dir is not None and not os.path.isdir(spark_dir):
+            raise ConfigError(f"spark_dir {spark_dir}: not a directory")
+        self.spark_master, self.spark_dir = spark_master, spark_dir
         if isinstance(step_times, (str, os.PathLike)):
             step_times = read_step_times(os.fspath(step_times))
         self.step_times = step_times
@@ -436,7 +453,7 @@ class Run:
         """The report ``commpatch report`` prints (``render.text.Report``: title, findings, advice,
         headline, errors, notes and its tables in ``sections``), from the engine chosen."""
         if self._report is None:
-            self._report = self._engine_report() if self.engine == "duckdb" else self._pandas_report()
+            self._report = self._engine_report() if self.engine in SQL_ENGINES else self._pandas_report()
         return self._report
 
     def _pandas_report(self) -> _text.Report:
@@ -446,7 +463,12 @@ class Run:
     def _engine_report(self) -> _text.Report:
         """Each rank read, reduced and staged in turn by two processes (reading and reducing a rank
         is single-threaded Python / numpy), then queried with DuckDB."""
-        eng = _engine.Engine(by=self.by)
+        if self.engine == "spark":
+            from .analysis.spark import SparkEngine
+
+            eng: _engine.Engine = SparkEngine(by=self.by, master=self.spark_master, temp_dir=self.spark_dir)
+        else:
+            eng = _engine.Engine(by=self.by)
         self._engine, self._closer = eng, weakref.finalize(self, eng.close)
         try:
             transform = functools.partial(
@@ -477,13 +499,13 @@ class Run:
             None, by=self.by, steps=self.step_times, top=self.top, precomputed=pre, run=chosen_run(self.paths)
         )
 
-    @staticmethod
-    def _engine_call(function, *args):
+    def _engine_call(self, function, *args):
         try:
             return function(*args)
         except EngineError as exc:  # out of memory or disk space: say so on one line
+            name = "Spark" if self.engine == "spark" else "DuckDB"
             raise EngineError(
-                f"the DuckDB engine failed ({' '.join(str(exc).split())[:200]}); "
+                f"the {name} engine failed ({' '.join(str(exc).split())[:200]}); "
                 'engine="pandas" (--engine pandas) computes the same report in memory'
             ) from None
 
@@ -493,7 +515,7 @@ class Run:
         if by is None:
             return self.report().sections["summary"]
         by = check_by(by)
-        if self.engine == "duckdb":
+        if self.engine in SQL_ENGINES:
             self.report()
             try:
                 return self._engine_call(self._engine.summary, by)
@@ -636,7 +658,8 @@ class Run:
 
 def open(paths, **options) -> Run:  # noqa: A001 - commpatch.open(path), as tarfile.open / gzip.open
     """A run's rank logs, as a ``Run`` (nothing is read until asked); ``options`` are ``Run``'s:
-    ``ranks``, ``steps``, ``engine``, ``by``, ``step_times``, ``top``, ``progress``."""
+    ``ranks``, ``steps``, ``engine``, ``by``, ``step_times``, ``top``, ``progress``, ``spark_master``,
+    ``spark_dir``."""
     return Run(paths, **options)
 
 

@@ -105,15 +105,6 @@ def _per_distinct(values, function):
     return np.array([function(u) for u in uniques] + [None], dtype=object)[codes]
 
 
-def _engine_errors(function, *args):
-    import duckdb
-
-    try:
-        return function(*args)
-    except duckdb.Error as exc:
-        raise EngineError(str(exc)) from exc
-
-
 def available() -> bool:
     """DuckDB is installed (``pip install 'commpatch[scale]'``)."""
     return importlib.util.find_spec("duckdb") is not None
@@ -448,6 +439,38 @@ class Engine:
                 self.con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}')")
                 self.tables.add(name)
 
+    # ---- what another SQL engine (analysis.spark) does its own way ------------------------------
+    # the reach of each group's members (``_reach``: g, lo, hi, expected) joined to a collective
+    _REACH_JOIN = "ASOF JOIN _reach e ON c.g = e.g AND c.cseq >= e.lo"
+
+    @staticmethod
+    def _errors() -> tuple:
+        """The exceptions of the engine that mean it could not compute the report."""
+        import duckdb
+
+        return (duckdb.Error,)
+
+    @staticmethod
+    def _out_of_memory() -> tuple:
+        """The exceptions of the engine that mean a query ran out of its memory limit."""
+        import duckdb
+
+        return (duckdb.OutOfMemoryException,)
+
+    def _guard(self, function, *args):
+        try:
+            return function(*args)
+        except self._errors() as exc:
+            raise EngineError(str(exc)) from exc
+
+    def _table(self, name: str, frame) -> None:
+        """A table ``name`` holding the pandas DataFrame ``frame``."""
+        self.con.register("_frame", frame)
+        try:
+            self.con.execute(f"CREATE OR REPLACE TABLE {name} AS SELECT * FROM _frame")
+        finally:
+            self.con.unregister("_frame")
+
     def _decode(self, df, column, codes_of):
         """Replace the codes of ``df[column]`` by their names."""
         names = self.names.get(codes_of, {})
@@ -461,7 +484,7 @@ class Engine:
     def results(self, top: int = 10, arrivals_bins: int | None = None) -> Results:
         """Every table of the report; ``arrivals_bins``: also the per-rank arrival matrix (plots)."""
         warn_refused(self.pattern, stacklevel=3)
-        return _engine_errors(self._results, top, arrivals_bins)
+        return self._guard(self._results, top, arrivals_bins)
 
     def _results(self, top, arrivals_bins) -> Results:
         import pandas as pd
@@ -623,11 +646,11 @@ class Engine:
         columns it stores (op, group, dtype, rank, step) and size_bucket."""
         if self.con is None:
             self._connect()
-        return _engine_errors(self._summary, by)
+        return self._guard(self._summary, by)
 
     def arrivals(self, bins: int = 200):
         """The per-rank arrival matrix of the plots (``matching.arrival_matrix``), after ``results()``."""
-        return _engine_errors(self._arrivals, bins)
+        return self._guard(self._arrivals, bins)
 
     def _summary(self, by, where: str = "true", sums_only: bool = False, also: str | None = None):
         """The summary by ``by``, of the rows ``where`` says; ``sums_only``: without the mean, the
@@ -647,7 +670,7 @@ class Engine:
                 )
                 exprs.append((f"CASE op {cases} END" if cases else "NULL", None))
             elif key == "size_bucket":
-                exprs.append(("CASE WHEN bytes > 0 THEN (2.0 ^ ceil(log2(bytes)))::BIGINT ELSE 0 END", None))
+                exprs.append(("CASE WHEN bytes > 0 THEN pow(2.0, ceil(log2(bytes)))::BIGINT ELSE 0 END", None))
             elif key in ("op", "group", "dtype", "rank", "step"):
                 exprs.append((f'"{key}"', key if key in _CAT_COLUMNS else None))
             else:
@@ -683,11 +706,9 @@ class Engine:
         query = f"""
             SELECT {cols}, {sums("true")}, {stats}{f", {bandwidth}" if also else ""}
             FROM {source} WHERE {where} GROUP BY ALL"""
-        import duckdb
-
         try:
             raw = self._df(query)
-        except duckdb.OutOfMemoryException:  # a quantile state holds every duration of its group, in memory
+        except self._out_of_memory():  # a quantile state holds every duration of its group, in memory
             if sums_only:
                 raise
             raw = self._df(query.replace("quantile_cont(dur, [0.5, 0.95]) AS _q", "NULL AS _q"))
@@ -848,9 +869,7 @@ class Engine:
                 "members": [len(expand_ranks(self.group_ranks.get(n, ""))) for n in names],
             }
         )
-        self.con.register("_g", g)
-        self.con.execute("CREATE OR REPLACE TABLE groups AS SELECT * FROM _g")
-        self.con.unregister("_g")
+        self._table("groups", g)
 
     # the first / last arrival of a collective: the earliest / latest issue time, ties broken by rank
     # as the pandas path sorts them (a 128-bit key: 20 bits of rank below the time)
@@ -868,20 +887,17 @@ class Engine:
         collective are those whose log reaches it (``matching.reach_steps``: a log that ends early
         ends its rank's matching, it makes no mismatch)."""
         self._reach()
-        self.con.register("_reach", self.reach)
-        try:
-            self.con.execute(f"""
-                CREATE OR REPLACE TABLE coll AS
-                SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < e.expected AS missing, g.expected - e.expected AS ended,
-                       n = g.members AS complete, g.pos
-                FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
-                             arg_max(rank, {self._order()}) AS straggler, arg_max(step, {self._order()}) AS sstep,
-                             min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
-                      FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
-                JOIN groups g ON c.g = g.g
-                ASOF JOIN _reach e ON c.g = e.g AND c.cseq >= e.lo""")
-        finally:
-            self.con.unregister("_reach")
+        self._table("_reach", self.reach)
+        self.con.execute(f"""
+            CREATE OR REPLACE TABLE coll AS
+            SELECT c.*, (ls - fs) / 1e3 AS skew_us, n < e.expected AS missing, g.expected - e.expected AS ended,
+                   n = g.members AS complete, g.pos
+            FROM (SELECT "group" AS g, cseq, count(*) AS n, min(start_ns) AS fs, max(start_ns) AS ls,
+                         arg_max(rank, {self._order()}) AS straggler, arg_max(step, {self._order()}) AS sstep,
+                         min(hash(op, dtype, bytes)) <> max(hash(op, dtype, bytes)) AS differs
+                  FROM rows WHERE cseq >= 0 GROUP BY "group", cseq) c
+            JOIN groups g ON c.g = g.g
+            {self._REACH_JOIN}""")
         self.matched = True
         tail = self._df("SELECT g, max(cseq) AS last, count(*) AS n FROM coll WHERE ended > 0 GROUP BY g")
         names = self.names.get("group", {})
@@ -900,7 +916,7 @@ class Engine:
             'SELECT "group" AS g, rank::BIGINT AS rank, max(cseq) + 1 AS n FROM rows WHERE cseq >= 0 GROUP BY ALL'
         )
         last = self._df("SELECT rank::BIGINT AS rank, max(start_ns) AS t FROM rows GROUP BY rank")
-        self.con.execute("CREATE OR REPLACE TABLE _last AS SELECT * FROM last")
+        self._table("_last", last)
         last_ns = dict(last.itertuples(index=False, name=None))
         first_ns = dict(
             self._df('SELECT "group" AS g, min(start_ns) AS t FROM rows WHERE cseq >= 0 GROUP BY ALL').itertuples(
@@ -917,7 +933,10 @@ class Engine:
             members = [r for r in expand_ranks(self.group_ranks.get(name, "")) if r in present]
             alive = {r for r in members if last_ns.get(r, -1) > first_ns[code]}
             rows += [(code, lo, n) for lo, n in reach_steps(members, self.by_group.get(code, {}), alive)]
-        self.reach = pd.DataFrame(rows, columns=["g", "lo", "expected"]).astype(np.int64)
+        reach = pd.DataFrame(rows, columns=["g", "lo", "expected"]).astype(np.int64).sort_values(["g", "lo"])
+        # where the next reach of the group starts (an engine without an ASOF join joins on the range)
+        reach["hi"] = reach.groupby("g")["lo"].shift(-1).fillna(2**62).astype(np.int64)
+        self.reach = reach.reset_index(drop=True)
 
     def _join_wanted(self, wanted, sql):
         """Run ``sql`` (which joins ``rows r`` with ``_want w`` on group and cseq) for the collectives
@@ -965,7 +984,7 @@ class Engine:
         if not self.released:
             return self._df("""
                 WITH a AS (
-                    SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g, c.cseq) AS gs,
+                    SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g) AS gs,
                            max(r.start_ns) FILTER (WHERE r.rank <> c.straggler) AS l2,
                            count(*) FILTER (WHERE c.n > 1) AS k
                     FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
@@ -975,7 +994,7 @@ class Engine:
                     FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq WHERE a.gs = 0 AND c.n > 1 GROUP BY ALL)
                 SELECT a.step, a.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, a.k::BIGINT AS collectives
                 FROM a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
-                WHERE a.gs = 3 AND a.k > 0 ORDER BY a.step, rank""")
+                WHERE a.gs = 1 AND a.k > 0 ORDER BY a.step, rank""")
         other, mine = "FILTER (WHERE r.rank <> c.straggler)", "FILTER (WHERE r.rank = c.straggler)"
         order = self._order("r")
         # one statement each (the held times, then the counts beside them): together they ran out of
