@@ -44,12 +44,17 @@ def test_the_duckdb_forms_are_rewritten_for_spark():
     assert "arg_m" not in got and "isfinite" not in got and '"' not in got
 
 
-def test_a_missing_pyspark_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+def test_a_missing_pyspark_or_java_is_named_in_one_line(tmp_path, capsys, monkeypatch):
     write_binary_run(str(tmp_path), 2, 40)
     monkeypatch.setattr(spark, "available", lambda: False)
     assert cli.main(["report", str(tmp_path), "--engine", "spark"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"commpatch report: --engine spark: PySpark is not installed: {spark.INSTALL}", err
+    monkeypatch.setattr(spark, "available", lambda: True)
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "no-java"))
+    assert cli.main(["report", str(tmp_path), "--engine", "spark"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--engine spark: no Java found (PySpark runs on Java 17 or newer): install it or set JAVA_HOME")
     with pytest.raises(commpatch.ConfigError, match="spark_master / spark_dir"):
         commpatch.open(str(tmp_path), engine="pandas", spark_master="local[1]")
 

@@ -21,6 +21,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from typing import Any
@@ -33,6 +34,15 @@ INSTALL = "pip install 'commpatch[spark]' (PySpark 4, with Java 17 or newer)"
 def available() -> bool:
     """PySpark is installed (``pip install 'commpatch[spark]'``)."""
     return importlib.util.find_spec("pyspark") is not None
+
+
+def java() -> str | None:
+    """The Java that PySpark starts (``$JAVA_HOME/bin/java``, else ``java`` on the PATH), or None."""
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        path = os.path.join(home, "bin", "java")
+        return path if os.access(path, os.X_OK) else None
+    return shutil.which("java")
 
 
 # ---- the dialect ------------------------------------------------------------------------------
