@@ -186,7 +186,9 @@ def check_engine(value, name: str = "engine") -> str:
         if not spark.available():
             raise ConfigError(f"{name} spark: PySpark is not installed: {spark.INSTALL}")
         if not spark.java():
-            raise ConfigError(f"{name} spark: no Java found (PySpark runs on Java 17 or newer): install it or set JAVA_HOME")
+            raise ConfigError(
+                f"{name} spark: no Java found (PySpark runs on Java 17 or newer): install it or set JAVA_HOME"
+            )
     return value
 
 
