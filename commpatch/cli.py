@@ -609,7 +609,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--spark-dir",
         metavar="DIR",
-        help="with --engine spark: where the ranks are staged for Spark, a directory every executor reads "
+        help="with --engine spark: where Spark's executors stage the ranks, a directory each of them reads and writes "
         "at the same path (a shared file system; default: the temporary directory)",
     )
     p.add_argument("--top", type=int, default=10, help="collectives listed by arrival skew (default 10)")

@@ -489,6 +489,7 @@ class Run:
                 progress=self.progress,
                 workers=min(2, os.cpu_count() or 1),
                 batch_bytes=_engine.STAGE_BATCH_BYTES,
+                run_tasks=getattr(eng, "run_tasks", None),  # Spark: on its executors
             ):
                 eng.add(staged)
                 in_flight += staged.in_flight

@@ -1,6 +1,6 @@
 """The report on Apache Spark (``--engine spark``) equals the DuckDB engine's, key by key (every
 section, finding, headline and advice of ``Run.to_dict()``), on a 64-rank run with a straggler, a
-size mismatch and a hang: in local mode, and on a real standalone cluster (a master and two
+size mismatch and a hang, the ranks read and staged by Spark's executors: in local mode, and on a real standalone cluster (a master and two
 workers, each its own JVM process on 127.0.0.1, started and stopped here). The dialect rewrite is
 checked on its own, and a missing PySpark is named in one line."""
 
@@ -93,17 +93,33 @@ def run64(tmp_path_factory):
 @needs_spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_spark_in_local_mode_gives_the_duckdb_report(run64, tmp_path):
+def test_spark_in_local_mode_gives_the_duckdb_report(run64, tmp_path, monkeypatch):
     staged = tmp_path / "staged"
     staged.mkdir()
+    writers = set()
+    close = spark.SparkEngine.close
+
+    def close_and_see(self):  # the staged files' names say which process wrote them (engine.stage)
+        rows = os.path.join(self.directory, "rows")
+        writers.update(int(name.split("-")[1]) for name in os.listdir(rows))
+        close(self)
+
+    monkeypatch.setattr(spark.SparkEngine, "close", close_and_see)
     _assert_same_findings(run64, spark_master="local[2]", spark_dir=str(staged))
+    assert writers and os.getpid() not in writers  # read and staged by Spark's Python workers
     assert os.listdir(staged) == []  # the staged ranks are removed with the run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held open together while chosen: no port given twice)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @pytest.fixture
@@ -113,7 +129,7 @@ def standalone_cluster(tmp_path):
     import pyspark
 
     spark_class = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-class")
-    port, ui = _free_port(), _free_port()
+    port, ui, *worker_ui = _free_ports(4)
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1")
     procs = []
 
@@ -140,7 +156,7 @@ def standalone_cluster(tmp_path):
         for i in (1, 2):
             start(
                 "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1", "--cores", "1", "--memory", "1g",
-                "--webui-port", str(_free_port()), "--work-dir", str(tmp_path / f"work{i}"), log=f"worker{i}.log",
+                "--webui-port", str(worker_ui[i - 1]), "--work-dir", str(tmp_path / f"work{i}"), log=f"worker{i}.log",
             )  # fmt: skip
         deadline, alive = time.monotonic() + 120, 0
         while time.monotonic() < deadline and alive < 2:

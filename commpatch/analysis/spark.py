@@ -22,6 +22,7 @@ import importlib.util
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import Any
@@ -148,6 +149,8 @@ def session(master: str | None = None):
         ("spark.sql.session.timeZone", "UTC"),
         ("spark.log.structuredLogging.enabled", "false"),
         ("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{_LOG_CONFIG}"),
+        # the executors' Python, which reads and stages the ranks: this one, unless PYSPARK_PYTHON says
+        ("spark.pyspark.python", os.environ.get("PYSPARK_PYTHON") or sys.executable),
     ):
         conf.set(key, value)
     if master.startswith("local"):
@@ -267,6 +270,16 @@ class SparkEngine(Engine):
     @staticmethod
     def _out_of_memory() -> tuple:
         return ()  # Spark spills its sorts and shuffles; an executor out of memory fails the query
+
+    def run_tasks(self, tasks, run):
+        """``io.read_ranks``' tasks (batches of ranks to read and stage) on Spark's executors, one
+        Spark task each: the ranks are read and staged where Spark runs (each executor reads the
+        logs and writes the staged files at the paths the driver sees: a shared file system on a
+        cluster); what ``stage`` returns comes back to the driver, in order."""
+        if not tasks:
+            return iter(())
+        context = session(self.master).sparkContext
+        return iter(context.parallelize(tasks, len(tasks)).map(run).collect())
 
     def _connect(self) -> None:
         self.con = _Connection(session(self.master))

@@ -9,6 +9,7 @@ The package's and the users' entry point: the names of ``discovery`` (``runs``, 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -245,7 +246,15 @@ def _stepless_ranks(pa, data) -> list:
 
 
 def read_ranks(
-    paths, transform, columns=None, ranks=None, steps=None, progress=None, workers: int = 1, batch_bytes: int = 0
+    paths,
+    transform,
+    columns=None,
+    ranks=None,
+    steps=None,
+    progress=None,
+    workers: int = 1,
+    batch_bytes: int = 0,
+    run_tasks=None,
 ):
     """Yield ``transform(df)`` for the rows of each rank in turn (``df`` as ``read`` gives it for
     that rank's file(s)): memory for ``workers`` ranks at a time, whatever the number of ranks.
@@ -254,7 +263,9 @@ def read_ranks(
     checks and warnings as ``read``; ``progress(done, total)`` after each rank, or each batch (``done``: ranks read).
     ``batch_bytes``: ranks whose files together hold up to that many bytes (at most
     ``BATCH_RANKS``) are read and transformed as one frame (``transform`` must then take any
-    ranks): a rank's fixed cost in pandas (~0.1 s) is paid once per batch."""
+    ranks): a rank's fixed cost in pandas (~0.1 s) is paid once per batch. ``run_tasks(tasks, run)``:
+    another way to run the tasks (e.g. on a Spark cluster's executors: ``analysis.spark``), which
+    gives ``run(task)`` of each task, in order (``run`` is picklable)."""
     plan = _Plan(columns, ranks, steps)
     notes = Notes()
     try:
@@ -265,7 +276,11 @@ def read_ranks(
             by_rank.setdefault(("rank", rank) if rank is not None else ("file", path), []).append((path, scanned))
         tasks = _batches(list(by_rank.items()), batch_bytes)
         jobs, foreign, done = Jobs(), 0, 0
-        for task, (result, problems, keys, n_foreign) in zip(tasks, _run_tasks(tasks, plan, transform, workers)):
+        if run_tasks is None:
+            results = _run_tasks(tasks, plan, transform, workers)
+        else:
+            results = run_tasks(tasks, functools.partial(_rank_task, plan=plan, transform=transform))
+        for task, (result, problems, keys, n_foreign) in zip(tasks, results):
             if result is _UNBATCHED:  # a file of the batch holds rows of a rank it is not named after
                 outcomes = [_rank_task([entry], plan, transform) for entry in task]
             else:
