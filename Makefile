@@ -10,7 +10,7 @@ STAMP = .make-installed
 $(STAMP): setup.py pyproject.toml commpatch/record/_hot.c ci/apt-packages.txt
 	ci/apt.sh
 	$(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[test,frameworks,trackers]"
+	$(PIP) install -e ".[test,frameworks,trackers,spark]"
 	$(PYTHON) -m commpatch install-hook
 	@touch $(STAMP)
 
