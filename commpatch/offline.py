@@ -356,6 +356,13 @@ class Run:
             raise ConfigError(
                 f"spark_master / spark_dir (--spark-master / --spark-dir) are for the spark engine, not {self._engine_choice!r}"
             )
+        if self._engine_choice == "spark":
+            from .analysis import spark
+
+            try:
+                spark.check_master(spark_master)
+            except ValueError as exc:
+                raise ConfigError(f"spark_master (--spark-master) {exc}") from None
         if spark_dir is not None and not os.path.isdir(spark_dir):
             raise ConfigError(f"spark_dir {spark_dir}: not a directory")
         self.spark_master, self.spark_dir = spark_master, spark_dir
@@ -480,19 +487,22 @@ class Run:
             )
             columns = set(analysis.REPORT_COLUMNS) | set(self.by) - {"size_bucket"}
             in_flight = 0
-            for staged in io.read_ranks(
-                self.paths,
-                transform,
-                columns=columns,
-                ranks=self.ranks,
-                steps=self.window,
-                progress=self.progress,
-                workers=min(2, os.cpu_count() or 1),
-                batch_bytes=_engine.STAGE_BATCH_BYTES,
-                run_tasks=getattr(eng, "run_tasks", None),  # Spark: on its executors
-            ):
-                eng.add(staged)
-                in_flight += staged.in_flight
+            try:
+                for staged in io.read_ranks(
+                    self.paths,
+                    transform,
+                    columns=columns,
+                    ranks=self.ranks,
+                    steps=self.window,
+                    progress=self.progress,
+                    workers=min(2, os.cpu_count() or 1),
+                    batch_bytes=_engine.STAGE_BATCH_BYTES,
+                    run_tasks=getattr(eng, "run_tasks", None),  # Spark: on its executors
+                ):
+                    eng.add(staged)
+                    in_flight += staged.in_flight
+            except EngineError as exc:  # Spark's executors read and stage the ranks: it failed there
+                raise self._engine_failed(exc) from None
             self._check_rows(eng.counts["calls"])
             pre = self._engine_call(eng.results, self.top)
         except BaseException:
@@ -508,11 +518,14 @@ class Run:
         try:
             return function(*args)
         except EngineError as exc:  # out of memory or disk space: say so on one line
-            name = "Spark" if self.engine == "spark" else "DuckDB"
-            raise EngineError(
-                f"the {name} engine failed ({' '.join(str(exc).split())[:200]}); "
-                'engine="pandas" (--engine pandas) computes the same report in memory'
-            ) from None
+            raise self._engine_failed(exc) from None
+
+    def _engine_failed(self, exc: EngineError) -> EngineError:
+        name = "Spark" if self.engine == "spark" else "DuckDB"
+        return EngineError(
+            f"the {name} engine failed ({' '.join(str(exc).split())[:300]}); "
+            'engine="pandas" (--engine pandas) computes the same report in memory'
+        )
 
     def summary(self, by=None):
         """Calls, time, bytes and bandwidth per ``by`` (default the Run's ``by``: the report's

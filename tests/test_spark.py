@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import warnings
@@ -23,6 +24,8 @@ from commpatch import cli
 from commpatch.analysis import engine, spark
 from commpatch.testing import write_binary_run
 from tests.test_engine_parity import differences
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 needs_spark = pytest.mark.skipif(
     not (spark.available() and engine.available() and shutil.which("java")),
@@ -57,6 +60,29 @@ def test_a_missing_pyspark_or_java_is_named_in_one_line(tmp_path, capsys, monkey
     assert err.endswith("--engine spark: no Java found (PySpark runs on Java 17 or newer): install it or set JAVA_HOME")
     with pytest.raises(commpatch.ConfigError, match="spark_master / spark_dir"):
         commpatch.open(str(tmp_path), engine="pandas", spark_master="local[1]")
+
+
+def test_a_bad_master_url_or_a_jvm_that_does_not_start_is_one_line(tmp_path, capsys):
+    write_binary_run(str(tmp_path / "run"), 2, 40)
+    assert cli.main(["report", str(tmp_path / "run"), "--engine", "spark", "--spark-master", "local[2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"commpatch report: spark_master (--spark-master) 'local[2': not a Spark master URL ({spark.MASTERS})"
+    for good in ("local", "local[*]", "local[4]", "spark://a:7077,b:7077", "yarn", "k8s://https://h:443"):
+        spark.check_master(good)
+    # a Java that exits at once (a real process, as a broken JVM does): its last words in the one line
+    java = tmp_path / "jdk" / "bin" / "java"
+    java.parent.mkdir(parents=True)
+    java.write_text("#!/bin/sh\necho 'Error: this JVM refuses to start' >&2\nexit 1\n")
+    java.chmod(0o755)
+    env = dict(os.environ, JAVA_HOME=str(tmp_path / "jdk"), COMMPATCH_OUTPUT="none")
+    done = subprocess.run(
+        [sys.executable, "-m", "commpatch", "report", str(tmp_path / "run"), "--engine", "spark"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("commpatch report: the Spark engine failed ([JAVA_GATEWAY_EXITED]"), lines
+    assert "Java: Error: this JVM refuses to start" in lines[0] and "Traceback" not in done.stderr
 
 
 def _reports(path, **spark_options) -> tuple[dict, dict]:
@@ -193,3 +219,19 @@ def test_spark_on_a_standalone_cluster_gives_the_duckdb_report(run64, standalone
         apps = json.load(r)
     ran = apps["activeapps"] + apps["completedapps"]
     assert [a["name"] for a in ran] == ["commpatch report"], ran  # the queries ran on the cluster's executors
+
+
+@needs_spark
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_unreachable_master_is_named_in_one_line(run64, capsys):
+    """No master at that address: Spark's client gives up after its retries (~1 min), and the
+    report says so in one line, with Spark's own reason."""
+    (port,) = _free_ports(1)
+    try:
+        assert cli.main(["report", run64, "--engine", "spark", "--spark-master", f"spark://127.0.0.1:{port}"]) == 2
+    finally:
+        spark.stop()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("commpatch report: the Spark engine failed ("), err
+    assert "All masters are unresponsive! Giving up." in err[0], err

@@ -457,11 +457,16 @@ class Engine:
 
         return (duckdb.OutOfMemoryException,)
 
+    @staticmethod
+    def _message(exc: BaseException) -> str:
+        """What the report says of the engine's exception ``exc``."""
+        return str(exc)
+
     def _guard(self, function, *args):
         try:
             return function(*args)
         except self._errors() as exc:
-            raise EngineError(str(exc)) from exc
+            raise EngineError(self._message(exc)) from exc
 
     def _table(self, name: str, frame) -> None:
         """A table ``name`` holding the pandas DataFrame ``frame``."""

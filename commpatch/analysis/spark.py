@@ -121,6 +121,7 @@ def to_spark(sql: str) -> str:
 
 # ---- the session and its connection -----------------------------------------------------------
 _LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark_log4j2.properties")
+_LOG: list = []  # the path of the file the JVM's console goes to
 _SESSIONS: dict = {}  # master URL -> SparkSession (one JVM per process: a session is reused)
 
 
@@ -159,6 +160,7 @@ def session(master: str | None = None):
     if SparkContext._gateway is None:  # the JVM, once per process
         log = tempfile.NamedTemporaryFile(prefix="commpatch-spark-", suffix=".log", delete=False)
         atexit.register(_remove, log.name)
+        _LOG[:] = [log.name]
         gateway = launch_gateway(conf, popen_kwargs={"stdout": log, "stderr": log})
         log.close()
     context = SparkContext(conf=conf, gateway=gateway)
@@ -166,6 +168,38 @@ def session(master: str | None = None):
     spark = SparkSession(context)
     _SESSIONS[master] = spark
     return spark
+
+
+MASTERS = "local, local[N], local[*], spark://HOST:PORT, yarn or k8s://https://HOST:PORT"
+_MASTER = re.compile(
+    r"^(local(\[(\*|[1-9][0-9]*)(, *[0-9]+)?\])?|spark://[^\s/]+(:[0-9]+)?(,[^\s/]+(:[0-9]+)?)*|yarn|k8s://\S+)$"
+)
+
+
+def check_master(master: str | None) -> None:
+    """Raise ValueError naming what is allowed when ``master`` is no Spark master URL."""
+    if master is not None and not _MASTER.match(master):
+        raise ValueError(f"{master!r}: not a Spark master URL ({MASTERS})")
+
+
+def _why(exc: BaseException) -> str:
+    """One line of why Spark failed: its message, and the JVM's last error in its console's file
+    (e.g. "All masters are unresponsive! Giving up."), which the exception may not carry."""
+    text = " ".join(str(exc).split("\n\tat ")[0].split())[:200]
+    said = []
+    if _LOG:
+        with contextlib.suppress(OSError), open(_LOG[0], errors="replace") as f:
+            said = [
+                line.strip()
+                for line in f
+                if line.strip() and not line.startswith(("WARNING", "\t", " ")) and "spark-class: line" not in line
+            ]  # (spark-class's own complaint when the launcher it runs with Java failed: not the cause)
+    errors = [line for line in said if line.startswith("spark: ERROR")]
+    if errors:
+        text = f"{text}; Spark: {errors[-1].split(': ', 2)[-1]}"
+    elif said and "JAVA_GATEWAY_EXITED" in text:  # the JVM did not start: what it printed last
+        text = f"{text}; Java: {said[-1]}"
+    return text[:400]
 
 
 def stop() -> None:
@@ -278,8 +312,11 @@ class SparkEngine(Engine):
         cluster); what ``stage`` returns comes back to the driver, in order."""
         if not tasks:
             return iter(())
-        context = session(self.master).sparkContext
-        return iter(context.parallelize(tasks, len(tasks)).map(run).collect())
+        return iter(
+            self._guard(lambda: session(self.master).sparkContext.parallelize(tasks, len(tasks)).map(run).collect())
+        )
+
+    _message = staticmethod(_why)
 
     def _connect(self) -> None:
         self.con = _Connection(session(self.master))
