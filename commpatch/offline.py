@@ -30,6 +30,7 @@ import pandas as pd
 from . import analysis, io
 from .analysis import diff as _diff
 from .analysis import engine as _engine
+from .analysis import spark
 from .analysis.engine import EngineError
 from .analysis.pattern import StepPatternWarning
 from .config import ConfigError
@@ -181,8 +182,6 @@ def check_engine(value, name: str = "engine") -> str:
     if value == "duckdb" and not _engine.available():
         raise ConfigError(f"{name} duckdb: DuckDB is not installed: pip install 'commpatch[scale]'")
     if value == "spark":
-        from .analysis import spark
-
         if not spark.available():
             raise ConfigError(f"{name} spark: PySpark is not installed: {spark.INSTALL}")
         if not spark.java():
@@ -357,8 +356,6 @@ class Run:
                 f"spark_master / spark_dir (--spark-master / --spark-dir) are for the spark engine, not {self._engine_choice!r}"
             )
         if self._engine_choice == "spark":
-            from .analysis import spark
-
             try:
                 spark.check_master(spark_master)
             except ValueError as exc:
@@ -475,9 +472,7 @@ class Run:
         """Each rank read, reduced and staged in turn by two processes (reading and reducing a rank
         is single-threaded Python / numpy), then queried with DuckDB."""
         if self.engine == "spark":
-            from .analysis.spark import SparkEngine
-
-            eng: _engine.Engine = SparkEngine(by=self.by, master=self.spark_master, temp_dir=self.spark_dir)
+            eng: _engine.Engine = spark.SparkEngine(by=self.by, master=self.spark_master, temp_dir=self.spark_dir)
         else:
             eng = _engine.Engine(by=self.by)
         self._engine, self._closer = eng, weakref.finalize(self, eng.close)

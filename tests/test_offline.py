@@ -162,7 +162,7 @@ def test_nothing_in_the_selection_is_one_line(logs, capsys):
 
 def test_other_bad_arguments_are_config_errors(logs, tmp_path):
     for kwargs in (
-        dict(engine="spark"),
+        dict(engine="polars"),
         dict(ranks=[-1]),
         dict(ranks=[]),
         dict(steps=(1, 2, 3)),
