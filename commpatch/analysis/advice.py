@@ -609,6 +609,9 @@ def _at_step(wanted, steps, values):
 RANK_STEP_COLUMNS = ("steps", "step_us", "busy_us", "exposed_us", "outside_us", "cpu_us", "input_us", "input_cpu_us")
 
 
+RANK_STEPS_READS = ("rank", "step", "stage", "step_us", "busy_us", "exposed_us")  # of steps.per_step(by_rank=True)
+
+
 def rank_steps(by_rank, marks=None):
     """The report's per-rank table of the steady state (section ``rank_steps``), medians over the
     steady-state steps of each rank: step_us, busy_us (communication in flight, every call: the async
@@ -618,9 +621,7 @@ def rank_steps(by_rank, marks=None):
     import pandas as pd
 
     steady = by_rank[by_rank["stage"] == "steady"]
-    t = steady[["rank", "step", "step_us", "busy_us", "exposed_us"]].assign(
-        outside_us=steady["step_us"] - steady["busy_us"]
-    )
+    t = steady[[c for c in RANK_STEPS_READS if c != "stage"]].assign(outside_us=steady["step_us"] - steady["busy_us"])
     if marks is not None and len(marks):
         t = t.merge(marks[["rank", "step", "cpu_us", "input_us", "input_cpu_us"]], on=["rank", "step"], how="left")
     else:
