@@ -121,7 +121,7 @@ def to_spark(sql: str) -> str:
 
 # ---- the session and its connection -----------------------------------------------------------
 _LOG_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark_log4j2.properties")
-_LOG: list = []  # the path of the file the JVM's console goes to
+_LOG: list = []  # [the file the JVM's console goes to, its size when the current session began]
 _SESSIONS: dict = {}  # master URL -> SparkSession (one JVM per process: a session is reused)
 
 
@@ -160,9 +160,12 @@ def session(master: str | None = None):
     if SparkContext._gateway is None:  # the JVM, once per process
         log = tempfile.NamedTemporaryFile(prefix="commpatch-spark-", suffix=".log", delete=False)
         atexit.register(_remove, log.name)
-        _LOG[:] = [log.name]
+        _LOG[:] = [log.name, 0]
         gateway = launch_gateway(conf, popen_kwargs={"stdout": log, "stderr": log})
         log.close()
+    if _LOG:
+        with contextlib.suppress(OSError):
+            _LOG[1] = os.path.getsize(_LOG[0])
     context = SparkContext(conf=conf, gateway=gateway)
     context.setLogLevel("ERROR")
     spark = SparkSession(context)
@@ -189,14 +192,15 @@ def _why(exc: BaseException) -> str:
     said = []
     if _LOG:
         with contextlib.suppress(OSError), open(_LOG[0], errors="replace") as f:
+            f.seek(_LOG[1])  # what the JVM said since this session began
             said = [
                 line.strip()
                 for line in f
                 if line.strip() and not line.startswith(("WARNING", "\t", " ")) and "spark-class: line" not in line
             ]  # (spark-class's own complaint when the launcher it runs with Java failed: not the cause)
     errors = [line for line in said if line.startswith("spark: ERROR")]
-    if errors:
-        text = f"{text}; Spark: {errors[-1].split(': ', 2)[-1]}"
+    if errors:  # the first: what follows is the shutdown it caused (listeners failing, ...)
+        text = f"{text}; Spark: {errors[0].split(': ', 2)[-1]}"
     elif said and "JAVA_GATEWAY_EXITED" in text:  # the JVM did not start: what it printed last
         text = f"{text}; Java: {said[-1]}"
     return text[:400]
