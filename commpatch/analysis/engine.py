@@ -423,22 +423,31 @@ class Engine:
         self.released += staged.released
 
     def _connect(self) -> None:
+        self.con = self._open()
+        for name in ("rows", "steps", "p2p", "buckets"):  # what ``stage`` wrote
+            if os.path.isdir(os.path.join(self.directory, name)):
+                self._parquet_view(name, os.path.join(self.directory, name))
+                self.tables.add(name)
+
+    def _open(self):
+        """A connection to the engine, set up for the report."""
         import duckdb
 
-        self.con = duckdb.connect(":memory:")
+        con = duckdb.connect(":memory:")
         for setting, value in (
             ("memory_limit", self.memory_limit),
             ("temp_directory", os.path.join(self.directory, "spill")),
             ("preserve_insertion_order", "false"),
         ):
-            self.con.execute(f"SET {setting}='{value}'")
+            con.execute(f"SET {setting}='{value}'")
         if self.threads:
-            self.con.execute(f"SET threads={int(self.threads)}")
-        for name in ("rows", "steps", "p2p", "buckets"):
-            if os.path.isdir(os.path.join(self.directory, name)):
-                pattern = os.path.join(self.directory, name, "*.parquet").replace("'", "''")
-                self.con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}')")
-                self.tables.add(name)
+            con.execute(f"SET threads={int(self.threads)}")
+        return con
+
+    def _parquet_view(self, name: str, directory: str) -> None:
+        """A view ``name`` of the Parquet files in ``directory``."""
+        pattern = os.path.join(directory, "*.parquet").replace("'", "''")
+        self.con.execute(f"CREATE VIEW {name} AS SELECT * FROM read_parquet('{pattern}')")
 
     # ---- what another SQL engine (analysis.spark) does its own way ------------------------------
     # the reach of each group's members (``_reach``: g, lo, hi, expected) joined to a collective

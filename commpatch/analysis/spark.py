@@ -254,7 +254,7 @@ class _Connection:
         dropped = _DROP.match(sql)
         if dropped:
             self.unregister(dropped.group(1))
-            return _Result(self.spark.createDataFrame([], "x INT"))
+            return None
         return _Result(self.spark.sql(to_spark(sql), args=list(params or ())))
 
     def register(self, name: str, frame) -> None:
@@ -322,9 +322,8 @@ class SparkEngine(Engine):
 
     _message = staticmethod(_why)
 
-    def _connect(self) -> None:
-        self.con = _Connection(session(self.master))
-        for name in ("rows", "steps", "p2p", "buckets"):
-            if os.path.isdir(os.path.join(self.directory, name)):
-                self.con.read_parquet(name, os.path.join(self.directory, name))
-                self.tables.add(name)
+    def _open(self):
+        return _Connection(session(self.master))
+
+    def _parquet_view(self, name: str, directory: str) -> None:
+        self.con.read_parquet(name, directory)
