@@ -276,10 +276,8 @@ def read_ranks(
             by_rank.setdefault(("rank", rank) if rank is not None else ("file", path), []).append((path, scanned))
         tasks = _batches(list(by_rank.items()), batch_bytes)
         jobs, foreign, done = Jobs(), 0, 0
-        if run_tasks is None:
-            results = _run_tasks(tasks, plan, transform, workers)
-        else:
-            results = run_tasks(tasks, functools.partial(_rank_task, plan=plan, transform=transform))
+        run = functools.partial(_rank_task, plan=plan, transform=transform)
+        results = (run_tasks or functools.partial(_run_tasks, workers=workers))(tasks, run)
         for task, (result, problems, keys, n_foreign) in zip(tasks, results):
             if result is _UNBATCHED:  # a file of the batch holds rows of a rank it is not named after
                 outcomes = [_rank_task([entry], plan, transform) for entry in task]
@@ -328,10 +326,11 @@ def _batches(groups, batch_bytes):
 _UNBATCHED = "unbatched"  # _rank_task's result for a batch to read one rank at a time
 
 
-def _run_tasks(tasks, plan, transform, workers):
+def _run_tasks(tasks, run, workers):
+    """``run(task)`` of each task, in order: here, or in ``workers`` processes."""
     if workers <= 1 or len(tasks) < 2:
         for task in tasks:
-            yield _rank_task(task, plan, transform)
+            yield run(task)
         return
     import concurrent.futures
     import multiprocessing
@@ -342,7 +341,7 @@ def _run_tasks(tasks, plan, transform, workers):
         try:
             while queue or pending:
                 while queue and len(pending) < 2 * workers:  # a bounded window: memory for a few ranks
-                    pending.append(pool.submit(_rank_task, queue.pop(), plan, transform))
+                    pending.append(pool.submit(run, queue.pop()))
                 yield pending.pop(0).result()
         finally:
             for future in pending:
