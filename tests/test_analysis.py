@@ -328,3 +328,49 @@ def test_bandwidth_from_the_transfer_time_not_the_wait_for_late_ranks():
     # a group with a member's log missing: the own time
     three = df[df["rank"] != 2].reset_index(drop=True)
     np.testing.assert_allclose(analysis.transfer_times(three), three["own_us"].to_numpy())
+
+
+def test_the_array_helpers_equal_numpy_and_pandas():
+    """arrays.lexsort skips the sort of rows in order already, arrays.running_max replaces a pandas
+    group-by cummax, hangs._counts a pandas group-by size: each equal to what it replaces, on random
+    keys with ties, NaN and infinities (and the counts' fallback for keys too many for one integer)."""
+    from commpatch.analysis import hangs
+    from commpatch.analysis.arrays import lexsort, running_max
+
+    rng = np.random.default_rng(7)
+    for trial in range(2000):
+        n = int(rng.integers(0, 60))
+        keys = []
+        for _ in range(int(rng.integers(1, 4))):
+            key = rng.integers(0, 4, n) if rng.random() < 0.5 else rng.normal(size=n).round(1)
+            if key.dtype.kind == "f" and n and rng.random() < 0.2:
+                key[rng.integers(0, n)] = np.nan
+            keys.append(np.sort(key) if rng.random() < 0.3 else key)
+        if rng.random() < 0.4:  # rows in order already
+            order = np.lexsort(keys)
+            keys = [k[order] for k in keys]
+        assert np.array_equal(lexsort(keys), np.lexsort(keys)), trial
+        groups = np.sort(rng.integers(0, 8, n)) + int(rng.integers(0, 10**6))
+        values = rng.normal(size=n) * rng.choice([1.0, 1e9])
+        values[rng.random(n) < 0.1] = np.nan
+        values[rng.random(n) < 0.05] = rng.choice([np.inf, -np.inf])
+        expected = pd.Series(values).groupby(groups).cummax().to_numpy() if n else np.zeros(0)
+        kept = ~np.isnan(values)  # (pandas keeps a NaN there; the maximum before it is kept here)
+        assert np.array_equal(running_max(values, groups)[kept], expected[kept]), trial
+    rank = rng.integers(0, 5, 500) * 7
+    group, op, peer = rng.integers(0, 3, 500), rng.integers(0, 4, 500), rng.integers(-1, 6, 500)
+    ranks, at = np.unique(rank, return_inverse=True)
+    names = np.array(["g0", "g1", "g2"], object), np.array(["a", "b", "c", "d"], object)
+    counts = hangs._counts(ranks, at, group, op, peer, *names)
+    table = (
+        pd.DataFrame({"rank": rank, "group": group, "op": op, "peer": peer})
+        .groupby(["rank", "group", "op", "peer"], sort=True)
+        .size()
+    )
+    assert counts["n"].tolist() == table.tolist()
+    assert counts["rank"].tolist() == table.index.get_level_values("rank").tolist()
+    assert counts["group"].tolist() == names[0][table.index.get_level_values("group")].tolist()
+    assert counts["op"].tolist() == names[1][table.index.get_level_values("op")].tolist()
+    assert counts["peer"].tolist() == table.index.get_level_values("peer").tolist()
+    wide = hangs._counts(ranks, at, group, op, peer - 1, *names)  # a peer below -1: the group-by
+    assert wide["peer"].tolist() == (counts["peer"] - 1).tolist() and wide["n"].tolist() == counts["n"].tolist()

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..data.logfile import JOB_ATTR
 from . import stragglers
+from .arrays import lexsort
 from .steps import _bucket_mask, per_step, steady_rows, steady_state
 from .summaries import own_durations, size_bucket, transfer_durations
 
@@ -443,7 +444,7 @@ def _back_to_back_us(rows) -> np.ndarray:
     rank, seq, step = rows["rank"].to_numpy(), rows["seq"].to_numpy(np.int64), rows["step"].to_numpy()
     start = rows["start_ns"].to_numpy(np.int64)
     end = start + (np.nan_to_num(rows["duration_us"].to_numpy(np.float64)) * 1e3).astype(np.int64)
-    order = np.lexsort((seq, rank))
+    order = lexsort((seq, rank))
     gap = np.zeros(len(rows))
     if len(rows) > 1:
         o = order

@@ -33,6 +33,7 @@ from ..data.ops import describe_op
 from ..data.schema import STEPLESS_ATTR, expand_ranks
 from . import hangs as _hangs
 from .advice import RANK_STEPS_READS
+from .arrays import lexsort
 from .findings import ENGINE_LEFT_OUT
 from .hangs import merge_flights
 from .matching import (
@@ -286,7 +287,7 @@ def _p2p_rows(df, op_local, op_names, rows):
     if not len(sel):
         return None
     seq, rank = df["seq"].to_numpy(np.int64)[sel], rows["rank"][sel].astype(np.int64)
-    order = np.lexsort((seq, rank))
+    order = lexsort((seq, rank))
     sel = sel[order]
     side, channel = side_of[op_local[sel]], channel_of[op_local[sel]]
     rank, peer = rows["rank"][sel].astype(np.int64), peer[sel]
@@ -294,7 +295,7 @@ def _p2p_rows(df, op_local, op_names, rows):
     group = rows["group"][sel]
     # k: the running count within equal keys, in seq order (lexsort is stable)
     keys = (side, dst, src, channel, group)
-    by_key = np.lexsort(keys)
+    by_key = lexsort(keys)
     change = np.zeros(len(sel), bool)
     change[0] = True
     for x in keys:

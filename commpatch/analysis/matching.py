@@ -25,6 +25,7 @@ from ..data.attrs import shared
 from ..data.clock import CLOCK_ATTR
 from ..data.ops import P2P_OPS
 from ..data.schema import expand_ranks
+from .arrays import lexsort
 from .stragglers import step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
@@ -83,7 +84,7 @@ def collective_seq(df):
         else df["group"].astype("category").cat.codes.to_numpy()
     )
     gseq = df["group_seq"].to_numpy()
-    order = np.lexsort((gseq, group, rank))
+    order = lexsort((gseq, group, rank))
     first, last = _runs(rank[order], group[order])
     cum = np.cumsum(p2p[order])
     base = np.repeat(np.append(0, cum)[first], last - first + 1)  # p2p calls before the run
@@ -128,7 +129,7 @@ def _match(df):
     group = sub["group"].cat.codes.to_numpy().astype(np.int64)
     start = sub["start_ns"].to_numpy()
     rank = sub["rank"].to_numpy()
-    order = np.lexsort((rank, start, cseq, group))
+    order = lexsort((rank, start, cseq, group))
     first, last = _runs(group[order], cseq[order])
     size = last - first + 1
     run_of = np.repeat(np.arange(len(first)), size)  # sorted row -> collective
@@ -268,7 +269,7 @@ def releases(df, cseq, group):
     rank, seq, start = df["rank"].to_numpy(np.int64), df["seq"].to_numpy(np.int64), df["start_ns"].to_numpy(np.int64)
     step = df["step"].to_numpy(np.int64)
     idx = np.flatnonzero(cseq >= 0)
-    o = idx[np.lexsort((seq[idx], rank[idx]))]  # each rank's collectives in issue order
+    o = idx[lexsort((seq[idx], rank[idx]))]  # each rank's collectives in issue order
     if len(o) < 2:
         return rel, key, known
     rooted = df["peer"].to_numpy(np.int64) >= 0 if "peer" in df.columns else np.zeros(n, bool)

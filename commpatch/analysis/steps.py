@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import lexsort, running_max
 from .matching import with_transfer
 from .pattern import with_pattern_steps
 from .summaries import durations, size_bucket, summary
@@ -67,14 +68,12 @@ STAGES = ("setup", "steady", "end")
 
 def _union(groups, start, end, n):
     """Per group (ints 0..n-1): the length of the union of the intervals [start, end]."""
-    import pandas as pd
-
     if len(groups) == 0:
         return np.zeros(n)
-    order = np.lexsort((start, groups))
+    order = lexsort((start, groups))
     g, s, e = groups[order], start[order], end[order]
     new = np.r_[True, g[1:] != g[:-1]]
-    furthest = pd.Series(e).groupby(g).cummax().to_numpy()
+    furthest = running_max(e, g)
     previous = np.r_[-np.inf, furthest[:-1]]
     previous[new] = -np.inf
     return np.bincount(g, weights=np.clip(e - np.maximum(s, previous), 0, None), minlength=n)
@@ -107,7 +106,7 @@ def per_step(df, steps=None, by_rank: bool = True):
 
     df = with_pattern_steps(df)
     rank_all, step_all, start_all = df["rank"].to_numpy(), df["step"].to_numpy(), df["start_ns"].to_numpy()
-    order = np.lexsort((start_all, step_all, rank_all))
+    order = lexsort((start_all, step_all, rank_all))
     rank, step, start_ns = rank_all[order], step_all[order], start_all[order]
     t0 = start_ns.min() if len(start_ns) else 0
     start = (start_ns - t0).astype(np.float64) / 1e3
@@ -169,13 +168,12 @@ def per_step(df, steps=None, by_rank: bool = True):
     known = blocking | bucket | waited
     known_busy = _union(gid[known], start[known], end_sync[known], n) + alone
 
-    source = df["step_source"].to_numpy()[order] if "step_source" in df.columns else np.full(len(rank), "")
     unmeasured = total(np.isnan(durations(df)[order]).astype(np.float64))
     out = pd.DataFrame(
         {
             "rank": rank[first],
             "step": step[first],
-            "step_source": _step_source(source, gid, n),
+            "step_source": _step_source(df.get("step_source"), order, gid, n),
             "calls": np.diff(np.append(first, len(rank))),
             "unmeasured": unmeasured,
             "bytes": total(df["bytes"].to_numpy()[order]),
@@ -255,12 +253,13 @@ def _finalize(tail_hi, comm_hi, has_tail):
     return out
 
 
-def _step_source(source, gid, n):
-    """Per step: what counted it (the value of its last row: a step opens before its source is known)."""
+def _step_source(column, order, gid, n):
+    """Per step: what counted it (the value of its last row, ``column`` in ``order``: a step opens
+    before its source is known); "" without the column. Only those rows are converted to text."""
     out = np.full(n, "", dtype=object)
-    if len(gid):
+    if len(gid) and column is not None:
         last = np.r_[gid[1:] != gid[:-1], True]
-        out[gid[last]] = source[last].astype(str)
+        out[gid[last]] = column.iloc[order[last]].astype(str).to_numpy()
     return out
 
 

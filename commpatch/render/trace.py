@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from ..analysis.arrays import lexsort, running_max
+
 # per-event details copied into the trace's "args" (when the column exists)
 TRACE_ARGS = (
     "bytes",
@@ -145,14 +147,12 @@ def _lanes(rank, group, ts, dur):
     lanes = np.zeros(len(ts), np.int64)
     if not len(ts):
         return lanes
-    order = np.lexsort((ts, group, rank))
+    order = lexsort((ts, group, rank))
     r, g, s, e = rank[order], group[order], ts[order], ts[order] + dur[order]
     new_track = np.concatenate(([True], (r[1:] != r[:-1]) | (g[1:] != g[:-1])))
     track_id = np.cumsum(new_track) - 1
     # a row overlaps when it starts before the furthest end seen earlier on its track
-    import pandas as pd
-
-    furthest = pd.Series(e).groupby(track_id).cummax().to_numpy()
+    furthest = running_max(e, track_id)
     prev = np.concatenate(([-np.inf], furthest[:-1]))
     prev[new_track] = -np.inf
     busy_tracks = np.unique(track_id[s < prev])
