@@ -374,3 +374,21 @@ def test_the_array_helpers_equal_numpy_and_pandas():
     assert counts["peer"].tolist() == table.index.get_level_values("peer").tolist()
     wide = hangs._counts(ranks, at, group, op, peer - 1, *names)  # a peer below -1: the group-by
     assert wide["peer"].tolist() == (counts["peer"] - 1).tolist() and wide["n"].tolist() == counts["n"].tolist()
+
+
+def test_the_last_rows_of_rows_in_order_are_those_a_sort_finds():
+    """hangs._last_rows hashes the keys of rows in (rank, seq) order instead of sorting them: the same
+    rows, with ties in seq and a selection."""
+    from commpatch.analysis import hangs
+    from commpatch.analysis.arrays import in_order
+
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n = int(rng.integers(1, 200))
+        rank = np.sort(rng.integers(0, 4, n))
+        seq = np.concatenate([np.sort(rng.integers(0, 50, int((rank == r).sum()))) for r in np.unique(rank)])
+        group, op, peer = rng.integers(0, 3, n), rng.integers(0, 3, n), rng.integers(-1, 3, n)
+        sel = rng.random(n) < 0.5
+        assert in_order((seq, rank))
+        for keys, s in (((rank,), None), ((rank, group, op > 0), None), ((rank, group, op, peer), sel)):
+            assert sorted(hangs._last_rows(keys, seq, s, ordered=True)) == sorted(hangs._last_rows(keys, seq, s)), trial
