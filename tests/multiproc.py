@@ -16,10 +16,19 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import tempfile
 import traceback
 
 PRELOAD = ["torch", "torch.distributed"]
+
+
+def default_signals() -> None:
+    """A child's signals as a terminal's job has them (a ``preexec_fn``): a test run under ``nohup``
+    or as a background job of a shell inherits SIGHUP / SIGINT / SIGQUIT ignored, which Python keeps,
+    so a job sent one would not end of it, with or without commpatch."""
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _context():

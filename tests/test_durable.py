@@ -15,6 +15,7 @@ import pytest
 import commpatch
 from commpatch.data.schema import compact_ranks, printable_name
 from tests.durable_worker import CALLS
+from tests.multiproc import default_signals
 from tests.torch_compat import destroy_process_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,13 +36,6 @@ SCENARIOS = {
     "sigkill": (signal.SIGKILL,),
     "user_handler": (signal.SIGTERM,),
 }
-
-
-def _default_signals():
-    """The job's signals as a terminal's job has them: a test run under ``nohup`` or as a
-    background job of a shell inherits SIGHUP / SIGINT ignored, and those scenarios never end."""
-    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
-        signal.signal(sig, signal.SIG_DFL)
 
 
 def _launch(tmp, mode, plain):
@@ -71,7 +65,7 @@ def _launch(tmp, mode, plain):
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-                preexec_fn=_default_signals,
+                preexec_fn=default_signals,
             )
         )
     return out, procs

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import commpatch
 from commpatch import session as _session
 from commpatch.record.log import CHUNK
+from tests.multiproc import default_signals
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,6 +174,7 @@ def test_rows_reach_disk_when_the_job_dies(tmp_path, mode, code):
         text=True,
         timeout=90,
         env={k: v for k, v in os.environ.items() if not k.startswith("COMMPATCH")},
+        preexec_fn=default_signals,  # (a suite run as a shell's background job ignores SIGINT)
     )
     assert res.returncode == code, res.stderr[-2000:]  # as without commpatch
     assert len(commpatch.read_csv(str(tmp_path / "out.cplog"))) == 30
