@@ -374,6 +374,8 @@ def test_the_array_helpers_equal_numpy_and_pandas():
     assert counts["peer"].tolist() == table.index.get_level_values("peer").tolist()
     wide = hangs._counts(ranks, at, group, op, peer - 1, *names)  # a peer below -1: the group-by
     assert wide["peer"].tolist() == (counts["peer"] - 1).tolist() and wide["n"].tolist() == counts["n"].tolist()
+    missing = hangs._counts(ranks, at, group - 1, op, peer, *names)  # a missing group's code -1: the group-by
+    assert missing["n"].tolist() == counts["n"].tolist() and missing["peer"].tolist() == counts["peer"].tolist()
 
 
 def test_the_last_rows_of_rows_in_order_are_those_a_sort_finds():

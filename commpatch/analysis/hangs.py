@@ -202,14 +202,15 @@ def _counts(ranks, at, group_code, op_code, peer, group_names, op_names):
     import pandas as pd
 
     sizes = [len(ranks), len(group_names), len(op_names), int(peer.max(initial=-1)) + 2]
-    if math.prod(sizes) < 2**62 and peer.min(initial=-1) >= -1:
+    codes_fit = min(group_code.min(initial=0), op_code.min(initial=0)) >= 0 and peer.min(initial=-1) >= -1
+    if codes_fit and math.prod(sizes) < 2**62:
         key = ((at * sizes[1] + group_code) * sizes[2] + op_code) * sizes[3] + (peer + 1)
         key, n = np.unique(key, return_counts=True)
         key, p = np.divmod(key, sizes[3])
         key, o = np.divmod(key, sizes[2])
         r, g = np.divmod(key, sizes[1])
         seen = {"rank": ranks[r], "group": g, "op": o, "peer": p - 1, "n": n}
-    else:  # (keys too many for one integer)
+    else:  # (keys too many for one integer, or a missing name's code -1)
         frame = pd.DataFrame({"rank": ranks[at], "group": group_code, "op": op_code, "peer": peer})
         table = frame.groupby(["rank", "group", "op", "peer"], sort=True).size().reset_index(name="n")
         seen = {c: table[c].to_numpy() for c in table.columns}
