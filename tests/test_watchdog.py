@@ -130,6 +130,25 @@ def test_dump_lists_the_call_its_stack_and_the_last_rows_once_per_stuck_call(tmp
     assert all("all_reduce" in ln for ln in tail[:-1])
 
 
+def test_the_last_rows_survive_a_flush_that_takes_one_row(tmp_path):
+    """The flusher may collect between any two calls: the watchdog's last rows keep what earlier
+    flushes took (they once kept only the last flush's rows, one row when it took one)."""
+    import torch
+    import torch.distributed as dist
+
+    commpatch.enable(output=str(tmp_path / "rank{rank}.csv"))
+    log = _session.default().log
+    for _ in range(30):
+        dist.all_reduce(torch.ones(3))
+    log.flush()
+    dist.all_gather_into_tensor(torch.ones(16), torch.ones(2))
+    log.flush()
+    rows = log.recent_rows()
+    assert len(rows) >= 31
+    assert [OP_CODE["all_reduce"]] * 30 + [OP_CODE["all_gather_into_tensor"]] == rows["op"][-31:].tolist()
+    assert (rows["seq"][1:] == rows["seq"][:-1] + 1).all()
+
+
 def test_async_call_shows_where_it_was_issued_and_output_none_writes_to_cwd(tmp_path, monkeypatch, capsys):
     """An async call whose completion never comes (its future callback is never attached)."""
     import torch

@@ -243,7 +243,7 @@ class Log:
                 del self.buf[:n]
                 rows = taken = n // ROW.size
                 if chunk:
-                    self.recent = chunk[-_RECENT * ROW.size :]
+                    self.recent = (self.recent + chunk)[-_RECENT * ROW.size :]  # a flush may take one row
                     chunk = logfile.frame(logfile.ROWS, chunk)
                 if other or chunk:
                     meta = bytes(other)
