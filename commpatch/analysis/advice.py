@@ -702,8 +702,9 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
         f"receives' waits for their sends), the longest of all ranks in {v['last_steps']} of {v['steps']} "
         f"steady-state steps (p = {v['p_value']:.2g}): the pipeline runs at its pace. "
         if stage
-        else f"rank {r} held the other ranks up a median {_ms(late)} per step, the longest of all ranks in "
-        f"{v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g}): the others wait for it. "
+        else f"rank {r} held the other ranks up a median {_ms(late)} per step{stragglers.place(v)}, the longest of "
+        f"all ranks {'there ' if stragglers.place(v) else ''}in {v['last_steps']} of {v['steps']} steady-state steps "
+        f"(p = {v['p_value']:.2g}): the others wait for it. "
     )
     figures = (
         f"Per step (medians; table: Ranks' steps), its step outside communication {pair('outside_us')} on the "

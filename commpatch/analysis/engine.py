@@ -334,6 +334,7 @@ class Results:
     by_op_size: Any = None  # summary by op and size_bucket (plots)
     missing_logs: list = field(default_factory=list)
     step_arrivals: Any = None  # stragglers.step_arrivals
+    position_arrivals: Any = None  # stragglers.position_candidates' result (frame, tests)
     p2p_steps: Any = None  # matching.p2p_steps: a pipeline's straggler evidence
     setup: Any = None  # steps.setup_from: the set-up finding's figures
     by_rank_steps: Any = None  # steps.per_step(by_rank=True), for the straggler advice
@@ -543,6 +544,7 @@ class Engine:
             out.log_ends = self.log_ends
             out.clock = dict(sorted(self.clock.items()))
             out.step_arrivals = self._step_arrivals()
+            out.position_arrivals = self._position_arrivals(per_step)
             out.p2p_steps = self._p2p_steps()
             skew = self._top_skew(top)
             out.p2p = self._p2p()
@@ -1003,44 +1005,108 @@ class Engine:
         # released by its last blocking rooted collective than the second-latest (its row: the highest rank
         # of those issued at l2, as matching orders them) was by the same one (matching.late_released;
         # ``rel`` / ``pkey``, staged; null where unknown).
+        # the held time of each collective is kept (``_cheld``: group, cseq, step, last rank, held_us,
+        # n) for the evidence at each collective's place in the step (``_position_arrivals``)
         if not self.released:
-            return self._df("""
-                WITH a AS (
-                    SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g) AS gs,
-                           max(r.start_ns) FILTER (WHERE r.rank <> c.straggler) AS l2,
-                           count(*) FILTER (WHERE c.n > 1) AS k
-                    FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
-                    GROUP BY GROUPING SETS ((c.g, c.cseq), (r.step, r.rank))),
-                held AS (
-                    SELECT c.sstep AS step, c.straggler AS rank, max(greatest(c.ls - a.l2, 0)) / 1e3 AS held_us
-                    FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq WHERE a.gs = 0 AND c.n > 1 GROUP BY ALL)
-                SELECT a.step, a.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, a.k::BIGINT AS collectives
-                FROM a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
-                WHERE a.gs = 1 AND a.k > 0 ORDER BY a.step, rank""")
+            self.con.execute("""
+                CREATE OR REPLACE TEMP TABLE _a AS
+                SELECT c.g, c.cseq, r.step, r.rank, grouping(c.g) AS gs,
+                       max(r.start_ns) FILTER (WHERE r.rank <> c.straggler) AS l2,
+                       count(*) FILTER (WHERE c.n > 1) AS k
+                FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                GROUP BY GROUPING SETS ((c.g, c.cseq), (r.step, r.rank))""")
+            self.con.execute("""
+                CREATE OR REPLACE TEMP TABLE _cheld AS
+                SELECT c.g, c.cseq, c.sstep AS step, c.straggler AS rank, greatest(c.ls - a.l2, 0) / 1e3 AS held_us, c.n
+                FROM _a a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq WHERE a.gs = 0 AND c.n > 1""")
+            try:
+                return self._df("""
+                    WITH held AS (SELECT step, rank, max(held_us) AS held_us FROM _cheld GROUP BY ALL)
+                    SELECT a.step, a.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, a.k::BIGINT AS collectives
+                    FROM _a a LEFT JOIN held h ON a.step = h.step AND a.rank = h.rank
+                    WHERE a.gs = 1 AND a.k > 0 ORDER BY a.step, rank""")
+            finally:
+                self.con.execute("DROP TABLE IF EXISTS _a")
         other, mine = "FILTER (WHERE r.rank <> c.straggler)", "FILTER (WHERE r.rank = c.straggler)"
         order = self._order("r")
         # one statement each (the held times, then the counts beside them): together they ran out of
         # the memory limit where each alone does not (64 ranks x 20,000 rows within 64 MB)
         self.con.execute(f"""
-            CREATE OR REPLACE TEMP TABLE _held AS
+            CREATE OR REPLACE TEMP TABLE _cheld AS
             WITH a AS (
                 SELECT c.g, c.cseq, max(r.start_ns) {other} AS l2,
                        arg_max_null(r.rel, {order}) {other} AS orel, arg_max_null(r.pkey, {order}) {other} AS okey,
                        max(r.rel) {mine} AS srel, max(r.pkey) {mine} AS skey
                 FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq WHERE c.n > 1 GROUP BY c.g, c.cseq)
-            SELECT c.sstep AS step, c.straggler AS rank,
-                   max(greatest(c.ls - a.l2 - CASE WHEN a.skey = a.okey THEN greatest(a.srel - a.orel, 0) ELSE 0 END,
-                                0)) / 1e3 AS held_us
-            FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq GROUP BY ALL""")
+            SELECT c.g, c.cseq, c.sstep AS step, c.straggler AS rank,
+                   greatest(c.ls - a.l2 - CASE WHEN a.skey = a.okey THEN greatest(a.srel - a.orel, 0) ELSE 0 END,
+                            0) / 1e3 AS held_us, c.n
+            FROM a JOIN coll c ON a.g = c.g AND a.cseq = c.cseq""")
+        return self._df("""
+            WITH k AS (
+                SELECT r.step, r.rank, count(*) AS k FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
+                WHERE c.n > 1 GROUP BY ALL),
+            held AS (SELECT step, rank, max(held_us) AS held_us FROM _cheld GROUP BY ALL)
+            SELECT k.step, k.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, k.k::BIGINT AS collectives
+            FROM k LEFT JOIN held h ON k.step = h.step AND k.rank = h.rank ORDER BY k.step, rank""")
+
+    def _position_arrivals(self, steps_table):
+        """``stragglers.position_candidates`` of ``stragglers.position_arrivals`` in SQL, from the held
+        time of each collective (``_cheld``, left by ``_step_arrivals``): the steady-state collectives
+        of the groups with a position where one rank held the collective up in at least half of the
+        steps, and the number of (position, rank) pairs; None without steady-state steps."""
+        import pandas as pd
+
         try:
-            return self._df("""
-                WITH k AS (
-                    SELECT r.step, r.rank, count(*) AS k FROM rows r JOIN coll c ON r."group" = c.g AND r.cseq = c.cseq
-                    WHERE c.n > 1 GROUP BY ALL)
-                SELECT k.step, k.rank::BIGINT AS rank, coalesce(h.held_us, 0.0) AS held_us, k.k::BIGINT AS collectives
-                FROM k LEFT JOIN _held h ON k.step = h.step AND k.rank = h.rank ORDER BY k.step, rank""")
+            if steps_table is None or not (steps_table["stage"] == "steady").any():
+                return None
+            other = ", ".join(str(int(x)) for x in steps_table.loc[steps_table["stage"] != "steady", "step"])
+            self.con.execute(f"""
+                CREATE OR REPLACE TEMP TABLE _pos AS
+                SELECT * FROM (
+                    SELECT g, cseq, step, rank, held_us, n,
+                           row_number() OVER (PARTITION BY g, step ORDER BY cseq) - 1 AS pos
+                    FROM _cheld) h
+                WHERE {f"step NOT IN ({other})" if other else "true"}""")
+            self.con.execute("""
+                CREATE OR REPLACE TEMP TABLE _per AS
+                SELECT p.g, p.pos, p.m, p.n, coalesce(k.k, 0) AS k
+                FROM (SELECT g, pos, count(*) AS m, max(n) AS n FROM _pos GROUP BY g, pos) p
+                LEFT JOIN (SELECT g, pos, max(k) AS k FROM (
+                              SELECT g, pos, rank, count(*) AS k FROM _pos WHERE held_us > 0 GROUP BY g, pos, rank) t
+                           GROUP BY g, pos) k
+                ON p.g = k.g AND p.pos = k.pos
+                WHERE p.m >= 2""")
+            tests = int(self._df("SELECT coalesce(sum(n), 0) AS t FROM _per")["t"].iloc[0])
+            out = self._df("""
+                SELECT p.g, p.cseq, p.step, p.rank::BIGINT AS rank, p.held_us, p.n::BIGINT AS n, p.pos::BIGINT AS pos
+                FROM _pos p WHERE p.g IN (SELECT g FROM _per WHERE 2 * k >= m)
+                ORDER BY p.g, p.pos, p.step""")
+            firsts = out.drop_duplicates(["g", "pos"])[["g", "cseq"]]
+            self._table("_want", firsts.astype(np.int64))
+            ops = self._df("""
+                SELECT DISTINCT r."group" AS g, r.cseq, r.op FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""")
         finally:
-            self.con.execute("DROP TABLE IF EXISTS _held")
+            for name in ("_cheld", "_pos", "_per", "_want"):
+                self.con.execute(f"DROP TABLE IF EXISTS {name}")
+        group_names, op_names = self.names.get("group", {}), self.names.get("op", {})
+        op_of = {(int(g), int(c)): op_names.get(int(o), "") for g, c, o in zip(ops["g"], ops["cseq"], ops["op"])}
+        at_first = {
+            (int(g), int(p)): op_of.get((int(g), int(c)), "") for g, p, c in zip(out["g"], out["pos"], out["cseq"])
+        }
+        frame = pd.DataFrame(
+            {
+                "group": [group_names.get(int(g), "") for g in out["g"]],
+                "cseq": out["cseq"].to_numpy(np.int64),
+                "step": out["step"].to_numpy(np.int64),
+                "rank": out["rank"].to_numpy(np.int64),
+                "held_us": out["held_us"].to_numpy(np.float64),
+                "n": out["n"].to_numpy(np.int64),
+                "op": [at_first.get((int(g), int(p)), "") for g, p in zip(out["g"], out["pos"])],
+                "pos": out["pos"].to_numpy(np.int64),
+            }
+        )
+        return frame, tests
 
     def _p2p_steps(self):
         """``matching.p2p_steps`` in SQL: per (step, rank) with a point-to-point call, the issue of its

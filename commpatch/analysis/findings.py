@@ -396,11 +396,13 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             role = "the straggler (the pipeline runs at its pace; the other stages wait for it)"
             text = "a pipeline (steps of point-to-point calls only)"  # arrivals at set-up's collectives: nothing here
         else:
+            there = stragglers.place(v)
+            noise = f"the other ranks' {NOISE_QUANTILE:.0%} quantile" + (" at the group's collectives" if there else "")
             evidence = (
-                f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step "
-                f"({_pct(v['share_of_step'])} of the step), the longest of all ranks in {v['last_steps']} of "
-                f"{v['steps']} steady-state steps (p = {v['p_value']:.2g} against chance; threshold "
-                f"{_ms(v['threshold_us'])}: the other ranks' {NOISE_QUANTILE:.0%} quantile)"
+                f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step{there} "
+                f"({_pct(v['share_of_step'])} of the step), the longest of all ranks {'there ' if there else ''}in "
+                f"{v['last_steps']} of {v['steps']} steady-state steps (p = {v['p_value']:.2g} against chance; "
+                f"threshold {_ms(v['threshold_us'])}: {noise})"
             )
             role = "the straggler, the other ranks wait for it"
         if v["straggler"] and v.get("measure") == "work":

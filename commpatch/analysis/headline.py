@@ -146,7 +146,10 @@ def _straggler(cross, steps_table) -> dict:
         share_of_step=_num(v["share_of_step"]),
         p_value=_num(v["p_value"]),
         reason=None if v["straggler"] else v["reason"],
-        measure=v["measure"],  # held: the others' wait at collectives; work: a pipeline stage's work per step
+        # held: the others' wait at the step's collectives (its longest); position: at one collective's
+        # place in the step (``at``: group, position from 1, op); work: a pipeline stage's work per step
+        measure=v["measure"],
+        at=({k: v["at"][k] for k in ("group", "position", "op")} if v["measure"] == "position" else None),
     )
 
 

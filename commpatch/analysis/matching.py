@@ -26,7 +26,7 @@ from ..data.clock import CLOCK_ATTR
 from ..data.ops import P2P_OPS
 from ..data.schema import expand_ranks
 from .arrays import lexsort
-from .stragglers import step_arrivals
+from .stragglers import position_arrivals, step_arrivals
 from .summaries import HOST_CLOCK_NAMES, durations, own_durations
 
 
@@ -682,6 +682,7 @@ class CrossRank:
     p2p: Any  # match_p2p
     missing_logs: list  # members of some group with no log file here
     step_arrivals: Any = None  # stragglers.step_arrivals: the straggler verdict's evidence
+    position_arrivals: Any = None  # stragglers.position_arrivals: the same at each collective's place in the step
     p2p_steps: Any = None  # p2p_steps: a pipeline's straggler evidence (steps of point-to-point calls only)
     transfer_us: Any = None  # transfer_times: per row of the log, aligned with it
     log_ends: Any = None  # log_end_table: logs that end before the others' (not mismatches)
@@ -705,6 +706,7 @@ def cross_rank(df) -> CrossRank:
         p2p=p2p,
         missing_logs=sorted(members - present),
         step_arrivals=step_arrivals(matched[1]),
+        position_arrivals=position_arrivals(matched[0], matched[1]),
         p2p_steps=p2p_steps(df, sides) if p2p["matched"].any() else None,
         transfer_us=transfer_times(df, matched),
         log_ends=log_end_table(matched[0]),

@@ -77,6 +77,119 @@ def step_arrivals(waits):
     )
 
 
+POSITION_COLUMNS = ["group", "cseq", "step", "rank", "held_us", "n", "op"]
+
+
+def position_arrivals(table, waits):
+    """Per collective that two or more ranks issued: its group, ``cseq``, step (its last rank's),
+    the last rank and how long it alone held the collective up (``held_us``, the ``late_us`` of its
+    row), how many ranks issued it (``n``) and its op: the evidence of ``positions``. ``table`` and
+    ``waits``: ``matching._match``'s per-collective and per-row tables."""
+    import pandas as pd
+
+    last = waits[waits["last"].to_numpy(bool)]
+    coll = last["collective"].to_numpy(np.int64)
+    return pd.DataFrame(
+        {
+            "group": table["group"].astype(str).to_numpy()[coll],
+            "cseq": table["coll_seq"].to_numpy(np.int64)[coll],
+            "step": last["step"].to_numpy(np.int64),
+            "rank": last["rank"].to_numpy(np.int64),
+            "held_us": np.maximum(last["late_us"].to_numpy(np.float64), 0.0),
+            "n": last["ranks"].to_numpy(np.int64),
+            "op": table["op"].astype(str).to_numpy()[coll],
+        }
+    )
+
+
+def position_candidates(instances, steady_steps):
+    """The evidence at each collective's place in the step, reduced to what ``verdict`` tests: of
+    ``position_arrivals`` (or an engine's same columns), the steady-state collectives, each with its
+    ``pos`` (its place among its group's collectives of two or more ranks in its step, from 0), of the
+    groups that have a position where one rank held the collective up in at least half of the steps
+    (no other position can pass the consistency rule; the group's other positions give the noise),
+    and the number of (position, rank) pairs the tests choose among (the Bonferroni correction).
+    Returns (frame with ``pos``, tests)."""
+    t = instances.sort_values(["group", "step", "cseq"], kind="stable")
+    t = t.assign(pos=t.groupby(["group", "step"], sort=False).cumcount().to_numpy(np.int64))
+    t = t[t["step"].isin(np.asarray(list(steady_steps), np.int64))]
+    if not len(t):
+        return t, 0
+    per = t.groupby(["group", "pos"], sort=False).agg(m=("step", "size"), n=("n", "max"))
+    per = per[per["m"] >= 2]
+    held = t[t["held_us"].to_numpy() > 0]
+    top = held.groupby(["group", "pos", "rank"], sort=False).size().groupby(level=["group", "pos"]).max()
+    keep = per.join(top.rename("k"), how="inner")
+    groups = keep.index[2 * keep["k"].to_numpy() >= keep["m"].to_numpy()].get_level_values("group").unique()
+    t = t[t["group"].isin(groups)]
+    return t.sort_values(["group", "pos", "step"], kind="stable").reset_index(drop=True), int(per["n"].sum())
+
+
+def _padded_quantile(values, total: int, q: float) -> float:
+    """``np.quantile`` (linear) of ``values`` (all >= 0) padded with zeros to ``total`` values, without
+    the zeros in memory (a world group of 16,384 ranks pads 16,383 a step)."""
+    v = np.sort(np.asarray(values, np.float64))
+    zeros = total - len(v)
+    if total <= 0:
+        return 0.0
+    idx = q * (total - 1)
+    lo = int(math.floor(idx))
+
+    def at(i):
+        return 0.0 if i < zeros else float(v[i - zeros])
+
+    return at(lo) + (idx - lo) * (at(min(lo + 1, total - 1)) - at(lo))
+
+
+def _position_verdict(candidates, tests, unc):
+    """The most significant position's candidate (a dict of its figures), or None: at each candidate
+    position, the rank that held the collective up in most steps; its margin per step is the time it
+    held it up when last, minus the time the last rank held it up when another was last (the others
+    hold nothing up there then); the same tests as for the step's longest hold-up, Bonferroni-corrected
+    for the two tests and every (position, rank) pair; its effect, its median time holding it up per
+    step, above the ``NOISE_QUANTILE`` quantile of the time the other ranks held the group's
+    collectives up (at every steady collective of the group, each other rank: the last one's time when
+    it was another, else 0) and above the clocks' uncertainty."""
+    best = None
+    if candidates is None or not len(candidates) or tests <= 0:
+        return None
+    by_group = {name: part for name, part in candidates.groupby("group", sort=True)}
+    for (group, pos), g in candidates.groupby(["group", "pos"], sort=True):
+        if 2 * g["held_us"].gt(0).groupby(g["rank"]).sum().max() < len(g):
+            continue  # no rank held it up in half of the steps
+        last, held = g["rank"].to_numpy(np.int64), g["held_us"].to_numpy(np.float64)
+        ranks, counts = np.unique(last[held > 0], return_counts=True)
+        if not len(ranks):
+            continue
+        rank = int(ranks[counts.argmax()])  # the smallest rank of a tie
+        mine = last == rank
+        d = np.where(mine, held, -held)
+        m, k, n = len(d), int((d > 0).sum()), int(g["n"].max())
+        p = min(1.0, 2 * tests * min(_binom_sf(k, m, 1 / n), _trimmed_t_sf(d)))
+        late = float(np.median(np.maximum(d, 0.0)))
+        whole = by_group[group]  # the noise: what the other ranks hold the group's collectives up by
+        others = whole["held_us"].to_numpy(np.float64)[whole["rank"].to_numpy(np.int64) != rank]
+        threshold = _padded_quantile(others, int((whole["n"].to_numpy(np.int64) - 1).sum()), NOISE_QUANTILE)
+        clock = _relative(unc, rank, list(unc))
+        ok = p < ALPHA and k >= STRAGGLER_SHARE * m and late > threshold and late > clock
+        first = g.iloc[0]
+        cand = dict(
+            rank=rank,
+            steps=m,
+            last_steps=k,
+            late_median_us=late,
+            margin_median_us=float(np.median(d)),
+            threshold_us=threshold,
+            p_value=p,
+            clock_us=clock,
+            at=dict(group=str(group), position=int(pos) + 1, op=str(first["op"]), cseq=int(first["cseq"])),
+            ok=ok,
+        )
+        if ok and (best is None or (p, -late) < (best["p_value"], -best["late_median_us"])):
+            best = cand
+    return best
+
+
 def clock_uncertainty(clock, ranks) -> dict:
     """{rank: uncertainty of its offset to rank 0 (us)} from a ``data.clock`` summary per rank
     (``CLOCK_ATTR``): NaN for a rank whose offset was not measured when others were; all 0 when
@@ -104,11 +217,12 @@ def of(cross, steps_table) -> dict | None:
     entry = cache.get(id(steps_table))
     if entry is None or entry[0] is not steps_table or entry[1] is not arrivals:
         clock, p2p = getattr(cross, "clock", None), getattr(cross, "p2p_steps", None)
-        entry = cache[id(steps_table)] = (steps_table, arrivals, verdict(arrivals, steps_table, clock, p2p))
+        positions = getattr(cross, "position_arrivals", None)
+        entry = cache[id(steps_table)] = (steps_table, arrivals, verdict(arrivals, steps_table, clock, p2p, positions))
     return dict(entry[2])
 
 
-def verdict(arrivals, steps_table, clock=None, p2p_steps=None) -> dict:
+def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -> dict:
     """The straggler verdict from ``step_arrivals`` and ``per_step`` (either form; its stage column
     says which steps are set-up and steady). Keys: ``rank`` (the candidate, or None), ``straggler``
     (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those in which
@@ -122,7 +236,10 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None) -> dict:
     much longer than the next), ``clock_us`` (the uncertainty of the candidate's arrival against the
     others' from the clock offsets: NaN when one of them is unknown), ``measure`` (``held``, or
     ``work`` for a pipeline: see ``_pipeline``). ``clock``: the per-rank ``data.clock`` summaries;
-    ``p2p_steps``: ``matching.p2p_steps`` (either engine's), for steps of point-to-point calls only."""
+    ``p2p_steps``: ``matching.p2p_steps`` (either engine's), for steps of point-to-point calls only.
+    ``positions``: ``position_arrivals`` (pandas), or ``position_candidates``' result (an engine's):
+    where the step's longest hold-up names no straggler, the same tests at each collective's place in
+    the step (``measure`` ``position``, and ``at``: its group, place from 1, op and first ``cseq``)."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
     out: dict = dict(
@@ -175,6 +292,15 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None) -> dict:
     others = others[~np.isnan(others)]
     threshold = float(np.quantile(others, NOISE_QUANTILE)) if len(others) else 0.0
     _decide(out, margins, rank, float(np.nanmedian(held[rank].to_numpy(np.float64))), threshold, steps_table, unc)
+    if not out["straggler"] and positions is not None:
+        if not isinstance(positions, tuple):
+            positions = position_candidates(positions, stage.index[stage.to_numpy() == "steady"])
+        at = _position_verdict(positions[0], positions[1], unc)
+        if at is not None:
+            at.pop("ok")
+            step_us = _step_us(steps_table)
+            share = at["late_median_us"] / step_us if step_us > 0 else math.nan
+            out.update(at, straggler=True, reason=None, measure="position", share_of_step=share)
     return out
 
 
@@ -212,11 +338,7 @@ def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
     ranks = margins.columns
     d = margins[rank].to_numpy(np.float64)
     m = len(d)
-    steady = steps_table[steps_table["stage"] == "steady"]
-    if "ranks" not in steps_table.columns:  # per rank: the mean over ranks per step
-        steady = steady.groupby("step").mean(numeric_only=True)
-    times = steady["step_us"].dropna()
-    step_us = float(times.median()) if len(times) else math.nan  # as steady_state's step_p50_us
+    step_us = _step_us(steps_table)
     # Bonferroni: two tests, and the candidate was picked from n ranks
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
     out.update(
@@ -240,6 +362,26 @@ def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
         out["reason"] = "effect"
     else:
         out.update(straggler=True, reason=None)
+
+
+def place(v: dict) -> str:
+    """Where the verdict's evidence is, for its wording: " at the step's 3rd collective of group 0
+    (all_reduce)" for the ``position`` measure, else ""."""
+    at = v.get("at") if v.get("measure") == "position" else None
+    if not at:
+        return ""
+    n = int(at["position"])
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f" at the step's {n}{suffix} collective of group {at['group']} ({at['op']})"
+
+
+def _step_us(steps_table) -> float:
+    """The median steady-state step time (as ``steady_state``'s step_p50_us); NaN without one."""
+    steady = steps_table[steps_table["stage"] == "steady"]
+    if "ranks" not in steps_table.columns:  # per rank: the mean over ranks per step
+        steady = steady.groupby("step").mean(numeric_only=True)
+    times = steady["step_us"].dropna()
+    return float(times.median()) if len(times) else math.nan
 
 
 def _relative(unc, rank, ranks) -> float:
@@ -351,6 +493,9 @@ __all__ = [
     "STRAGGLER_SHARE",
     "clock_uncertainty",
     "of",
+    "place",
+    "position_arrivals",
+    "position_candidates",
     "step_arrivals",
     "verdict",
 ]

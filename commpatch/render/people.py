@@ -14,6 +14,7 @@ import re
 import textwrap
 
 from ..analysis.findings import _ms, _pct
+from ..analysis.stragglers import place
 
 WIDTH = 120
 
@@ -141,7 +142,7 @@ def headline_lines(h: dict) -> list:
                 + (
                     f"works {_ms(s['late_median_us'])}/step longer than any other pipeline stage, others wait for it "
                     if s.get("measure") == "work"
-                    else f"others wait {_ms(s['late_median_us'])}/step for it "
+                    else f"others wait {_ms(s['late_median_us'])}/step for it{place(s)} "
                 )
                 + f"({_pct(s['share_of_step'])} "
                 f"of step; longest in {s['last_steps']}/{s['steps']} steps; p = {s['p_value']:.2g}; noise "
