@@ -223,6 +223,27 @@ def test_the_engine_says_when_it_leaves_the_small_message_advice_out(tmp_path, m
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.offline
+def test_the_engines_name_the_same_straggler_at_a_collectives_place(tmp_path):
+    """Rank 1 issues the first of each step's 5 collectives 0.4 ms late, among collectives a random
+    rank holds up by up to 0.3 ms: the step's longest hold-up names no one, the first collective's
+    does; both engines give the same verdict, finding, headline and advice (the DuckDB engine
+    computes the evidence in SQL)."""
+    from commpatch.testing import make_log
+
+    df = make_log(2, 30, jitter_us=300.0, seed=1)
+    first = df.groupby(["rank", "step"])["start_ns"].transform("min") == df["start_ns"]
+    df.loc[(df["rank"] == 1) & first, "start_ns"] += 400_000
+    for r, frame in df.groupby("rank", observed=True):
+        commpatch.export_csv(str(tmp_path / f"rank{r}.csv"), df=frame.reset_index(drop=True))
+    pandas, _ = assert_same_report(str(tmp_path))
+    s = pandas["headline"]["straggler"]
+    assert s["verdict"] == "straggler" and s["rank"] == 1 and s["measure"] == "position", s
+    assert s["at"] == {"group": "0", "position": 1, "op": "all_reduce"}, s
+    said = [f["text"] for f in pandas["findings"] if f["kind"] == "straggler"][0]
+    assert "per step at the step's 1st collective of group 0 (all_reduce)" in said, said
+    assert [a["rule"] for a in pandas["advice"]] == ["straggler"], pandas["advice"]
+
+
 def test_the_engines_name_the_same_hang_and_straggler_at_1024_ranks(tmp_path):
     """1,024 ranks, rank 5 a straggler (every call 3 ms late), then rank 9 never issues a world
     all_reduce the others wait in (inflight records, every rank alive 60 s later): the same hang

@@ -1082,17 +1082,20 @@ class Engine:
                 SELECT p.g, p.cseq, p.step, p.rank::BIGINT AS rank, p.held_us, p.n::BIGINT AS n, p.pos::BIGINT AS pos
                 FROM _pos p WHERE p.g IN (SELECT g FROM _per WHERE 2 * k >= m)
                 ORDER BY p.g, p.pos, p.step""")
-            firsts = out.drop_duplicates(["g", "pos"])[["g", "cseq"]]
-            self._table("_want", firsts.astype(np.int64))
-            ops = self._df("""
-                SELECT DISTINCT r."group" AS g, r.cseq, r.op FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq""")
+            ops = self._join_wanted(  # the op of each position's first collective (the verdict says it)
+                out.drop_duplicates(["g", "pos"]),
+                'SELECT DISTINCT r."group" AS g, r.cseq, r.op FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq',
+            )
         finally:
-            for name in ("_cheld", "_pos", "_per", "_want"):
+            for name in ("_cheld", "_pos", "_per"):
                 self.con.execute(f"DROP TABLE IF EXISTS {name}")
-        group_names, op_names = self.names.get("group", {}), self.names.get("op", {})
-        op_of = {(int(g), int(c)): op_names.get(int(o), "") for g, c, o in zip(ops["g"], ops["cseq"], ops["op"])}
+        self._decode(ops, "op", "op")
+        group_names = self.names.get("group", {})
+        op_of = {(int(g), int(c)): str(o) for g, c, o in zip(ops["g"], ops["cseq"], ops["op"])}
+        firsts = out.drop_duplicates(["g", "pos"])  # (ordered by step within each position)
         at_first = {
-            (int(g), int(p)): op_of.get((int(g), int(c)), "") for g, p, c in zip(out["g"], out["pos"], out["cseq"])
+            (int(g), int(p)): op_of.get((int(g), int(c)), "")
+            for g, p, c in zip(firsts["g"], firsts["pos"], firsts["cseq"])
         }
         frame = pd.DataFrame(
             {
