@@ -31,6 +31,14 @@ other rank's; the candidate is the rank with the largest median margin. The verd
   hold each other up by in all but the worst tenth of the steps: no constant tuned to one machine),
   and above the clocks' uncertainty.
 
+Where the step's longest hold-up names no one, the same tests run at each collective's place in the
+step (the k-th collective of a group in each steady step: ``position_arrivals``,
+``position_candidates``): a small delay one collective absorbs stands out there from the noise of
+the step's other collectives, which its step maximum carries. The candidate at a place is the rank
+that held the collective up in most steps; the correction counts every (place, rank) pair; the
+effect threshold is the ``NOISE_QUANTILE`` quantile of what the other ranks hold the group's
+collectives up by. Each family (the steps', the places') is tested at ``ALPHA``.
+
 Arrivals compare issue times taken on different hosts' wall clocks, aligned to rank 0's where the
 offsets were measured (``data.clock``): a held time within the offsets' uncertainty (the candidate's
 plus the largest other's) is no evidence (reason ``clock``), nor one involving a rank whose offset
@@ -77,13 +85,10 @@ def step_arrivals(waits):
     )
 
 
-POSITION_COLUMNS = ["group", "cseq", "step", "rank", "held_us", "n", "op"]
-
-
 def position_arrivals(table, waits):
     """Per collective that two or more ranks issued: its group, ``cseq``, step (its last rank's),
     the last rank and how long it alone held the collective up (``held_us``, the ``late_us`` of its
-    row), how many ranks issued it (``n``) and its op: the evidence of ``positions``. ``table`` and
+    row), how many ranks issued it (``n``) and its op: the evidence of ``position_candidates``. ``table`` and
     ``waits``: ``matching._match``'s per-collective and per-row tables."""
     import pandas as pd
 
