@@ -7,6 +7,7 @@ Run it under torchrun; instrument it with no code change:
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,8 +41,6 @@ def main() -> None:
     for step in range(args.steps):
         mark_step()
         if rank == args.sleep_rank:
-            import time
-
             time.sleep(0.02)
         x = torch.randn(32, 64, generator=gen)
         y = x.sum(dim=1, keepdim=True)
@@ -63,6 +62,10 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print(f"trained {args.steps} steps on {world} ranks; final losses {[round(s['final_loss'], 4) for s in stats]}")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        # torch < 2.5's gloo can deadlock in destroy_process_group while a worker frees the last
+        # work (docs/compatibility.md): give the workers the GIL for a moment first
+        time.sleep(0.2)
     dist.destroy_process_group()
 
 

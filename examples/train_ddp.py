@@ -64,6 +64,10 @@ def main() -> None:
     # (torch's, with or without commpatch: 3 of 15 plain runs on torch 2.13); free both first
     del ddp, opt, loss
     gc.collect()
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        # torch < 2.5's gloo can deadlock in destroy_process_group while a worker frees the last
+        # work (docs/compatibility.md): give the workers the GIL for a moment first
+        time.sleep(0.2)
     dist.destroy_process_group()
 
 
