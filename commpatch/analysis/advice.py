@@ -697,13 +697,14 @@ def straggler_advice(v: dict, table, step_us: float) -> list:
         return f"{_ms(own[col])} against {_ms(others[col])}"
 
     stage = v.get("measure") == "work"  # a pipeline's stage (stragglers._pipeline)
+    there = stragglers.place(v)  # where, for the measure at one collective's place in the step
     head = (
         f"rank {r} worked a median {_ms(late)} per step longer than any other pipeline stage (its step less its "
         f"receives' waits for their sends), the longest of all ranks in {v['last_steps']} of {v['steps']} "
         f"steady-state steps (p = {v['p_value']:.2g}): the pipeline runs at its pace. "
         if stage
-        else f"rank {r} held the other ranks up a median {_ms(late)} per step{stragglers.place(v)}, the longest of "
-        f"all ranks {'there ' if stragglers.place(v) else ''}in {v['last_steps']} of {v['steps']} steady-state steps "
+        else f"rank {r} held the other ranks up a median {_ms(late)} per step{there}, the longest of "
+        f"all ranks {'there ' if there else ''}in {v['last_steps']} of {v['steps']} steady-state steps "
         f"(p = {v['p_value']:.2g}): the others wait for it. "
     )
     figures = (

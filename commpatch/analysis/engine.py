@@ -1082,8 +1082,9 @@ class Engine:
                 SELECT p.g, p.cseq, p.step, p.rank::BIGINT AS rank, p.held_us, p.n::BIGINT AS n, p.pos::BIGINT AS pos
                 FROM _pos p WHERE p.g IN (SELECT g FROM _per WHERE 2 * k >= m)
                 ORDER BY p.g, p.pos, p.step""")
-            ops = self._join_wanted(  # the op of each position's first collective (the verdict says it)
-                out.drop_duplicates(["g", "pos"]),
+            firsts = out.drop_duplicates(["g", "pos"])  # each position's first collective (ordered by step)
+            ops = self._join_wanted(  # their ops (the verdict says it)
+                firsts,
                 'SELECT DISTINCT r."group" AS g, r.cseq, r.op FROM rows r JOIN _want w ON r."group" = w.g AND r.cseq = w.cseq',
             )
         finally:
@@ -1092,7 +1093,6 @@ class Engine:
         self._decode(ops, "op", "op")
         group_names = self.names.get("group", {})
         op_of = {(int(g), int(c)): str(o) for g, c, o in zip(ops["g"], ops["cseq"], ops["op"])}
-        firsts = out.drop_duplicates(["g", "pos"])  # (ordered by step within each position)
         at_first = {
             (int(g), int(p)): op_of.get((int(g), int(c)), "")
             for g, p, c in zip(firsts["g"], firsts["pos"], firsts["cseq"])

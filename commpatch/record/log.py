@@ -243,7 +243,8 @@ class Log:
                 del self.buf[:n]
                 rows = taken = n // ROW.size
                 if chunk:
-                    self.recent = (self.recent + chunk)[-_RECENT * ROW.size :]  # a flush may take one row
+                    # the last rows across flushes (a flush may take one row): only the tail is copied
+                    self.recent = (self.recent + chunk[-_RECENT * ROW.size :])[-_RECENT * ROW.size :]
                     chunk = logfile.frame(logfile.ROWS, chunk)
                 if other or chunk:
                     meta = bytes(other)
