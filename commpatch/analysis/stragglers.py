@@ -160,12 +160,10 @@ def _position_verdict(candidates, tests, unc):
         return None
     by_group = {name: part for name, part in candidates.groupby("group", sort=True)}
     for (group, pos), g in candidates.groupby(["group", "pos"], sort=True):
-        if 2 * g["held_us"].gt(0).groupby(g["rank"]).sum().max() < len(g):
-            continue  # no rank held it up in half of the steps
         last, held = g["rank"].to_numpy(np.int64), g["held_us"].to_numpy(np.float64)
         ranks, counts = np.unique(last[held > 0], return_counts=True)
-        if not len(ranks):
-            continue
+        if not len(ranks) or 2 * counts.max() < len(g):
+            continue  # no rank held it up in half of the steps
         rank = int(ranks[counts.argmax()])  # the smallest rank of a tie
         mine = last == rank
         d = np.where(mine, held, -held)
