@@ -81,30 +81,39 @@ def test_a_rank_released_last_is_no_straggler_and_a_late_one_still_is(tmp_path):
     4 runs) until the evidence left out a later release by the last rooted collective that held the
     host (matching.releases). With rank 1 sleeping 2 ms before each step, rank 1 is named, by both
     engines."""
-    runs = {
-        label: apply_schema(pd.concat(run_ranks(reduce_to_root, 2, timeout=120, late_ms=late), ignore_index=True))
-        for label, late in (("symmetric", 0.0), ("delayed", 2.0))
-    }
-    # the root really leaves the reduce last: by when each rank left it (its issue + the time it held
-    # the host), per step; the time held alone is no measure of it (when the root issued later, it held
-    # the host about as long as the leaf: 40-70 us longer in 2 of 6 runs, and 330 us later out)
-    reduce_rows = runs["symmetric"][runs["symmetric"]["op"] == "reduce"]
-    left = reduce_rows.assign(end=reduce_rows["start_ns"] + reduce_rows["host_us"] * 1e3)
-    left = left.pivot_table(index="step", columns="rank", values="end", observed=True)
-    later_us = ((left[0] - left[1]) / 1e3).median()
-    assert later_us > 100, later_us
-    for label, df in runs.items():
+    def verdict(df, label):
         (tmp_path / label).mkdir()
         for r, frame in df.groupby("rank", observed=True):
             commpatch.export_csv(str(tmp_path / label / f"rank{r}.csv"), df=frame.reset_index(drop=True))
         pandas, duckdb = reports(str(tmp_path / label))
         assert differences(pandas["headline"]["straggler"], duckdb["headline"]["straggler"]) == []
-        verdict = pandas["headline"]["straggler"]
-        if label == "symmetric":
-            assert verdict["verdict"] != "straggler", verdict
-        else:
-            assert verdict["verdict"] == "straggler" and verdict["rank"] == 1, verdict
-            assert 1500 <= verdict["late_median_us"] <= 4000, verdict
+        return pandas["headline"]["straggler"]
+
+    def root_later_us(df):
+        """How much later the root left the reduce than the leaf, median over the steps: by when each
+        rank left it (its issue + the time it held the host); the time held alone is no measure of it
+        (when the root issued later, it held the host about as long as the leaf)."""
+        rows = df[df["op"] == "reduce"]
+        left = rows.assign(end=rows["start_ns"] + rows["host_us"] * 1e3)
+        left = left.pivot_table(index="step", columns="rank", values="end", observed=True)
+        return ((left[0] - left[1]) / 1e3).median()
+
+    # the case needs the root to leave last by more than the noise, which gloo gives in most runs but
+    # not all (64 MB: 0.09-0.29 ms later, median over 40 steps, from run to run): every symmetric run
+    # has no straggler, and the case must arise in one of four
+    later = []
+    for attempt in range(4):
+        df = apply_schema(pd.concat(run_ranks(reduce_to_root, 2, timeout=120), ignore_index=True))
+        said = verdict(df, f"symmetric{attempt}")
+        assert said["verdict"] != "straggler", said
+        later.append(root_later_us(df))
+        if later[-1] > 100:
+            break
+    assert later[-1] > 100, later
+    df = apply_schema(pd.concat(run_ranks(reduce_to_root, 2, timeout=120, late_ms=2.0), ignore_index=True))
+    said = verdict(df, "delayed")
+    assert said["verdict"] == "straggler" and said["rank"] == 1, said
+    assert 1500 <= said["late_median_us"] <= 4000, said
 
 
 def test_a_pipeline_stage_delayed_is_named_by_both_engines(tmp_path):

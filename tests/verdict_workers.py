@@ -194,7 +194,7 @@ def works_longer(rank, cpu, late_us) -> bool:
 
 
 def reduce_to_root(rank: int, n: int, steps: int = 40, late_ms: float = 0.0, late_rank: int = 1):
-    """A step that reduces 16 MB of statistics to rank 0 after a small all-reduce, ``steps`` times:
+    """A step that reduces 64 MB of statistics to rank 0 after a small all-reduce, ``steps`` times:
     the root receives and adds while the others only send, so it leaves the reduce last, by about
     what it spent adding, every step. ``late_ms``: ``late_rank`` sleeps that long before each step.
     Returns the rank's log."""
@@ -208,7 +208,7 @@ def reduce_to_root(rank: int, n: int, steps: int = 40, late_ms: float = 0.0, lat
     torch.set_num_threads(1)
     commpatch.enable(output="none")
     try:
-        stats, x = torch.ones(4 << 20), torch.ones(1024)
+        stats, x = torch.ones(16 << 20), torch.ones(1024)
         for _ in range(steps):
             if late_ms and rank == late_rank:
                 time.sleep(late_ms / 1e3)
