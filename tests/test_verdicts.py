@@ -81,6 +81,7 @@ def test_a_rank_released_last_is_no_straggler_and_a_late_one_still_is(tmp_path):
     4 runs) until the evidence left out a later release by the last rooted collective that held the
     host (matching.releases). With rank 1 sleeping 2 ms before each step, rank 1 is named, by both
     engines."""
+
     def verdict(df, label):
         (tmp_path / label).mkdir()
         for r, frame in df.groupby("rank", observed=True):
