@@ -381,6 +381,59 @@ def test_c_recorder_writes_the_rows_the_python_path_writes(monkeypatch):
     assert (logs[True]["host_us"] >= 0).all() and logs[True]["seq"].is_unique
 
 
+def test_the_recorder_passes_calls_through_when_not_recording_and_hands_back_nested_ones():
+    """The C recorder checks STATE itself: not recording, the call runs with no row (and no read
+    counted as a failure); while a nesting op runs in another thread (STATE.nesting), the Python
+    path takes the call and writes the same row."""
+    commpatch.reset()
+    commpatch.enable(output="none")
+    try:
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        _runtime.STATE.recording = False
+        dist.all_reduce(t)
+        assert dist.all_reduce(t, async_op=True) is not None  # torch's Work, untouched
+        _runtime.STATE.recording = True
+        _runtime.STATE.nesting += 1  # another thread's object collective: depth 0 here
+        try:
+            dist.all_reduce(t)
+        finally:
+            _runtime.STATE.nesting -= 1
+        df = commpatch.log()
+    finally:
+        _runtime.STATE.recording = True
+        commpatch.disable()
+    assert df["op"].tolist() == ["all_reduce", "all_reduce"] and df["numel"].tolist() == [4, 4]
+    assert df["seq"].is_unique and not commpatch.internal_errors()
+
+
+def test_taking_rows_from_the_buffer_keeps_what_follows():
+    """The flusher's take, in Python and in C where built: the first n bytes out, the rest kept in
+    order, appends after it land behind; under a buffer export (a memoryview) both refuse as
+    bytearray does; the C one keeps the storage for the next rows."""
+    from commpatch.record import rows
+
+    takes = [rows.take_rows_py] + ([rows._hot.take] if rows.C_ROWS else [])
+    for take in takes:
+        buf = bytearray(bytes(range(200)) * 10)
+        size = sys.getsizeof(buf)
+        assert take(buf, 0) == b"" and len(buf) == 2000
+        assert take(buf, 150) == bytes(range(150)) and bytes(buf[:50]) == bytes(range(150, 200))
+        assert take(buf, 1850) == bytes(range(150, 200)) + bytes(range(200)) * 9 and len(buf) == 0
+        if take is not rows.take_rows_py:
+            assert sys.getsizeof(buf) >= size  # the storage stays for the next rows
+        buf += b"xyz"
+        assert bytes(buf) == b"xyz" and take(buf, 3) == b"xyz" and len(buf) == 0
+        with pytest.raises(ValueError):
+            take(buf, 5)
+        buf += b"abcdef"
+        view = memoryview(buf)
+        with pytest.raises(BufferError):
+            take(buf, 2)
+        view.release()
+        assert take(buf, 2) == b"ab" and bytes(buf) == b"cdef"
+
+
 @pytest.mark.faults
 def test_c_recorder_failure_never_breaks_the_call(monkeypatch):
     """A fault inside the C tail (here: registering a new dtype) keeps the call's result, warns

@@ -117,21 +117,17 @@ def test_packing_books(kind):
     reducer's hook or to the next launch, noted at that launch with their part alone (no bucket of
     the model in flight); nothing noted for windows a reset dropped, or while not recording."""
     import time
-    from types import SimpleNamespace
 
     from commpatch.record import rows
+    from commpatch.record.state import State
 
     if kind == "c" and rows._hot is None:
         pytest.skip("the C extension is not built")
     out = []
-    if kind == "c":
-        state = {"recording": True}
-        pack = rows._hot.Packing(out, state)
-        stop = lambda: state.update(recording=False)  # noqa: E731
-    else:
-        state = SimpleNamespace(recording=True)
-        pack = rows.Packing(out, state)
-        stop = lambda: setattr(state, "recording", False)  # noqa: E731
+    state = State()  # a State of its own (the C twin reads the slots of that class)
+    state.recording = True
+    pack = rows._hot.Packing(out, state) if kind == "c" else rows.Packing(out, state)
+    stop = lambda: setattr(state, "recording", False)  # noqa: E731
     pc = time.perf_counter_ns
 
     def window(between=None):

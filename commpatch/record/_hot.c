@@ -36,7 +36,7 @@
 typedef struct {
     PyObject_HEAD
     PyObject *buf;        /* bytearray */
-    PyObject *state;      /* dict: STATE.__dict__ */
+    PyObject *state;      /* record.state.STATE (its slots read directly: bind_state) */
     PyObject *seq;        /* itertools.count */
     PyObject *dtype_ids;  /* dict: dtype -> code */
     PyObject *dtype_id;   /* callable: registers a new dtype, returns its code */
@@ -55,8 +55,101 @@ typedef struct {
     unsigned char flags;  /* the flags byte of a synchronous host-timed row */
 } Recorder;
 
-static PyObject *s_step, *s_tag, *s_where, *s_dtype, *s_nbytes, *s_numel, *s_record, *s_devices;
+static PyObject *s_dtype, *s_nbytes, *s_numel, *s_record;
 static PyObject *SLOW;      /* returned instead of calling: the Python path takes this call */
+static PyObject *ZERO;      /* int 0 (CPython's one small-int object: STATE.nesting when none runs) */
+
+/* record.state.STATE's attributes are slots (State.__slots__): read here at their offsets, found
+ * once from the class's member descriptors (bind_state), instead of a dict lookup each (5 per call
+ * were ~15% of the fast path's time). NULL: the slot is unset (a fresh State sets them all). */
+static PyTypeObject *state_type;
+static Py_ssize_t off_recording, off_nesting, off_step, off_tag, off_where, off_devices;
+
+static inline PyObject *
+state_slot(PyObject *state, Py_ssize_t off)   /* borrowed */
+{
+    return *(PyObject **)((char *)state + off);
+}
+
+static int
+slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *off)
+{
+    PyObject *d = PyObject_GetAttrString((PyObject *)type, name);
+    if (d == NULL)
+        return -1;
+    int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+    if (ok)
+        *off = ((PyMemberDescrObject *)d)->d_member->offset;
+    Py_DECREF(d);   /* the type keeps the descriptor alive */
+    if (!ok)
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", type->tp_name, name);
+    return ok ? 0 : -1;
+}
+
+/* bind_state(STATE): the class whose slots the recorders read (once, before any is made). */
+static PyObject *
+bind_state(PyObject *module, PyObject *state)
+{
+    PyTypeObject *type = Py_TYPE(state);
+    if (slot_offset(type, "recording", &off_recording) < 0 || slot_offset(type, "nesting", &off_nesting) < 0
+            || slot_offset(type, "step", &off_step) < 0
+            || slot_offset(type, "tag", &off_tag) < 0 || slot_offset(type, "where", &off_where) < 0
+            || slot_offset(type, "devices", &off_devices) < 0)
+        return NULL;
+    Py_INCREF(type);
+    Py_XSETREF(state_type, type);
+    Py_RETURN_NONE;
+}
+
+/* take(buf, n): the first n bytes of the bytearray buf as bytes, removed from it (the flusher's,
+ * every 0.2 s). bytearray's own `del buf[:n]` then frees its storage down to what is left, and the
+ * next rows refill it in fresh pages (page faults on the training thread: ~40 ns a row measured in a
+ * tight loop); here the rest moves to the front and the storage stays, up to 8 MiB unused. */
+static PyObject *
+take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyByteArray_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(bytearray, n)");
+        return NULL;
+    }
+    PyObject *buf = args[0];
+    PyByteArrayObject *b = (PyByteArrayObject *)buf;
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]), size = Py_SIZE(buf);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > size) {
+        PyErr_SetString(PyExc_ValueError, "take: n out of range");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(buf), n);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t rest = size - n;
+    if (n == 0)
+        return out;
+    if (b->ob_exports > 0 || b->ob_alloc - rest > (8 << 20)) {   /* bytearray's own way (it frees) */
+        if (PySequence_DelSlice(buf, 0, n) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        return out;
+    }
+    memmove(b->ob_bytes, b->ob_start + n, rest);
+    b->ob_start = b->ob_bytes;
+    Py_SET_SIZE(buf, rest);
+    b->ob_bytes[rest] = '\0';
+    return out;
+}
+
+/* Refuses a state that is not an instance of the bound class (0, or -1 with TypeError). */
+static int
+check_state(PyObject *state)
+{
+    if (state_type != NULL && Py_IS_TYPE(state, state_type))
+        return 0;
+    PyErr_SetString(PyExc_TypeError, "state must be the object bound by bind_state()");
+    return -1;
+}
 
 /* The C getter behind type.name when it is a plain getset descriptor (torch.Tensor.dtype). */
 static PyGetSetDef *
@@ -89,10 +182,12 @@ Recorder_init(Recorder *self, PyObject *args, PyObject *kwds)
     long long mask;
     long code, dc_const;
     int flags, check_devices;
-    if (!PyArg_ParseTuple(args, "O!O!OO!OO!LliOOOO!O!O!lp", &PyByteArray_Type, &buf, &PyDict_Type, &state, &seq,
+    if (!PyArg_ParseTuple(args, "O!OOO!OO!LliOOOO!O!O!lp", &PyByteArray_Type, &buf, &state, &seq,
                           &PyDict_Type, &dtype_ids, &dtype_id, &PyList_Type, &dtype_sizes, &mask, &code, &flags,
                           &orig, &maintain, &fail, &PyDict_Type, &group_ids, &PyDict_Type, &coalescing,
                           &PyType_Type, &tensor, &dc_const, &check_devices))
+        return -1;
+    if (check_state(state) < 0)
         return -1;
     if (Py_TYPE(seq)->tp_iternext == NULL) {
         PyErr_SetString(PyExc_TypeError, "seq must be an iterator");
@@ -148,14 +243,12 @@ Recorder_dealloc(Recorder *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* An int entry of STATE.__dict__ (0 when absent, as a fresh State has them all). */
+/* An int slot of STATE (0 when unset, as a fresh State has them all set). */
 static int
-state_int(PyObject *state, PyObject *name, long long *out)
+state_int(PyObject *state, Py_ssize_t off, long long *out)
 {
-    PyObject *v = PyDict_GetItemWithError(state, name);   /* borrowed */
+    PyObject *v = state_slot(state, off);   /* borrowed */
     if (v == NULL) {
-        if (PyErr_Occurred())
-            return -1;
         *out = 0;
         return 0;
     }
@@ -204,13 +297,40 @@ tensor_numel(Recorder *self, PyObject *t, long dc, long long *out)
 
 #define PUT(p, v, T) do { T _v = (T)(v); memcpy((p), &_v, sizeof(T)); (p) += sizeof(T); } while (0)
 
+/* Room for `extra` more bytes at the end of the bytearray buf, which then holds them (their
+ * content unset). bytearray grows by an eighth at a time and the flusher empties it every 0.2 s
+ * (which frees its storage), so refilling it copied each byte ~8 times over (measured: ~20 ns and
+ * ~60 ns of page faults per row in a tight loop of calls). Here it grows to at least 64 KiB and
+ * then doubles: each byte is copied about once. Where a buffer export is held, bytearray's own
+ * resize (which refuses) decides. */
+static int
+grow(PyObject *buf, Py_ssize_t extra)
+{
+    PyByteArrayObject *b = (PyByteArrayObject *)buf;
+    Py_ssize_t n = Py_SIZE(buf), want = n + extra;
+    if (b->ob_exports > 0)
+        return PyByteArray_Resize(buf, want);
+    if (want + (b->ob_start - b->ob_bytes) + 1 > b->ob_alloc) {
+        Py_ssize_t room = n < PY_SSIZE_T_MAX / 2 ? 2 * n : want;
+        if (room < want)
+            room = want;
+        if (room < (1 << 16))
+            room = 1 << 16;
+        if (PyByteArray_Resize(buf, room) < 0)      /* compacts a logical offset, too */
+            return -1;
+    }
+    Py_SET_SIZE(buf, want);                         /* within the allocation: bytearray's quick path */
+    b->ob_start[want] = '\0';
+    return 0;
+}
+
 /* Append one packed row (data.schema.ROW) to the bytearray buf, in one piece. */
 static int
 pack_row(PyObject *buf, long long seq, long code, long gid, long dc, long long numel, unsigned char flags,
          long long start, long long end, long peer, long long step, long long tag, long long where)
 {
     Py_ssize_t n = PyByteArray_GET_SIZE(buf);
-    if (PyByteArray_Resize(buf, n + ROW_SIZE) < 0)
+    if (grow(buf, ROW_SIZE) < 0)
         return -1;
     char *p = PyByteArray_AS_STRING(buf) + n;
     PUT(p, seq, int64_t);
@@ -276,8 +396,8 @@ append_row(Recorder *self, long gid, PyObject *const *args, long long start, lon
         return -1;
     }
     long long step, tag, where;
-    if (state_int(self->state, s_step, &step) < 0 || state_int(self->state, s_tag, &tag) < 0
-            || state_int(self->state, s_where, &where) < 0)
+    if (state_int(self->state, off_step, &step) < 0 || state_int(self->state, off_tag, &tag) < 0
+            || state_int(self->state, off_where, &where) < 0)
         return -1;
     PyObject *so = Py_TYPE(self->seq)->tp_iternext(self->seq);
     if (so == NULL) {
@@ -331,8 +451,8 @@ fast_gid(Recorder *self, PyObject *const *args)
         if (!Py_IS_TYPE(t, (PyTypeObject *)self->tensor))
             return -1;
         if (self->check_devices) {
-            PyObject *dev = PyDict_GetItemWithError(self->state, s_devices);   /* borrowed */
-            if (dev == NULL ? PyErr_Occurred() != NULL : PyObject_IsTrue(dev) != 0) {
+            PyObject *dev = state_slot(self->state, off_devices);   /* borrowed */
+            if (dev != NULL && dev != Py_False && PyObject_IsTrue(dev) != 0) {
                 PyErr_Clear();
                 return -1;
             }
@@ -352,15 +472,30 @@ fast_gid(Recorder *self, PyObject *const *args)
     return gid;
 }
 
-/* call(group, t, numel_or_None, peer, async_op, *args): SLOW unless fast_gid takes the call; then
- * orig(*args) between two clock reads and its row (an error row, with the exception re-raised,
- * when it raised). */
+/* call(group, t, numel_or_None, peer, async_op, *args): orig(*args) alone when commpatch does not
+ * record; SLOW while a nesting op runs in any thread (STATE.nesting) or unless fast_gid takes the
+ * call; else orig(*args) between two clock reads and its row (an error row, with the exception
+ * re-raised, when it raised). */
 static PyObject *
 Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs < 5) {
         PyErr_SetString(PyExc_TypeError, "call() takes at least 5 arguments");
         return NULL;
+    }
+    PyObject *v = state_slot(self->state, off_recording);
+    if (v != Py_True) {
+        int r = v == NULL ? 0 : PyObject_IsTrue(v);
+        if (r != 1) {
+            PyErr_Clear();
+            return PyObject_Vectorcall(self->orig, args + 5, nargs - 5, NULL);
+        }
+    }
+    v = state_slot(self->state, off_nesting);
+    if (v != NULL && v != ZERO && PyObject_IsTrue(v) != 0) {
+        PyErr_Clear();
+        Py_INCREF(SLOW);
+        return SLOW;
     }
     long gid = fast_gid(self, args);
     if (gid < 0) {
@@ -433,12 +568,11 @@ static PyTypeObject RecorderType = {
 typedef struct {
     PyObject_HEAD
     PyObject *out;        /* list: Log.packs, (seq, pack_ns, alone_ns) per launch */
-    PyObject *state;      /* dict: STATE.__dict__ */
+    PyObject *state;      /* record.state.STATE (its slots read directly: bind_state) */
     long long pre, pre_busy, inflight, last_done, total, alone;
     int seen;
 } Packing;
 
-static PyObject *s_recording;
 static PyTypeObject PackingType;
 
 static void
@@ -491,7 +625,7 @@ packing_done(Packing *self)
 static PyObject *
 Packing_acc(Packing *self, PyObject *param)
 {
-    PyObject *rec = PyDict_GetItemWithError(self->state, s_recording);   /* borrowed */
+    PyObject *rec = state_slot(self->state, off_recording);   /* borrowed */
     if (rec == Py_True) {
         self->pre = now_ns();
         self->pre_busy = self->inflight;
@@ -553,7 +687,7 @@ static int
 Packing_init(Packing *self, PyObject *args, PyObject *kwds)
 {
     PyObject *out, *state;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &out, &PyDict_Type, &state))
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &out, &state) || check_state(state) < 0)
         return -1;
     Py_INCREF(out); Py_XSETREF(self->out, out);
     Py_INCREF(state); Py_XSETREF(self->state, state);
@@ -701,7 +835,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *fallback;   /* the Python hook: every case but the common one */
     PyObject *default_hook; /* integrations.ddp._default_hook: the slot's hook in the common case */
-    PyObject *state;      /* dict: STATE.__dict__ */
+    PyObject *state;      /* record.state.STATE (its slots read directly: bind_state) */
     PyObject *seq;        /* itertools.count */
     PyObject *buf;        /* bytearray: the log's rows */
     PyObject *dtype_ids, *dtype_id;
@@ -746,7 +880,7 @@ bucket_books(BucketHook *self, PyObject *ddp, PyObject *bucket, PyObject *tensor
         goto fail;
     if ((dc = dtype_code(self->dtype_ids, self->dtype_id, dtype)) == -1 && PyErr_Occurred())
         goto fail;
-    if (state_int(self->state, s_step, &step) < 0 || state_int(self->state, s_tag, &tag) < 0)
+    if (state_int(self->state, off_step, &step) < 0 || state_int(self->state, off_tag, &tag) < 0)
         goto fail;
     if (pack_row(self->buf, seq, self->code, gid, dc, numel, self->flags, start, end, -1, step, tag, where) < 0)
         goto fail;
@@ -824,7 +958,7 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     Done *cb = NULL;
 
     /* the common case? decided before anything is called */
-    PyObject *rec = PyDict_GetItemWithError(self->state, s_recording);   /* borrowed */
+    PyObject *rec = state_slot(self->state, off_recording);   /* borrowed */
     if (rec == NULL || PyObject_IsTrue(rec) != 1)
         goto slow;
     if (attr_is(slot, s_hook, self->default_hook) != 1 || attr_is(slot, s_track, Py_None) != 1)
@@ -914,10 +1048,11 @@ BucketHook_init(BucketHook *self, PyObject *args, PyObject *kwds)
     PyObject *pending, *buckets, *where, *on_last, *fail, *tensor, *pack, *code_obj;
     long code;
     int flags;
-    if (!PyArg_ParseTuple(args, "OOO!OO!O!OO!OO!O!O!OOOO!liO", &fallback, &default_hook, &PyDict_Type, &state, &seq,
+    if (!PyArg_ParseTuple(args, "OOOOO!O!OO!OO!O!O!OOOO!liO", &fallback, &default_hook, &state, &seq,
                           &PyByteArray_Type, &buf, &PyDict_Type, &dtype_ids, &dtype_id, &PyDict_Type, &group_ids,
                           &group_id, &PyDict_Type, &done, &PyDict_Type, &pending, &PyList_Type, &buckets, &where,
-                          &on_last, &fail, &PyType_Type, &tensor, &code, &flags, &pack))
+                          &on_last, &fail, &PyType_Type, &tensor, &code, &flags, &pack)
+            || check_state(state) < 0)
         return -1;
     if (pack != Py_None && !Py_IS_TYPE(pack, &PackingType)) {
         PyErr_SetString(PyExc_TypeError, "pack must be a Packing or None");
@@ -986,8 +1121,16 @@ static PyTypeObject BucketHookType = {
     .tp_clear = (inquiry)BucketHook_clear,
 };
 
+static PyMethodDef hot_functions[] = {
+    {"bind_state", (PyCFunction)bind_state, METH_O,
+     "bind_state(STATE): the object of record.state whose slots the recorders read (its class's member offsets)"},
+    {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL,
+     "take(buf, n): the first n bytes of a bytearray as bytes, removed from it, its storage kept (up to 8 MiB unused)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef hot_module = {
-    PyModuleDef_HEAD_INIT, "_hot", "The fast path's tail in C (see commpatch/record/_hot.c).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_hot", "The fast path's tail in C (see commpatch/record/_hot.c).", -1, hot_functions,
 };
 
 PyMODINIT_FUNC
@@ -1001,9 +1144,8 @@ PyInit__hot(void)
             || PyType_Ready(&PackingType) < 0)
         return NULL;
 #define INTERN(v, text) if ((v = PyUnicode_InternFromString(text)) == NULL) return NULL
-    INTERN(s_step, "step"); INTERN(s_tag, "tag"); INTERN(s_where, "where"); INTERN(s_dtype, "dtype");
-    INTERN(s_nbytes, "nbytes"); INTERN(s_numel, "numel"); INTERN(s_record, "record"); INTERN(s_devices, "devices");
-    INTERN(s_value, "value"); INTERN(s_recording, "recording"); INTERN(s_hook, "hook"); INTERN(s_track, "track");
+    INTERN(s_dtype, "dtype"); INTERN(s_nbytes, "nbytes"); INTERN(s_numel, "numel"); INTERN(s_record, "record");
+    INTERN(s_value, "value"); INTERN(s_hook, "hook"); INTERN(s_track, "track");
     INTERN(s_work, "work"); INTERN(s_static, "static"); INTERN(s_ddp, "ddp"); INTERN(s_size, "size");
     INTERN(s_buffer, "buffer"); INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_sparse, "is_sparse"); INTERN(s_mul_, "mul_");
     INTERN(s_reducer, "reducer"); INTERN(s_run, "_run_allreduce_hook"); INTERN(s_then, "then");
@@ -1011,7 +1153,8 @@ PyInit__hot(void)
     INTERN(s_is_last, "is_last"); INTERN(s_bucket, "ddp.hook");
 #undef INTERN
     SLOW = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
-    if (SLOW == NULL)
+    ZERO = PyLong_FromLong(0);
+    if (SLOW == NULL || ZERO == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&hot_module);
     if (m == NULL)

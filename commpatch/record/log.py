@@ -23,6 +23,7 @@ from ..data.frame import concat_frames, dataframe, parse_log
 from ..data.ops import OBJECT, OP_NAMES
 from ..data.schema import ROW, SCHEMA_VERSION, TIMINGS, compact_ranks, row_dtype
 from . import inflight, sinks, state
+from .rows import take_rows
 
 CHUNK_BITS = 14
 CHUNK = 1 << CHUNK_BITS  # rows between maintenance passes (late timings, clock offset)
@@ -239,8 +240,7 @@ class Log:
                     if pairs:
                         other += logfile.frame(kind, _drain_pairs(pairs))
                 n = len(self.buf) // ROW.size * ROW.size
-                chunk = bytes(self.buf[:n])  # whole rows; appends meanwhile stay in buf
-                del self.buf[:n]
+                chunk = take_rows(self.buf, n)  # whole rows; appends meanwhile stay in buf
                 rows = taken = n // ROW.size
                 if chunk:
                     # the last rows across flushes (a flush may take one row): only the tail is copied

@@ -19,12 +19,28 @@ from .state import STATE, fail
 
 try:
     from . import _hot  # the C row writer (record/_hot.c), built at install when a compiler is there
-except ImportError:  # not built: the pure-Python fast path
+
+    _hot.bind_state(STATE)  # the slots of STATE it reads
+except (ImportError, AttributeError, TypeError):  # not built (or built from other sources): the pure-Python path
     _hot = None
 # It reads CLOCK_MONOTONIC itself: used only where that is what time.perf_counter_ns reads (Linux).
 C_ROWS = _hot is not None and time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
 SEQ = itertools.count()  # per-process sequence shared by all wrappers; next() is atomic
+
+
+def take_rows_py(buf: bytearray, n: int) -> bytes:
+    """The first ``n`` bytes of ``buf``, removed from it (atomic under the GIL: the hot path appends
+    meanwhile); ValueError unless 0 <= n <= len(buf). In C (``_hot.take``, ``take_rows`` where
+    built) the storage is kept for the next rows instead of freed."""
+    if not 0 <= n <= len(buf):
+        raise ValueError("take: n out of range")
+    chunk = bytes(buf[:n])
+    del buf[:n]
+    return chunk
+
+
+take_rows = _hot.take if C_ROWS else take_rows_py
 
 
 def hot_call(
@@ -41,7 +57,7 @@ def hot_call(
         return None
     return _hot.Recorder(
         log.buf,
-        STATE.__dict__,
+        STATE,
         SEQ,
         log.dtype_ids,
         log.dtype_id,
@@ -76,7 +92,7 @@ def bucket_hook(log, fallback, default_hook, where, on_last, tensor_type, packin
     return _hot.BucketHook(
         fallback,
         default_hook,
-        STATE.__dict__,
+        STATE,
         SEQ,
         log.buf,
         log.dtype_ids,
@@ -162,7 +178,7 @@ class Packing:
 def packing(log):
     """The books of one DDP model's gradient packing, in C when built (see ``Packing``)."""
     if C_ROWS:
-        return _hot.Packing(log.packs, STATE.__dict__)
+        return _hot.Packing(log.packs, STATE)
     return Packing(log.packs, STATE)
 
 

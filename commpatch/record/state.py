@@ -12,7 +12,10 @@ import warnings
 
 
 class State:
-    """Mutable process-wide switches (plain attributes: one read each on the hot path)."""
+    """Mutable process-wide switches. Slots: one read each on the hot path, in Python, and the C
+    recorder (record/_hot.c) reads them at their offsets without a dict lookup."""
+
+    __slots__ = ("enabled", "recording", "step", "step_source", "tag", "nesting", "where", "devices", "settings")
 
     def __init__(self) -> None:
         self.enabled = False  # patches installed
