@@ -74,13 +74,13 @@ def test_delays_inside_a_block_and_before_the_optimizer_are_named():
 
 
 def test_a_rank_released_last_is_no_straggler_and_a_late_one_still_is(tmp_path):
-    """A step of a small all-reduce and 16 MB of statistics reduced to rank 0: the root receives and
+    """A step of a small all-reduce and 64 MB of statistics reduced to rank 0: the root receives and
     adds while rank 1 only sends, so rank 0 leaves the reduce last and issues the next step's
     all-reduce last, by about what it spent adding, every step. That is no work of its own between
-    the two: the verdict said "rank 0 the straggler" (0.2-0.3 ms per step, p 1e-7 to 1e-10 in 3 of
-    4 runs) until the evidence left out a later release by the last rooted collective that held the
-    host (matching.releases). With rank 1 sleeping 2 ms before each step, rank 1 is named, by both
-    engines."""
+    the two: the verdict said "rank 0 the straggler" (16 MB then: 0.2-0.3 ms per step, p 1e-7 to
+    1e-10 in 3 of 4 runs) until the evidence left out a later release by the last rooted collective
+    that held the host (matching.releases). With rank 1 sleeping 2 ms before each step, rank 1 is
+    named, by both engines."""
 
     def verdict(df, label):
         (tmp_path / label).mkdir()
