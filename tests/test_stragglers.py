@@ -265,6 +265,44 @@ def test_a_delay_one_collective_absorbs_is_named_at_its_place():
     assert len(cands) == 28 * 6 and tests == 6 * 2 and cands["pos"].max() == 5
 
 
+def test_a_real_hold_up_below_the_noise_is_shown_not_named():
+    """A rank last at the step's first collective in every step, by 0.15 ms among collectives that a
+    random rank holds up by 0.3 ms (exponential): significant and consistent there, but under the
+    other ranks' noise: no straggler, and the finding, the headline and its line say where it was
+    and by how much (the user sees the real hold-up and the threshold it missed); a symmetric job
+    has none of it."""
+    from types import SimpleNamespace
+
+    from commpatch.analysis import findings, headline
+    from commpatch.render import people
+
+    rng = np.random.default_rng(3)
+    inst, arrivals = _positions(rng, delay_us=150.0, noise_us=300.0)
+    steps = _steps(30, 18_000.0)
+    v = verdict(arrivals, steps, positions=inst)
+    near = v["near"]
+    assert not v["straggler"] and near is not None, v
+    assert near["rank"] == 1 and near["reason"] == "effect" and near["last_steps"] == near["steps"] == 28, near
+    assert 100 < near["late_median_us"] < near["threshold_us"] and near["p_value"] < stragglers.ALPHA, near
+    assert near["at"]["position"] == 1 and near["at"]["op"] == "all_reduce", near
+    cross = SimpleNamespace(step_arrivals=arrivals, position_arrivals=inst, clock=None, p2p_steps=None)
+    ranks = pd.DataFrame({"rank": [0, 1], "last_count": [80, 100], "collectives": [180, 180], "late_us": [1e4, 2e4]})
+    text = findings._straggler_text(ranks, cross, steps)
+    assert "; no straggler: " in text and "at the step's 1st collective of group 0 (all_reduce)" in text, text
+    assert "the longest there in 28 of 28 steps" in text and text.endswith("within the other ranks' own noise."), text
+    h = headline._straggler(cross, steps)
+    assert h["verdict"] == "none" and h["near"]["rank"] == 1 and h["near"]["reason"] == "effect", h
+    assert h["near"]["late_median_us"] == pytest.approx(near["late_median_us"]), h
+    line = dict(people.headline_lines({"straggler": h, "steps": 30, "steady_steps": 28}))["straggler"]
+    assert "rank 1 " in line.split("; ")[-1] and "at the step's 1st collective" in line, line
+    # a symmetric job: nothing real at any place, nothing shown
+    inst, arrivals = _positions(rng)
+    assert verdict(arrivals, _steps(30), positions=inst)["near"] is None
+    sym = SimpleNamespace(step_arrivals=arrivals, position_arrivals=inst, clock=None, p2p_steps=None)
+    assert headline._straggler(sym, _steps(30))["near"] is None
+    assert "the longest there" not in findings._straggler_text(ranks, sym, _steps(30))
+
+
 def test_chance_at_each_collective_is_no_straggler():
     """Symmetric jobs, 6 collectives a step, a random rank last at each: at most the tests' level of
     false verdicts (two families at ALPHA each: 0.2 expected in 100), never more than 2."""

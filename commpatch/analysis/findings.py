@@ -410,17 +410,15 @@ def _straggler_text(ranks, cross, steps_table) -> str:
         elif v["straggler"]:
             text += f". {evidence[0].upper()}{evidence[1:]}: {role}"
         else:
-            why = {
-                "significance": "not more than chance and noise explain",
-                "consistency": "not in most steps",
-                "effect": "within the other ranks' own noise",
-                "clock": (
-                    f"within the uncertainty of the clocks' offsets (+/-{_ms(v['clock_us'])})"
-                    if not math.isnan(v["clock_us"])
-                    else "not comparable: a clock offset to rank 0 is unknown (not measured)"
-                ),
-            }[v["reason"]]
-            text += f"; no straggler: {evidence}, {why}"
+            text += f"; no straggler: {evidence}, {_why_not(v['reason'], v['clock_us'])}"
+    near = v.get("near") if v is not None and not v["straggler"] else None
+    if near:  # a real hold-up at one place, too small to call: said, with its figures
+        text += (
+            f"; rank {near['rank']} held the other ranks up a median {_ms(near['late_median_us'])} per "
+            f"step{stragglers.place(near)}, the longest there in {near['last_steps']} of {near['steps']} "
+            f"steps (p = {near['p_value']:.2g}; threshold {_ms(near['threshold_us'])}: the other ranks' "
+            f"{NOISE_QUANTILE:.0%} quantile at the group's collectives), {_why_not(near['reason'], near['clock_us'])}"
+        )
     if (
         v is not None
         and v["setup_rank"] is not None
@@ -432,6 +430,19 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             "longer than any other rank"
         )
     return text + "."
+
+
+def _why_not(reason: str, clock_us: float) -> str:
+    """Why a straggler candidate was not named (``stragglers.verdict``'s ``reason``), in words."""
+    if reason == "clock":
+        if math.isnan(clock_us):
+            return "not comparable: a clock offset to rank 0 is unknown (not measured)"
+        return f"within the uncertainty of the clocks' offsets (+/-{_ms(clock_us)})"
+    return {
+        "significance": "not more than chance and noise explain",
+        "consistency": "not in most steps",
+        "effect": "within the other ranks' own noise",
+    }[reason]
 
 
 def _signed_ms(us) -> str:

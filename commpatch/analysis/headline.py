@@ -150,6 +150,25 @@ def _straggler(cross, steps_table) -> dict:
         # place in the step (``at``: group, position from 1, op); work: a pipeline stage's work per step
         measure=v["measure"],
         at=({k: v["at"][k] for k in ("group", "position", "op")} if v["measure"] == "position" else None),
+        near=_near(v),
+    )
+
+
+def _near(v) -> dict | None:
+    """Where no straggler is named: a rank that held one place of the step up significantly, in
+    most steps, but by less than the noise (or the clocks' uncertainty) there, with its figures."""
+    near = v.get("near") if not v["straggler"] else None
+    if not near:
+        return None
+    return dict(
+        rank=int(near["rank"]),
+        last_steps=int(near["last_steps"]),
+        steps=int(near["steps"]),
+        late_median_us=_num(near["late_median_us"]),
+        threshold_us=_num(near["threshold_us"]),
+        p_value=_num(near["p_value"]),
+        reason=near["reason"],
+        at={k: near["at"][k] for k in ("group", "position", "op")},
     )
 
 

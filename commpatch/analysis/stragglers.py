@@ -147,7 +147,9 @@ def _padded_quantile(values, total: int, q: float) -> float:
 
 
 def _position_verdict(candidates, tests, unc):
-    """The most significant position's candidate (a dict of its figures), or None: at each candidate
+    """(The most significant position's candidate that passes, the most significant one that passes
+    the significance and consistency tests only, with its ``reason``: ``effect`` or ``clock``), each a
+    dict of its figures or None: at each candidate
     position, the rank that held the collective up in most steps; its margin per step is the time it
     held it up when last, minus the time the last rank held it up when another was last (the others
     hold nothing up there then); the same tests as for the step's longest hold-up, Bonferroni-corrected
@@ -155,9 +157,9 @@ def _position_verdict(candidates, tests, unc):
     step, above the ``NOISE_QUANTILE`` quantile of the time the other ranks held the group's
     collectives up (at every steady collective of the group, each other rank: the last one's time when
     it was another, else 0) and above the clocks' uncertainty."""
-    best = None
+    best = near = None
     if candidates is None or not len(candidates) or tests <= 0:
-        return None
+        return None, None
     by_group = {name: part for name, part in candidates.groupby("group", sort=True)}
     for (group, pos), g in candidates.groupby(["group", "pos"], sort=True):
         last, held = g["rank"].to_numpy(np.int64), g["held_us"].to_numpy(np.float64)
@@ -190,7 +192,11 @@ def _position_verdict(candidates, tests, unc):
         )
         if ok and (best is None or (p, -late) < (best["p_value"], -best["late_median_us"])):
             best = cand
-    return best
+        elif not ok and p < ALPHA and k >= STRAGGLER_SHARE * m:  # real, but below the noise or the clocks
+            cand["reason"] = "clock" if late > 0 and not late > clock else "effect"
+            if near is None or (p, -late) < (near["p_value"], -near["late_median_us"]):
+                near = cand
+    return best, near
 
 
 def clock_uncertainty(clock, ranks) -> dict:
@@ -242,7 +248,10 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
     ``p2p_steps``: ``matching.p2p_steps`` (either engine's), for steps of point-to-point calls only.
     ``positions``: ``position_arrivals`` (pandas), or ``position_candidates``' result (an engine's):
     where the step's longest hold-up names no straggler, the same tests at each collective's place in
-    the step (``measure`` ``position``, and ``at``: its group, place from 1, op and first ``cseq``)."""
+    the step (``measure`` ``position``, and ``at``: its group, place from 1, op and first ``cseq``);
+    where none passes them all, ``near``: the most significant place's candidate that passed the
+    significance and consistency tests but not the effect's (or the clocks'), with its figures, ``at``
+    and ``reason`` (what the report shows of a real hold-up too small to call), else None."""
     stage = steps_table[["step", "stage"]].drop_duplicates("step").set_index("step")["stage"]
     table = arrivals.assign(stage=arrivals["step"].map(stage).fillna("end").to_numpy())
     out: dict = dict(
@@ -260,6 +269,7 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
         setup_late_us=math.nan,
         clock_us=0.0,
         measure="held",
+        near=None,
     )
     unc = clock_uncertainty(clock, arrivals["rank"].unique().tolist())
     setup = _held(table[table["stage"] == "setup"])
@@ -298,7 +308,10 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
     if not out["straggler"] and positions is not None:
         if not isinstance(positions, tuple):
             positions = position_candidates(positions, stage.index[stage.to_numpy() == "steady"])
-        at = _position_verdict(positions[0], positions[1], unc)
+        at, near = _position_verdict(positions[0], positions[1], unc)
+        if at is None and near is not None:
+            near.pop("ok")
+            out["near"] = dict(near, measure="position")
         if at is not None:
             at.pop("ok")
             step_us = _step_us(steps_table)

@@ -150,12 +150,21 @@ def headline_lines(h: dict) -> list:
             )
         )
     elif s.get("verdict") == "none":
+        near = s.get("near")
         out.append(
             (
                 "straggler",
                 f"none: rank {s['rank']} longest in {s['last_steps']}/{s['steps']} steps, "
                 f"{_ms(s['late_median_us'])}/step (noise {_ms(s.get('threshold_us'))}); "
-                f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})",
+                f"{STRAGGLER_WHY.get(str(s.get('reason')), s.get('reason'))} (p = {s['p_value']:.2g})"
+                + (
+                    f"; rank {near['rank']} {_ms(near['late_median_us'])}/step"
+                    f"{place(dict(measure='position', at=near['at']))} in {near['last_steps']}/{near['steps']} "
+                    f"steps (noise there {_ms(near['threshold_us'])}): "
+                    f"{STRAGGLER_WHY.get(str(near['reason']), near['reason'])}"
+                    if near
+                    else ""
+                ),
             )
         )
     elif s.get("reason") in ("steps", "collectives") and s.get("steps") is not None:  # which steps it could compare
