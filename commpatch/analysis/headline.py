@@ -138,38 +138,38 @@ def _straggler(cross, steps_table) -> dict:
         state = "straggler" if v["straggler"] else "none"
     return dict(
         verdict=state,
+        **_evidence(v),
+        share_of_step=_num(v["share_of_step"]),
+        reason=None if v["straggler"] else v["reason"],
+        # held: the others' wait at the step's collectives (its longest); position: at one collective's
+        # place in the step (``at``: group, position from 1, op); work: a pipeline stage's work per step
+        measure=v["measure"],
+        at=_at(v) if v["measure"] == "position" else None,
+        near=_near(v),
+    )
+
+
+def _evidence(v) -> dict:
+    """A straggler candidate's figures (the verdict's, or its ``near``)."""
+    return dict(
         rank=v["rank"],
         last_steps=int(v["last_steps"]),
         steps=int(v["steps"]),
         late_median_us=_num(v["late_median_us"]),
         threshold_us=_num(v["threshold_us"]),
-        share_of_step=_num(v["share_of_step"]),
         p_value=_num(v["p_value"]),
-        reason=None if v["straggler"] else v["reason"],
-        # held: the others' wait at the step's collectives (its longest); position: at one collective's
-        # place in the step (``at``: group, position from 1, op); work: a pipeline stage's work per step
-        measure=v["measure"],
-        at=({k: v["at"][k] for k in ("group", "position", "op")} if v["measure"] == "position" else None),
-        near=_near(v),
     )
+
+
+def _at(v) -> dict:
+    return {k: v["at"][k] for k in ("group", "position", "op")}
 
 
 def _near(v) -> dict | None:
     """Where no straggler is named: a rank that held one place of the step up significantly, in
     most steps, but by less than the noise (or the clocks' uncertainty) there, with its figures."""
     near = v.get("near") if not v["straggler"] else None
-    if not near:
-        return None
-    return dict(
-        rank=int(near["rank"]),
-        last_steps=int(near["last_steps"]),
-        steps=int(near["steps"]),
-        late_median_us=_num(near["late_median_us"]),
-        threshold_us=_num(near["threshold_us"]),
-        p_value=_num(near["p_value"]),
-        reason=near["reason"],
-        at={k: near["at"][k] for k in ("group", "position", "op")},
-    )
+    return dict(_evidence(near), reason=near["reason"], at=_at(near)) if near else None
 
 
 def _hang(cross, findings) -> dict:
