@@ -71,6 +71,21 @@ state_slot(PyObject *state, Py_ssize_t off)   /* borrowed */
     return *(PyObject **)((char *)state + off);
 }
 
+/* The truth of a slot of STATE: 1 or 0 (0 when unset), -1 (its error cleared) when it has none. */
+static int
+state_true(PyObject *state, Py_ssize_t off)
+{
+    PyObject *v = state_slot(state, off);
+    if (v == Py_True)
+        return 1;
+    if (v == NULL || v == Py_False || v == ZERO)
+        return 0;
+    int r = PyObject_IsTrue(v);
+    if (r < 0)
+        PyErr_Clear();
+    return r;
+}
+
 static int
 slot_offset(PyTypeObject *type, const char *name, Py_ssize_t *off)
 {
@@ -451,11 +466,8 @@ fast_gid(Recorder *self, PyObject *const *args)
         if (!Py_IS_TYPE(t, (PyTypeObject *)self->tensor))
             return -1;
         if (self->check_devices) {
-            PyObject *dev = state_slot(self->state, off_devices);   /* borrowed */
-            if (dev != NULL && dev != Py_False && PyObject_IsTrue(dev) != 0) {
-                PyErr_Clear();
+            if (state_true(self->state, off_devices) != 0)
                 return -1;
-            }
         }
     }
     else if (self->dc_const < 0) {
@@ -483,17 +495,9 @@ Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "call() takes at least 5 arguments");
         return NULL;
     }
-    PyObject *v = state_slot(self->state, off_recording);
-    if (v != Py_True) {
-        int r = v == NULL ? 0 : PyObject_IsTrue(v);
-        if (r != 1) {
-            PyErr_Clear();
-            return PyObject_Vectorcall(self->orig, args + 5, nargs - 5, NULL);
-        }
-    }
-    v = state_slot(self->state, off_nesting);
-    if (v != NULL && v != ZERO && PyObject_IsTrue(v) != 0) {
-        PyErr_Clear();
+    if (state_true(self->state, off_recording) != 1)
+        return PyObject_Vectorcall(self->orig, args + 5, nargs - 5, NULL);
+    if (state_true(self->state, off_nesting) != 0) {
         Py_INCREF(SLOW);
         return SLOW;
     }
@@ -625,12 +629,10 @@ packing_done(Packing *self)
 static PyObject *
 Packing_acc(Packing *self, PyObject *param)
 {
-    PyObject *rec = state_slot(self->state, off_recording);   /* borrowed */
-    if (rec == Py_True) {
+    if (state_true(self->state, off_recording) == 1) {
         self->pre = now_ns();
         self->pre_busy = self->inflight;
     }
-    PyErr_Clear();
     Py_RETURN_NONE;
 }
 
@@ -958,8 +960,7 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     Done *cb = NULL;
 
     /* the common case? decided before anything is called */
-    PyObject *rec = state_slot(self->state, off_recording);   /* borrowed */
-    if (rec == NULL || PyObject_IsTrue(rec) != 1)
+    if (state_true(self->state, off_recording) != 1)
         goto slow;
     if (attr_is(slot, s_hook, self->default_hook) != 1 || attr_is(slot, s_track, Py_None) != 1)
         goto slow;
