@@ -175,6 +175,27 @@ def _wandb_records(path):
     return records
 
 
+def _wandb_run(path):
+    """((project, name), {step: {key: value}}, summary) of the ``.wandb`` file at ``path``: the run record
+    as None where the file has none (each test asserts on it)."""
+    history, summary, run = {}, {}, None
+    records = _wandb_records(path)
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = (record.run.project, record.run.display_name)
+        elif kind == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
+            history[int(items.pop("_step"))] = items
+        elif kind == "summary":
+            summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.summary.update})
+    assert records and records[-1].WhichOneof("record_type") == "exit", (
+        path,
+        [r.WhichOneof("record_type") for r in records],
+    )
+    return run, history, summary
+
+
 @pytest.mark.slow  # wandb's offline run and its reader: `make test-slow`
 def test_wandb_offline_run_holds_the_reports_steps_and_headline(run_dir, capsys, monkeypatch, tmp_path):
     """``report --wandb PROJECT`` with ``WANDB_MODE=offline``: the run's history is the report's steps
@@ -187,17 +208,9 @@ def test_wandb_offline_run_holds_the_reports_steps_and_headline(run_dir, capsys,
     assert code == 0, err
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert f"logged to Weights & Biases: {os.path.dirname(path)}" in err, err
-    history, summary, run = {}, {}, None
-    for record in _wandb_records(path):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run = (record.run.project, record.run.display_name)
-        elif kind == "history":
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item}
-            history[int(items.pop("_step"))] = {k: v for k, v in items.items() if k.startswith(trackers.PREFIX)}
-        elif kind == "summary":
-            summary.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.summary.update})
+    run, history, summary = _wandb_run(path)
     assert run == ("commpatch-tests", "job-7"), run
+    history = {s: {k: v for k, v in items.items() if k.startswith(trackers.PREFIX)} for s, items in history.items()}
     want = _expected(rep)
     got = {name: {s: v[name] for s, v in history.items() if name in v} for name in want}
     assert got.keys() == want.keys() and all(got[n].keys() == want[n].keys() for n in want), (got, want)
@@ -206,3 +219,34 @@ def test_wandb_offline_run_holds_the_reports_steps_and_headline(run_dir, capsys,
     h = rep["headline"]
     assert math.isclose(summary[trackers.RUN + "step_p50_ms"], h["step_us"] * 1e-3, rel_tol=1e-9)
     assert summary[trackers.PREFIX + "straggler"] == h["straggler"]["verdict"], summary
+
+
+@pytest.mark.slow  # wandb's offline runs and their reader: `make test-slow`
+def test_wandb_logging_beside_the_callers_own_run_leaves_that_run_alone(run_dir, monkeypatch, tmp_path):
+    """``Run.log_wandb`` in a process whose own W&B run is active (``wandb.init()``: W&B's global run): the
+    report is a run of its own, written out whole; the caller's run stays the global one, unfinished,
+    logs on after it and holds none of commpatch's figures."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    mine = wandb.init(project="mine", name="training")
+    try:
+        mine.log({"loss": 1.0}, step=0)
+        where = commpatch.open(run_dir).log_wandb("commpatch-tests")
+        assert wandb.run is mine
+        mine.log({"loss": 0.5}, step=1)  # W&B refuses to log to a finished run
+    finally:
+        mine.finish()
+    wandb.teardown()  # the caller's run written out (W&B's atexit hook does this at the process's exit)
+    runs = {}
+    for path in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb")):
+        run, history, _ = _wandb_run(path)
+        runs[run] = (os.path.dirname(path), history)
+    assert runs.keys() == {("mine", "training"), ("commpatch-tests", "job-7")}, runs.keys()
+    assert runs[("commpatch-tests", "job-7")][0] == where
+    ours = runs[("commpatch-tests", "job-7")][1]
+    assert any(k.startswith(trackers.PREFIX) for items in ours.values() for k in items), ours
+    theirs = runs[("mine", "training")][1]
+    assert {s: items["loss"] for s, items in theirs.items()} == {0: 1.0, 1: 0.5}, theirs
+    assert not any(k.startswith(trackers.PREFIX) for items in theirs.values() for k in items), theirs

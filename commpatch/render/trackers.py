@@ -106,7 +106,9 @@ def log_wandb(rep, project: str, run_name: str) -> str:
     job's step); returns the run's directory (offline) or URL."""
     import wandb  # needs the wandb extra
 
-    run = wandb.init(project=project, name=run_name)
+    # a run of its own beside any of the caller's (W&B's default would return the caller's active run,
+    # or finish it in a notebook)
+    run = wandb.init(project=project, name=run_name, reinit="create_new")
     try:
         for step, point in step_points(rep.sections["steps"]):
             run.log(point, step=step)
@@ -115,4 +117,17 @@ def log_wandb(rep, project: str, run_name: str) -> str:
         where = run.url or os.path.dirname(os.path.normpath(run.dir))  # offline: the run's directory
     finally:
         run.finish()
+        _wandb_written(wandb)
     return where
+
+
+def _wandb_written(wandb) -> None:
+    """Waits until W&B's service has written the run out: ``run.finish()`` only tells the service the
+    run is done (its ``.wandb`` file may still be open, part of it unwritten, when it returns). With no
+    other run of this process active, ``wandb.teardown()`` waits for the service to close it; a later
+    ``wandb.init`` starts a new one. Beside a run of the caller's, the service stays and W&B writes the
+    file by the process's exit (its own atexit hook)."""
+    unset = object()
+    active = getattr(wandb.setup(), "most_recent_active_run", unset)
+    if active is None:
+        wandb.teardown()
