@@ -174,6 +174,13 @@ def check_top(value, name: str = "top") -> int:
     return value
 
 
+def check_progress(value, name: str = "progress"):
+    """None, or a callable ``progress(done, total)``."""
+    if value is not None and not callable(value):
+        raise ConfigError(f"{name} {value!r}: give a function progress(done, total) or None")
+    return value
+
+
 def check_engine(value, name: str = "engine") -> str:
     """``auto`` (DuckDB from ``analysis.engine.AUTO_BYTES`` of logs on, when installed), ``pandas``
     ``duckdb`` (refused when DuckDB is not installed) or ``spark`` (when PySpark is not)."""
@@ -366,7 +373,7 @@ class Run:
         if isinstance(step_times, (str, os.PathLike)):
             step_times = read_step_times(os.fspath(step_times))
         self.step_times = step_times
-        self.progress = progress
+        self.progress = check_progress(progress)
         self._engine_name: str | None = None
         self._frame: Any = None  # the rows read, steps numbered (every column, or the report's: _full)
         self._full = False
@@ -749,6 +756,7 @@ def compare(paths, scaling: str = "weak", global_batch=None, progress=None) -> C
     if scaling not in SCALING:
         raise ConfigError(f"scaling {scaling!r}: choose from {', '.join(SCALING)}")
     check_global_batch(global_batch)
+    check_progress(progress)
     runs = {}
     for i, path in enumerate(paths):
         runs[path] = analysis.with_pattern_steps(io.read(path))
@@ -881,6 +889,7 @@ def convert(paths, to: str = "csv", progress=None):
     written)`` per log: an existing file is never replaced (``written`` False)."""
     if to not in ("csv", "parquet"):
         raise ConfigError(f"to {to!r}: choose from csv, parquet")
+    check_progress(progress)
     paths = _paths(paths)
     files = [f for f in io.expand(paths) if f.endswith(SUFFIX)]
     if not files:

@@ -168,6 +168,7 @@ def test_other_bad_arguments_are_config_errors(logs, tmp_path):
         dict(steps=(1, 2, 3)),
         dict(steps="-1:4"),
         dict(paths=[]),
+        dict(progress=False),  # a flag where a function progress(done, total) goes: a TypeError inside before
     ):
         paths = kwargs.pop("paths", logs)
         with pytest.raises(commpatch.ConfigError) as raised:
@@ -211,6 +212,8 @@ def test_compare_is_the_clis(tmp_path, capsys):
     assert cmp.unknown_steps() == []
     with pytest.raises(commpatch.ConfigError, match="give a positive number of samples"):
         commpatch.compare(runs, global_batch=0)
+    with pytest.raises(commpatch.ConfigError, match=r"progress True: give a function progress\(done, total\) or None"):
+        commpatch.compare(runs, progress=True)
 
 
 def test_convert_yields_each_log_once_and_never_replaces(tmp_path):
