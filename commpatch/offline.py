@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import reprlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -157,7 +158,10 @@ def parse_steps(value, name: str = "steps") -> tuple | None:
 
 def check_by(value, name: str = "by") -> list:
     """The summary's grouping: ``"collective,size_bucket"`` or a list of log columns and size_bucket."""
-    by = [b.strip() for b in value.split(",") if b.strip()] if isinstance(value, str) else [str(b) for b in value]
+    try:
+        by = [b.strip() for b in value.split(",") if b.strip()] if isinstance(value, str) else [str(b) for b in value]
+    except TypeError:  # not iterable
+        by = []
     if not by:
         raise ConfigError(f"{name} {value!r}: give one or more columns (e.g. op,size_bucket)")
     unknown = [b for b in by if b not in COLUMNS and b != "size_bucket"]
@@ -201,6 +205,8 @@ def check_engine(value, name: str = "engine") -> str:
 def check_output(path, name: str, directory: bool = False) -> None:
     """Raise when ``path`` (a file, or with ``directory`` a directory) cannot be written: checked
     before anything is read. Missing parent directories are fine (they are created)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError(f"{name} {path!r}: give the path of a {'directory' if directory else 'file'} to write")
     target = os.path.abspath(path)
     if os.path.exists(target):
         if directory and not os.path.isdir(target):
@@ -263,10 +269,31 @@ def read_step_times(path, name: str = "step_times"):
         raise ConfigError(f"{name} {path}: not a readable CSV ({' '.join(str(exc).split())[:120]})") from None
     except OSError as exc:
         raise ConfigError(f"{name} {path}: cannot be read ({exc.strerror or exc})") from None
+    return _checked_step_times(steps, f"{name} {path}", "a steps file", "in the file")
+
+
+def check_step_times(value, name: str = "step_times"):
+    """``step_times``: None, a step-times CSV's path (``read_step_times``) or a DataFrame of the same
+    columns, checked as the file is; anything else is a one-line ``ConfigError``."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return read_step_times(os.fspath(value), name)
+    if isinstance(value, pd.DataFrame):
+        return _checked_step_times(value.copy(), name, "a DataFrame of step times", "given")
+    raise ConfigError(
+        f"{name} {reprlib.repr(value)}: give a CSV file or a DataFrame with columns step and duration_us "
+        "(or start_ns and end_ns), optionally rank"
+    )
+
+
+def _checked_step_times(steps, where: str, what: str, held: str):
+    """The step times of ``steps`` (a DataFrame, changed in place) checked: ``where`` names them in
+    the errors (``what`` needs these columns, no step times ``held``)."""
     steps.columns = [str(c).strip() for c in steps.columns]
     if "step" not in steps or not ({"duration_us"} <= set(steps) or {"start_ns", "end_ns"} <= set(steps)):
         raise ConfigError(
-            f"{name} {path}: a steps file needs columns step and duration_us (or start_ns and end_ns), optionally rank"
+            f"{where}: {what} needs columns step and duration_us (or start_ns and end_ns), optionally rank"
         )
     for col in ("step", "rank", "duration_us", "start_ns", "end_ns"):
         if col not in steps:
@@ -279,7 +306,8 @@ def read_step_times(path, name: str = "step_times"):
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
             raise ConfigError(
-                f"{name} {path}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} on line {i + 2}, "
+                f"{where}: column {col!r} holds {str(steps[col].iloc[i])[:40]!r} "
+                f"{f'on line {i + 2}' if held == 'in the file' else f'in row {i}'}, "
                 f"not {'an integer' if integral else 'a number'}"
             )
         steps[col] = values.astype(np.int64) if integral else values.astype(np.float64)
@@ -289,21 +317,19 @@ def read_step_times(path, name: str = "step_times"):
     impossible = ~np.isfinite(d) | (d < 0)
     if impossible.any():
         warnings.warn(
-            f"{name} {path}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
+            f"{where}: {int(impossible.sum())} step time(s) missing, infinite or negative: left out",
             LogFileWarning,
             stacklevel=2,
         )
         steps = steps[~impossible]
     if len(steps) == 0:
-        raise ConfigError(f"{name} {path}: no step times in the file")
+        raise ConfigError(f"{where}: no step times {held}")
     return steps
 
 
 def _paths(paths) -> list:
     """A path, a glob or a list of them -> a list of str (several directories: one run across hosts)."""
-    if isinstance(paths, (str, os.PathLike)):
-        return [os.fspath(paths)]
-    out = [os.fspath(p) for p in paths]
+    out = io.path_list(paths)
     if not out:
         raise ConfigError("paths: give log files or directories")
     return out
@@ -313,8 +339,10 @@ def _shown(paths) -> str:
     return paths[0] if len(paths) == 1 else f"{paths[0]} (and {len(paths) - 1} more)"
 
 
-def _parent(path, directory: bool = False) -> str:
-    """Create the missing directories of an output (with ``directory``: the output itself)."""
+def _parent(path, name: str, directory: bool = False) -> str:
+    """Check an output (``check_output``: one-line ``ConfigError`` naming ``name``), then create its
+    missing directories (with ``directory``: the output itself)."""
+    check_output(path, name, directory=directory)
     target = os.path.abspath(path)
     os.makedirs(target if directory else os.path.dirname(target), exist_ok=True)
     return os.fspath(path)
@@ -370,9 +398,7 @@ class Run:
         if spark_dir is not None and not os.path.isdir(spark_dir):
             raise ConfigError(f"spark_dir {spark_dir}: not a directory")
         self.spark_master, self.spark_dir = spark_master, spark_dir
-        if isinstance(step_times, (str, os.PathLike)):
-            step_times = read_step_times(os.fspath(step_times))
-        self.step_times = step_times
+        self.step_times = check_step_times(step_times)
         self.progress = check_progress(progress)
         self._engine_name: str | None = None
         self._frame: Any = None  # the rows read, steps numbered (every column, or the report's: _full)
@@ -588,13 +614,13 @@ class Run:
     # ---- files --------------------------------------------------------------------------------
     def write_trace(self, path) -> str:
         """A Chrome trace / Perfetto timeline (``.json`` or ``.json.gz``); returns its path."""
-        return trace.write_chrome_trace(self.rows(), _parent(path))
+        return trace.write_chrome_trace(self.rows(), _parent(path, "path"))
 
     def write_module_tree(self, path) -> str:
         """The per-module collective tree (CommDebugMode's JSON format); needs the module column."""
         if not self.has_modules:
             raise LogFileError(None, NO_MODULES)
-        return trace.write_module_tree(self.rows(), _parent(path))
+        return trace.write_module_tree(self.rows(), _parent(path, "path"))
 
     @property
     def has_modules(self) -> bool:
@@ -607,7 +633,7 @@ class Run:
         cross = self._cross.get("cross") if self._pre is None else None
         return tensorboard_writer.write_tensorboard(
             analysis.with_transfer(df, cross) if df["rank"].nunique() > 1 else df,
-            _parent(directory, directory=True),
+            _parent(directory, "directory", directory=True),
             steps=self.step_times,
         )
 
@@ -650,7 +676,7 @@ class Run:
     def plots(self, directory) -> list:
         """PNG plots (bandwidth per size, communication per step, arrival skew; needs matplotlib)."""
         by_op, arrivals = self._plots_data()
-        return plots.write_plots(_parent(directory, directory=True), by_op, self.steps(), arrivals)
+        return plots.write_plots(_parent(directory, "directory", directory=True), by_op, self.steps(), arrivals)
 
     def write_html(self, path) -> str:
         """The report as one self-contained HTML page, with a timeline excerpt of one step (with
@@ -673,7 +699,7 @@ class Run:
         excerpt = (
             html.timeline_excerpt(df, steps, straggler, of_ranks=rep.headline.get("ranks")) if df is not None else None
         )
-        return html.write(html.page(rep, by_op, arrivals, excerpt), _parent(path))
+        return html.write(html.page(rep, by_op, arrivals, excerpt), _parent(path, "path"))
 
 
 def open(paths, **options) -> Run:  # noqa: A001 - commpatch.open(path), as tarfile.open / gzip.open
@@ -731,13 +757,13 @@ class Comparison:
 
     def plots(self, directory) -> list:
         """The scaling plot (``directory/scaling.png``; needs matplotlib); returns the files written."""
-        target = os.path.join(_parent(directory, directory=True), "scaling.png")
+        target = os.path.join(_parent(directory, "directory", directory=True), "scaling.png")
         return [plots.save(plots.scaling(self.table, self.by_op), target)]
 
     def write_html(self, path) -> str:
         """Both tables as one self-contained HTML page; returns its path."""
         title = f"commpatch scaling: {len(self.runs)} runs ({SCALING[self.scaling]})"
-        return html.write(html.compare_page(self.table, self.by_op, title), _parent(path))
+        return html.write(html.compare_page(self.table, self.by_op, title), _parent(path, "path"))
 
 
 def check_global_batch(value, name: str = "global_batch"):
@@ -803,7 +829,7 @@ def diff_text(d: dict) -> str:
 
 def write_diff_html(d: dict, path) -> str:
     """``commpatch diff --html``: the diff as one self-contained HTML page at ``path``; returns it."""
-    return html.write(html.diff_page(d), _parent(path))
+    return html.write(html.diff_page(d), _parent(path, "path"))
 
 
 def diff_json(d: dict) -> str:

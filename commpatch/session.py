@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import reprlib
 import sys
 import threading
 
@@ -150,13 +151,24 @@ class Session:
         self.log.clear(peek_seq(SEQ))
 
     def export_csv(self, path: str | None = None, df=None) -> str:
+        if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.fspath(path)):
+            raise config.ConfigError(f"export_csv path {path!r}: give a file name ending in .csv or .parquet, or None")
+        if df is not None and not hasattr(df, "columns"):  # a DataFrame, or the same columns as a pyarrow Table
+            raise config.ConfigError(
+                f"export_csv df {reprlib.repr(df)}: not a log: give commpatch.log()'s DataFrame, or None"
+            )
         log = self.log
         if path is None and log.sink is not None and log.sink.path is not None:
             suffix = os.path.splitext(_runtime.STATE.settings.get("output") or ".csv")[1]
             path = export_path(log.sink.path, suffix)
         template = path or _runtime.STATE.settings.get("output") or config.BY_NAME["output"].default
         rank = log.rank if log.rank >= 0 else None
-        return write(self.dataframe() if df is None else df, os.path.normpath(rank_path(str(template), rank=rank)))
+        target = os.path.normpath(rank_path(os.fspath(template), rank=rank))
+        if os.path.isdir(target):
+            raise config.ConfigError(
+                f"export_csv path {target}: is a directory (give a file name ending in .csv or .parquet)"
+            )
+        return write(self.dataframe() if df is None else df, target)
 
     # ---- flusher, warnings ---------------------------------------------------------------------
     def _start_flusher(self, log) -> None:

@@ -9,6 +9,7 @@ The CLI runs in-process; the Python API runs with both readers (pyarrow, and pan
 """
 
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -869,3 +870,25 @@ def test_convert_on_a_full_disk_says_so_in_one_line(writer_log, tmp_path):
         == f"commpatch convert: {tmp_path / 'rank0.csv'}: cannot be written (No space left on device)"
     )
     assert sorted(os.listdir(tmp_path)) == ["rank0.cplog", "shim.c", "shim.so"]  # no partial file left
+
+
+def test_the_in_process_api_refuses_bad_arguments_in_one_line(frames, tmp_path):
+    """``export_csv`` with something that is no log or no file name, ``step`` with no integer: one-line
+    ConfigErrors naming the argument (before: AttributeError, IsADirectoryError, ValueError of int());
+    a refused ``step`` leaves the step count and its source as they were."""
+    from commpatch.record import state
+
+    df = frames[0]
+    for kwargs, said in (
+        (dict(path=str(tmp_path / "x.csv"), df=5), "export_csv df 5: not a log"),
+        (dict(path=5), "export_csv path 5: give a file name ending in .csv or .parquet, or None"),
+        (dict(path=str(tmp_path), df=df), "is a directory (give a file name ending in .csv or .parquet)"),
+    ):
+        with pytest.raises(commpatch.ConfigError) as raised:
+            commpatch.export_csv(**kwargs)
+        assert said in str(raised.value) and "\n" not in str(raised.value), raised.value
+    assert os.listdir(tmp_path) == []
+    before = (state.STATE.step, state.STATE.step_source)
+    with pytest.raises(commpatch.ConfigError, match=r"commpatch.step\('x'\): give the step as an integer"):
+        commpatch.step("x")
+    assert (state.STATE.step, state.STATE.step_source) == before

@@ -6,11 +6,14 @@ the offline side only through it (cli.py's imports, parsed)."""
 from __future__ import annotations
 
 import ast
+import gzip
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
+import pandas as pd
 import pytest
 
 import commpatch
@@ -169,17 +172,81 @@ def test_other_bad_arguments_are_config_errors(logs, tmp_path):
         dict(steps="-1:4"),
         dict(paths=[]),
         dict(progress=False),  # a flag where a function progress(done, total) goes: a TypeError inside before
+        # before: TypeError 'int' object is not iterable, KeyError 'end_ns'
+        dict(paths=5),
+        dict(paths=None),
+        dict(paths=[logs, 3]),
+        dict(by=5),
+        dict(step_times=[1, 2]),
+        dict(step_times=pd.DataFrame({"step": [1], "end_ns": [5]})),
+        dict(step_times=pd.DataFrame({"step": ["x"], "duration_us": [5.0]})),
     ):
         paths = kwargs.pop("paths", logs)
         with pytest.raises(commpatch.ConfigError) as raised:
             commpatch.open(paths, **kwargs)
         assert "\n" not in str(raised.value)
+    with pytest.raises(commpatch.ConfigError, match=r"by 3: give one or more columns"):
+        commpatch.open(logs).summary(by=3)
+    with pytest.raises(commpatch.ConfigError, match=r"paths 5: give a log file, a directory, a glob or a list of them"):
+        commpatch.read_csv(5)
     with pytest.raises(commpatch.ConfigError, match="no 'nope' section for this log"):
         commpatch.open(logs).csv("nope")
     with pytest.raises(commpatch.ConfigError, match="steps file needs columns step and duration_us"):
         bad = tmp_path / "steps.csv"
         bad.write_text("a,b\n1,2\n")
         commpatch.open(logs, step_times=bad)
+
+
+def test_step_times_and_paths_are_taken_in_every_form(logs):
+    """A DataFrame of step times is checked as the CSV is and used as it is; ``Path.glob(...)`` (an
+    iterator of paths) reads what the list of the same paths reads."""
+    import pathlib
+
+    times = pd.DataFrame({"step": np.arange(8), "duration_us": np.full(8, 12_345.0)})
+    steps = commpatch.open(logs, step_times=times).steps()
+    steady = steps[steps["stage"] == "steady"]
+    assert len(steady) and (steady["step_us"] == 12_345.0).all() and (steady["step_time_from"] == "user").all()
+    files = sorted(pathlib.Path(logs).glob("rank*"))
+    a = commpatch.open(iter(files)).report().headline
+    assert a == commpatch.open([str(f) for f in files]).report().headline
+
+
+def test_outputs_are_checked_and_written_beside_never_through_links(logs, tmp_path):
+    """Every output of a Run: a path that is not one, a directory for a file (or a file for a
+    directory) is a one-line ConfigError naming it, and nothing is left behind (before: TypeError,
+    IsADirectoryError with the HTML page's temporary file left beside the directory, FileExistsError).
+    A link at the output's name is replaced by the file, its target untouched (before: the trace,
+    the module tree and the plots were written through it)."""
+    run = commpatch.open(logs)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("mine")
+    for call, arg, said in (
+        (run.write_html, tmp_path / "adir", "is a directory (give a file name)"),
+        (run.write_html, None, "give the path of a file to write"),
+        (run.write_trace, 5, "give the path of a file to write"),
+        (run.plots, tmp_path / "afile", "exists and is not a directory"),
+    ):
+        with pytest.raises(commpatch.ConfigError) as raised:
+            call(arg)
+        assert said in str(raised.value) and "\n" not in str(raised.value), raised.value
+    assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir(tmp_path / "adir") == []
+    target = tmp_path / "target.txt"
+    target.write_text("keep me")
+    for name, write in (
+        ("t.json", run.write_trace),
+        ("t.json.gz", run.write_trace),
+        ("p.html", run.write_html),
+    ):
+        link = tmp_path / name
+        link.symlink_to(target)
+        if name == "p.html":  # the page refuses a link at its name, as before
+            with pytest.raises(OSError, match="symbolic link"):
+                write(link)
+            continue
+        assert write(link) == str(link)
+        assert not link.is_symlink() and target.read_text() == "keep me"
+    with gzip.open(tmp_path / "t.json.gz", "rt") as f:
+        assert json.load(f)["traceEvents"] == json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
 # ---- files --------------------------------------------------------------------------------------

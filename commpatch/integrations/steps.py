@@ -28,6 +28,7 @@ forward; nothing per collective.
 
 from __future__ import annotations
 
+import reprlib
 import threading
 import time
 
@@ -92,9 +93,18 @@ def _micro_batches(seq: int) -> None:
 def user_step(value=None) -> int:
     """``commpatch.step()``: the user's count overrides the automatic ones from now on."""
     state = _runtime.STATE
+    if value is not None:
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            from ..config import ConfigError
+
+            raise ConfigError(
+                f"commpatch.step({reprlib.repr(value)}): give the step as an integer, or no value to count one"
+            ) from None
     if state.step_source != S_USER:
         _runtime.set_step_source(S_USER, peek_seq(SEQ))
-    state.step = state.step + 1 if value is None else int(value)
+    state.step = state.step + 1 if value is None else value
     if state.recording:
         _mark(0)
     return state.step

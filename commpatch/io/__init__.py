@@ -3,7 +3,7 @@ reading (``reader``: ``read``, ``read_ranks``) built on finding the files (``dis
 reader per format (``formats``, ``csvlog``), validation (``validation``) and the problems said
 (``problems``). Imports ``data`` and ``config`` only."""
 
-from .discovery import expand, file_rank, latest_run, runs
+from .discovery import expand, file_rank, latest_run, path_list, runs
 from .paths import check_writable, export_path, rank_path
 from .problems import LogFileError, LogFileNotFoundError, LogFileWarning
 from .reader import read, read_ranks
@@ -17,6 +17,7 @@ __all__ = [
     "convert",
     "convert_to_dataset",
     "expand",
+    "path_list",
     "export_path",
     "file_rank",
     "latest_run",

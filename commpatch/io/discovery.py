@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import reprlib
 
 from ..data.logfile import SUFFIX, parse_header
 from .problems import LogFileNotFoundError
@@ -57,9 +58,29 @@ def select_ranks(files, ranks):
     return out
 
 
-def expand(paths) -> list[str]:
+def path_list(paths, name: str = "paths") -> list[str]:
+    """A path, a glob or several of them (a list, a tuple, any iterable: ``Path.glob(...)``) -> a list
+    of str; anything else (a number, None, bytes, an iterable holding one) is a one-line
+    ``ConfigError`` naming ``name``."""
     if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+        return [os.fspath(paths)]
+    if not isinstance(paths, (bytes, bytearray)):
+        try:
+            items = list(paths)
+        except TypeError:
+            items = None
+        if items is not None and all(isinstance(p, (str, os.PathLike)) for p in items):
+            out = [os.fspath(p) for p in items]
+            if all(isinstance(p, str) for p in out):  # a PathLike may give bytes
+                return out
+        paths = items if items is not None else paths
+    from ..config import ConfigError
+
+    raise ConfigError(f"{name} {reprlib.repr(paths)}: give a log file, a directory, a glob or a list of them")
+
+
+def expand(paths) -> list[str]:
+    paths = path_list(paths)
     files: list[str] = []
     matched = [(str(p), _matches(str(p))) for p in paths]
     paths = [f for p, found in matched for f in (found if found is not None else [p])]
@@ -107,8 +128,7 @@ def describe_paths(paths) -> str:
 def resolve(paths, notes) -> list[tuple[str, bool]]:
     """The files to read, each with whether a directory / glob found it (else it was named);
     each file once. Raises LogFileNotFoundError for a path that names nothing readable."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
+    paths = path_list(paths)
     out: list[tuple[str, bool]] = []
     seen: dict[str, str] = {}
     paths, globbed = _globs([str(os.fspath(p)) for p in paths])

@@ -100,6 +100,13 @@ def write(df, path: str, exclusive: bool = False) -> str:
     return _publish(path, exclusive, lambda f: _write_to(df, path, f))
 
 
+def publish(path: str, fill, exclusive: bool = False) -> str:
+    """``fill(f)`` writes the file (``f``: binary) under a temporary name created exclusively, never
+    through a link, which then takes the name ``path`` (a link there is replaced, its target left
+    alone); on any error the temporary file is removed. The one way commpatch writes an output."""
+    return _publish(path, exclusive, fill)
+
+
 def _publish(path: str, exclusive: bool, fill) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

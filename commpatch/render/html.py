@@ -377,13 +377,11 @@ def page(rep, by_op=None, arrivals=None, excerpt=None) -> str:
 
 def write(text: str, path: str) -> str:
     """Write the page to a new file or replace a regular file (never through a symlink)."""
+    from ..io.writer import write_bytes
+
     if os.path.islink(path):
         raise OSError(f"{path} is a symbolic link: not written through")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "x", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
+    return write_bytes(text.encode("utf-8"), path, exclusive=False)
 
 
 __all__ = ["page", "compare_page", "diff_page", "render", "report_data", "compare_data", "write", "timeline_excerpt"]

@@ -180,9 +180,9 @@ def scaling(table, by_op):
 
 
 def save(fig, path: str) -> str:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    from ..io.writer import publish
+
+    return publish(path, lambda f: fig.savefig(f, dpi=110, format="png"))
 
 
 def write_plots(directory: str, summary_by_op_size=None, steps=None, arrivals=None) -> list[str]:

@@ -7,7 +7,9 @@ functions serialise them. No plotting, no printing.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import io
 import json
 import math
 
@@ -126,10 +128,18 @@ def write_chrome_trace(df, path: str) -> str:
     """Write ``chrome_trace(df)`` as JSON (``.json``; ``.json.gz`` is gzip-compressed)."""
     import gzip
 
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as f:
-        json.dump(chrome_trace(df), f, separators=(",", ":"), allow_nan=False)
-    return path
+    from ..io.writer import publish
+
+    trace = chrome_trace(df)
+
+    def fill(f):
+        with gzip.GzipFile(fileobj=f, mode="wb") if str(path).endswith(".gz") else contextlib.nullcontext(f) as out:
+            text = io.TextIOWrapper(out, encoding="utf-8")
+            json.dump(trace, text, separators=(",", ":"), allow_nan=False)
+            text.flush()
+            text.detach()
+
+    return publish(path, fill)
 
 
 def _group_order(name: str):
@@ -245,6 +255,6 @@ def module_tree(df) -> dict:
 
 
 def write_module_tree(df, path: str) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(module_tree(df), f, indent=2)
-    return path
+    from ..io.writer import write_bytes
+
+    return write_bytes(json.dumps(module_tree(df), indent=2).encode("utf-8"), path, exclusive=False)
