@@ -402,6 +402,13 @@ def write_at_exit(reason: str = "exit") -> list[str]:
 def step(value: int | None = None) -> int:
     """Advance the step counter (or set it); rows carry the value current at their call. Optional:
     steps are counted without it (``integrations.steps``); once called, only these calls count."""
+    if value is not None:
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            raise config.ConfigError(
+                f"commpatch.step({reprlib.repr(value)}): give the step as an integer, or no value to count one"
+            ) from None
     return integrations.steps.user_step(value)
 
 

@@ -407,6 +407,41 @@ def test_the_recorder_passes_calls_through_when_not_recording_and_hands_back_nes
     assert df["seq"].is_unique and not commpatch.internal_errors()
 
 
+def test_the_sequence_counter_and_the_recorders_dtype_memory():
+    """SEQ (``_hot.Counter`` where built) counts as itertools.count does (next, repr, peek_seq) and
+    the C recorder takes its numbers from it: rows of the C path and of the Python path (an object
+    collective) interleaved have consecutive seqs. Calls alternating dtypes each get their own dtype
+    (the recorder remembers the last dtype's code)."""
+    import itertools
+
+    from commpatch.record import rows
+
+    counters = [itertools.count(5)] + ([rows._hot.Counter(5)] if rows._hot is not None else [])
+    for c in counters:
+        assert [next(c) for _ in range(3)] == [5, 6, 7] and repr(c) == "count(8)" and rows.peek_seq(c) == 8
+        assert next(iter(c)) == 8 and rows.peek_seq(c) == 9
+    if rows._hot is not None:
+        assert isinstance(rows.SEQ, rows._hot.Counter)
+        with pytest.raises(TypeError):
+            rows._hot.Counter("x")
+    commpatch.reset()
+    commpatch.enable(output="none")
+    try:
+        kinds = [torch.float32, torch.float64, torch.int64, torch.float32, torch.bfloat16, torch.float64]
+        for dtype in kinds:
+            dist.all_reduce(torch.ones(3, dtype=dtype))
+        dist.all_gather_object([None] * dist.get_world_size(), {"a": 1})  # the Python path's row between C rows
+        dist.all_reduce(torch.ones(2, dtype=torch.int64))
+        df = commpatch.log()
+    finally:
+        commpatch.disable()
+    assert df["dtype"].astype(str).tolist()[: len(kinds)] == [str(k).replace("torch.", "") for k in kinds]
+    assert df["dtype"].astype(str).tolist()[-1] == "int64" and df["numel"].tolist()[-1] == 2
+    seqs = df["seq"].tolist()
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
+    assert not commpatch.internal_errors()
+
+
 def test_taking_rows_from_the_buffer_keeps_what_follows():
     """The flusher's take, in Python and in C where built: the first n bytes out, the rest kept in
     order, appends after it land behind; under a buffer export (a memoryview) both refuse as

@@ -28,7 +28,6 @@ forward; nothing per collective.
 
 from __future__ import annotations
 
-import reprlib
 import threading
 import time
 
@@ -93,15 +92,7 @@ def _micro_batches(seq: int) -> None:
 def user_step(value=None) -> int:
     """``commpatch.step()``: the user's count overrides the automatic ones from now on."""
     state = _runtime.STATE
-    if value is not None:
-        try:
-            value = int(value)
-        except (TypeError, ValueError):
-            from ..config import ConfigError
-
-            raise ConfigError(
-                f"commpatch.step({reprlib.repr(value)}): give the step as an integer, or no value to count one"
-            ) from None
+    value = None if value is None else int(value)  # before the source switches: a bad value changes nothing
     if state.step_source != S_USER:
         _runtime.set_step_source(S_USER, peek_seq(SEQ))
     state.step = state.step + 1 if value is None else value

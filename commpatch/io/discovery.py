@@ -9,6 +9,7 @@ import glob
 import os
 import reprlib
 
+from ..config import ConfigError
 from ..data.logfile import SUFFIX, parse_header
 from .problems import LogFileNotFoundError
 
@@ -74,8 +75,6 @@ def path_list(paths, name: str = "paths") -> list[str]:
             if all(isinstance(p, str) for p in out):  # a PathLike may give bytes
                 return out
         paths = items if items is not None else paths
-    from ..config import ConfigError
-
     raise ConfigError(f"{name} {reprlib.repr(paths)}: give a log file, a directory, a glob or a list of them")
 
 

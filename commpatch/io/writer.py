@@ -14,6 +14,7 @@ import sys
 import threading
 
 from ..data.frame import Cat, arrow_table, columns, dataframe, parse_log
+from ..data.publish import publish, write_bytes
 from ..data.schema import SCHEMA_VERSION, SCHEMA_VERSION_KEY
 from .paths import export_path
 from .problems import warn_damage
@@ -42,7 +43,7 @@ def convert_to_dataset(path: str, dataset: str) -> str:
     rank = parsed.header.get("rank", -1)
     out = os.path.join(dataset, f"rank={rank}", os.path.basename(export_path(path, ".parquet")))
     table = with_schema_version(table.drop_columns(["rank"]))
-    return _publish(out, True, lambda f: pq.write_table(table, f, row_group_size=DATASET_ROW_GROUP))
+    return publish(out, lambda f: pq.write_table(table, f, row_group_size=DATASET_ROW_GROUP), True)
 
 
 def _parse_file(path: str):
@@ -84,11 +85,6 @@ def write_small_csv(parsed, out: str, exclusive: bool = True) -> str:
     return write_bytes(buf.getvalue().encode("utf-8", "backslashreplace"), out, exclusive)
 
 
-def write_bytes(data: bytes, path: str, exclusive: bool) -> str:
-    """``data`` to ``path`` through an exclusively created temporary file (see ``write``)."""
-    return _publish(path, exclusive, lambda f: f.write(data))
-
-
 # nthreads=1 in every Table.from_pandas: the exit writer runs after the interpreter started
 # shutting down, when thread pools refuse new work ("cannot schedule new futures").
 
@@ -97,32 +93,7 @@ def write(df, path: str, exclusive: bool = False) -> str:
     """Write a log DataFrame to ``path`` (.csv or .parquet); returns the path. The data goes to a
     temporary file created exclusively (never through a link), then takes the final name:
     ``exclusive`` refuses to replace an existing file (FileExistsError)."""
-    return _publish(path, exclusive, lambda f: _write_to(df, path, f))
-
-
-def publish(path: str, fill, exclusive: bool = False) -> str:
-    """``fill(f)`` writes the file (``f``: binary) under a temporary name created exclusively, never
-    through a link, which then takes the name ``path`` (a link there is replaced, its target left
-    alone); on any error the temporary file is removed. The one way commpatch writes an output."""
-    return _publish(path, exclusive, fill)
-
-
-def _publish(path: str, exclusive: bool, fill) -> str:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        with os.fdopen(os.open(tmp, flags, 0o644), "wb") as f:
-            fill(f)
-        if exclusive:
-            os.link(tmp, path)  # fails if the name is taken: nothing is replaced
-        else:
-            os.replace(tmp, path)  # readers never see a half-written file
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-    return path
+    return publish(path, lambda f: _write_to(df, path, f), exclusive)
 
 
 def _write_to(df, path: str, f) -> None:

@@ -48,6 +48,8 @@ typedef struct {
     PyObject *coalescing; /* dict: torch's groups inside a _coalescing_manager */
     PyObject *tensor;     /* torch.Tensor: other classes go the Python way */
     PyGetSetDef *get_dtype, *get_nbytes;   /* torch.Tensor's C getters, NULL: use getattr */
+    PyObject *last_dtype; /* the dtype of the last row (a strong reference) and its code: most calls */
+    long last_dc;         /* of an op have one dtype (dtype_ids only grows: a code never changes) */
     long dc_const;        /* the dtype code of an op without a tensor, -1 for a tensor op */
     int check_devices;    /* STATE.devices set (an accelerator has a process group): Python way */
     long long mask;       /* CHUNK_MASK */
@@ -58,6 +60,84 @@ typedef struct {
 static PyObject *s_dtype, *s_nbytes, *s_numel, *s_record;
 static PyObject *SLOW;      /* returned instead of calling: the Python path takes this call */
 static PyObject *ZERO;      /* int 0 (CPython's one small-int object: STATE.nesting when none runs) */
+
+/* ``Counter(start=0)``: the process's sequence counter (record.rows.SEQ), itertools.count's
+ * interface (``next()``, ``repr`` 'count(N)') plus ``peek()``; the recorders take a number from it
+ * without making an int object of it (one per call before, ~15 ns). Atomic under the GIL, as
+ * itertools.count's ``next`` is. */
+typedef struct {
+    PyObject_HEAD
+    long long next;
+} Counter;
+
+static PyTypeObject CounterType;
+
+static int
+Counter_init(Counter *self, PyObject *args, PyObject *kwds)
+{
+    long long start = 0;
+    static char *kwlist[] = {"start", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|L", kwlist, &start))
+        return -1;
+    self->next = start;
+    return 0;
+}
+
+static PyObject *
+Counter_next(Counter *self)
+{
+    return PyLong_FromLongLong(self->next++);
+}
+
+static PyObject *
+Counter_peek(Counter *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromLongLong(self->next);
+}
+
+static PyObject *
+Counter_repr(Counter *self)
+{
+    return PyUnicode_FromFormat("count(%lld)", self->next);
+}
+
+static PyMethodDef Counter_methods[] = {
+    {"peek", (PyCFunction)Counter_peek, METH_NOARGS, "peek(): the number next() gives next, not taken"},
+    {NULL}
+};
+
+static PyTypeObject CounterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "commpatch.record._hot.Counter",
+    .tp_basicsize = sizeof(Counter),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Counter(start=0): itertools.count's next() and repr, and peek() (see commpatch/record/_hot.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Counter_init,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)Counter_next,
+    .tp_repr = (reprfunc)Counter_repr,
+    .tp_methods = Counter_methods,
+};
+
+/* The next number of ``seq`` (a Counter, else any iterator of ints); -1 with an exception set. */
+static int
+take_seq(PyObject *seq, long long *out)
+{
+    if (Py_IS_TYPE(seq, &CounterType)) {
+        *out = ((Counter *)seq)->next++;
+        return 0;
+    }
+    PyObject *so = Py_TYPE(seq)->tp_iternext(seq);
+    if (so == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "sequence counter exhausted");
+        return -1;
+    }
+    *out = PyLong_AsLongLong(so);
+    Py_DECREF(so);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
 
 /* record.state.STATE's attributes are slots (State.__slots__): read here at their offsets, found
  * once from the class's member descriptors (bind_state), instead of a dict lookup each (5 per call
@@ -237,6 +317,7 @@ Recorder_traverse(Recorder *self, visitproc visit, void *arg)
     Py_VISIT(self->dtype_ids); Py_VISIT(self->dtype_id); Py_VISIT(self->dtype_sizes);
     Py_VISIT(self->orig); Py_VISIT(self->maintain); Py_VISIT(self->fail);
     Py_VISIT(self->group_ids); Py_VISIT(self->coalescing); Py_VISIT(self->tensor);
+    Py_VISIT(self->last_dtype);
     return 0;
 }
 
@@ -247,6 +328,7 @@ Recorder_clear(Recorder *self)
     Py_CLEAR(self->dtype_ids); Py_CLEAR(self->dtype_id); Py_CLEAR(self->dtype_sizes);
     Py_CLEAR(self->orig); Py_CLEAR(self->maintain); Py_CLEAR(self->fail);
     Py_CLEAR(self->group_ids); Py_CLEAR(self->coalescing); Py_CLEAR(self->tensor);
+    Py_CLEAR(self->last_dtype);
     return 0;
 }
 
@@ -382,11 +464,11 @@ dtype_code(PyObject *dtype_ids, PyObject *dtype_id, PyObject *dtype)
     return dc;
 }
 
-/* Append the row of a call of this recorder's op that ran from start to end; *seqobj gets its
- * sequence number (a new reference). -1 with an exception set when it could not. */
+/* Append the row of a call of this recorder's op that ran from start to end; *seq gets its
+ * sequence number. -1 with an exception set when it could not. */
 static int
 append_row(Recorder *self, long gid, PyObject *const *args, long long start, long long end, unsigned char flags,
-           PyObject **seqobj)
+           long long *seq)
 {
     long peer = PyLong_AsLong(args[3]);
     if (peer == -1 && PyErr_Occurred())
@@ -397,10 +479,20 @@ append_row(Recorder *self, long gid, PyObject *const *args, long long start, lon
         PyObject *dtype = tensor_get(self, x, self->get_dtype, s_dtype);
         if (dtype == NULL)
             return -1;
-        dc = dtype_code(self->dtype_ids, self->dtype_id, dtype);
+        if (dtype == self->last_dtype) {
+            dc = self->last_dc;
+        }
+        else {
+            dc = dtype_code(self->dtype_ids, self->dtype_id, dtype);
+            if (dc == -1 && PyErr_Occurred()) {
+                Py_DECREF(dtype);
+                return -1;
+            }
+            Py_INCREF(dtype);
+            Py_XSETREF(self->last_dtype, dtype);
+            self->last_dc = dc;
+        }
         Py_DECREF(dtype);
-        if (dc == -1 && PyErr_Occurred())
-            return -1;
     }
     long long numel;
     if (args[2] == Py_None) {
@@ -414,20 +506,9 @@ append_row(Recorder *self, long gid, PyObject *const *args, long long start, lon
     if (state_int(self->state, off_step, &step) < 0 || state_int(self->state, off_tag, &tag) < 0
             || state_int(self->state, off_where, &where) < 0)
         return -1;
-    PyObject *so = Py_TYPE(self->seq)->tp_iternext(self->seq);
-    if (so == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_RuntimeError, "sequence counter exhausted");
+    if (take_seq(self->seq, seq) < 0)
         return -1;
-    }
-    long long seq = PyLong_AsLongLong(so);
-    if ((seq == -1 && PyErr_Occurred())
-            || pack_row(self->buf, seq, self->code, gid, dc, numel, flags, start, end, peer, step, tag, where) < 0) {
-        Py_DECREF(so);
-        return -1;
-    }
-    *seqobj = so;
-    return 0;
+    return pack_row(self->buf, *seq, self->code, gid, dc, numel, flags, start, end, peer, step, tag, where);
 }
 
 /* The exception now set, handed to fail(what, exc) and cleared (commpatch never raises into the
@@ -509,28 +590,27 @@ Recorder_call(Recorder *self, PyObject *const *args, Py_ssize_t nargs)
     long long start = now_ns();
     PyObject *result = PyObject_Vectorcall(self->orig, args + 5, nargs - 5, NULL);
     long long end = now_ns();
-    PyObject *seqobj = NULL;
+    long long seq;
     if (result == NULL) {               /* torch raised: an error row, then its exception unchanged */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        if (append_row(self, gid, args, start, end, self->flags | F_ERROR, &seqobj) < 0)
+        if (append_row(self, gid, args, start, end, self->flags | F_ERROR, &seq) < 0)
             report_failure(self->fail, s_record);
-        Py_XDECREF(seqobj);
         PyErr_Restore(type, value, tb);
         return NULL;
     }
-    if (append_row(self, gid, args, start, end, self->flags, &seqobj) < 0) {
+    if (append_row(self, gid, args, start, end, self->flags, &seq) < 0) {
         report_failure(self->fail, s_record);
         return result;
     }
-    long long seq = PyLong_AsLongLong(seqobj);
     if (!(seq & self->mask)) {          /* a chunk starts: late timings, clock offset, flush */
-        PyObject *r = PyObject_CallOneArg(self->maintain, seqobj);
+        PyObject *seqobj = PyLong_FromLongLong(seq);
+        PyObject *r = seqobj ? PyObject_CallOneArg(self->maintain, seqobj) : NULL;
         if (r == NULL)
             report_failure(self->fail, s_record);
         Py_XDECREF(r);
+        Py_XDECREF(seqobj);
     }
-    Py_DECREF(seqobj);
     return result;
 }
 
@@ -1142,7 +1222,7 @@ PyInit__hot(void)
     return NULL;
 #endif
     if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&DoneType) < 0 || PyType_Ready(&BucketHookType) < 0
-            || PyType_Ready(&PackingType) < 0)
+            || PyType_Ready(&PackingType) < 0 || PyType_Ready(&CounterType) < 0)
         return NULL;
 #define INTERN(v, text) if ((v = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_dtype, "dtype"); INTERN(s_nbytes, "nbytes"); INTERN(s_numel, "numel"); INTERN(s_record, "record");
@@ -1164,7 +1244,8 @@ PyInit__hot(void)
     Py_INCREF(SLOW);
     Py_INCREF(&BucketHookType);
     Py_INCREF(&PackingType);
-    if (PyModule_AddObject(m, "SLOW", SLOW) < 0 || PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0
+    Py_INCREF(&CounterType);
+    if (PyModule_AddObject(m, "Counter", (PyObject *)&CounterType) < 0 || PyModule_AddObject(m, "SLOW", SLOW) < 0 || PyModule_AddObject(m, "Recorder", (PyObject *)&RecorderType) < 0
             || PyModule_AddObject(m, "BucketHook", (PyObject *)&BucketHookType) < 0
             || PyModule_AddObject(m, "Packing", (PyObject *)&PackingType) < 0) {
         Py_DECREF(&RecorderType);

@@ -26,7 +26,9 @@ except (ImportError, AttributeError, TypeError):  # not built (or built from oth
 # It reads CLOCK_MONOTONIC itself: used only where that is what time.perf_counter_ns reads (Linux).
 C_ROWS = _hot is not None and time.get_clock_info("perf_counter").implementation == "clock_gettime(CLOCK_MONOTONIC)"
 
-SEQ = itertools.count()  # per-process sequence shared by all wrappers; next() is atomic
+# per-process sequence shared by all wrappers; next() is atomic: the C recorder takes its numbers
+# without an int object each (_hot.Counter: itertools.count's interface, and peek())
+SEQ = _hot.Counter() if _hot is not None else itertools.count()
 
 
 def take_rows_py(buf: bytearray, n: int) -> bytes:
@@ -183,7 +185,10 @@ def packing(log):
 
 
 def peek_seq(counter=SEQ) -> int:
-    """Next value of an itertools.count without consuming it."""
+    """Next value of the counter (``_hot.Counter`` or an itertools.count) without consuming it."""
+    peek = getattr(counter, "peek", None)
+    if peek is not None:
+        return peek()
     text = repr(counter)  # 'count(42)'
     return int(text[text.index("(") + 1 : text.index(")")])
 

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from ..analysis.advice import Advice
+from ..data.publish import write_bytes
 from . import people
 from .diffs import fmt, verdict
 from .text import SECTIONS, _gain, terminal_safe
@@ -377,8 +378,6 @@ def page(rep, by_op=None, arrivals=None, excerpt=None) -> str:
 
 def write(text: str, path: str) -> str:
     """Write the page to a new file or replace a regular file (never through a symlink)."""
-    from ..io.writer import write_bytes
-
     if os.path.islink(path):
         raise OSError(f"{path} is a symbolic link: not written through")
     return write_bytes(text.encode("utf-8"), path, exclusive=False)

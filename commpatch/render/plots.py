@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 
+from ..data.publish import publish
 from .text import human_bytes
 
 
@@ -180,8 +181,6 @@ def scaling(table, by_op):
 
 
 def save(fig, path: str) -> str:
-    from ..io.writer import publish
-
     return publish(path, lambda f: fig.savefig(f, dpi=110, format="png"))
 
 

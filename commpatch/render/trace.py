@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from ..analysis.arrays import lexsort, running_max
+from ..data.publish import publish, write_bytes
 
 # per-event details copied into the trace's "args" (when the column exists)
 TRACE_ARGS = (
@@ -127,8 +128,6 @@ def _step_markers(df, rank, ts) -> list:
 def write_chrome_trace(df, path: str) -> str:
     """Write ``chrome_trace(df)`` as JSON (``.json``; ``.json.gz`` is gzip-compressed)."""
     import gzip
-
-    from ..io.writer import publish
 
     trace = chrome_trace(df)
 
@@ -255,6 +254,4 @@ def module_tree(df) -> dict:
 
 
 def write_module_tree(df, path: str) -> str:
-    from ..io.writer import write_bytes
-
     return write_bytes(json.dumps(module_tree(df), indent=2).encode("utf-8"), path, exclusive=False)
