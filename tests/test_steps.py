@@ -247,7 +247,8 @@ def test_gradient_accumulation_numbers_steps_as_the_job_does(tmp_path, capsys):
     from commpatch.analysis import engine as duckdb_engine
     from tests.analysis_workers import ddp_job
 
-    run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12, accumulate=2)
+    errors = run_ranks(ddp_job, 2, timeout=150, out=str(tmp_path), steps=12, accumulate=2)
+    assert errors == [{}, {}], errors  # commpatch's internal errors per rank
     df = commpatch.read_csv(str(tmp_path))
     table = analysis.per_step(df, by_rank=False)
     assert table["step"].tolist() == list(range(12))  # 12 optimizer steps
@@ -255,7 +256,8 @@ def test_gradient_accumulation_numbers_steps_as_the_job_does(tmp_path, capsys):
     # every step holds one optimizer step's bucket all-reduces (its synchronised micro-batch's; the
     # first iteration's buckets are DDP's first-iteration ones, before its rebuild)
     buckets = df[df["op"] == "ddp_bucket_allreduce"].groupby(["rank", "step"]).size()
-    assert len(buckets) == 2 * 12 and buckets.drop(index=0, level="step").nunique() == 1, buckets
+    by_rank = df.groupby(["rank", "op"], observed=True).size()  # what each rank recorded, where it fails
+    assert len(buckets) == 2 * 12 and buckets.drop(index=0, level="step").nunique() == 1, (buckets, by_rank)
     steady = table[table["stage"] == "steady"]
     assert len(steady) == 10 and set(steady["step_source"]) == {"optimizer"}  # 1 set-up, 1 end
     engines = ["pandas"] + (["duckdb"] if duckdb_engine.available() else [])
