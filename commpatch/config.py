@@ -51,7 +51,13 @@ def _parse_ops(name: str, env: str, value: Any) -> tuple[str, ...] | None:
     """None means every op in the target table; names are checked against it."""
     if value is None:
         return None
-    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        items = value.split(",") if isinstance(value, str) else [str(op) for op in value]
+    except TypeError:  # not iterable
+        raise ConfigError(
+            f"{env}={value!r} (setting {name!r}) is not a list of ops: allowed are 'all' or a comma-separated "
+            f"list of {', '.join(TARGET_NAMES)}"
+        ) from None
     ops = tuple(op.strip() for op in items if op.strip())
     if not ops or ops == ("all",):
         return None

@@ -475,8 +475,22 @@ def internal_errors() -> dict[str, int]:
 
 
 def summary(df=None, by=("collective",)):
-    """Per-op (or per ``by``) summary DataFrame of a log (default: this process's log)."""
-    return _summary(log() if df is None else df, by=by)
+    """Per-op (or per ``by``) summary DataFrame of a log (default: this process's log). ``by``: columns
+    of the log and ``size_bucket``; anything else, or a ``df`` that is no log, is a one-line ConfigError."""
+    if df is not None and not hasattr(df, "columns"):
+        raise config.ConfigError(f"summary df {reprlib.repr(df)}: not a log: give commpatch.log()'s DataFrame, or None")
+    df = log() if df is None else df
+    try:
+        keys = [by] if isinstance(by, str) else [str(k) for k in by]
+    except TypeError:  # not iterable
+        keys = []
+    unknown = [k for k in keys if k not in df.columns and k != "size_bucket"]
+    if not keys or unknown:
+        raise config.ConfigError(
+            f"summary by {reprlib.repr(by)}: give columns of the log or size_bucket"
+            + (f" ({', '.join(map(repr, unknown))} is not one)" if unknown else "")
+        )
+    return _summary(df, by=keys)
 
 
 def summary_text(df=None, by=("collective",)) -> str:

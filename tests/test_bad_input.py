@@ -892,3 +892,23 @@ def test_the_in_process_api_refuses_bad_arguments_in_one_line(frames, tmp_path):
     with pytest.raises(commpatch.ConfigError, match=r"commpatch.step\('x'\): give the step as an integer"):
         commpatch.step("x")
     assert (state.STATE.step, state.STATE.step_source) == before
+
+
+def test_the_in_process_summary_and_enable_refuse_what_is_no_log_or_no_list(frames):
+    """``summary`` / ``summary_text`` of something that is no log, by no column, and ``enable(ops=)`` of no
+    list: one-line ConfigErrors (before: TypeError / KeyError from inside pandas)."""
+    df = frames[0]
+    for call, said in (
+        (lambda: commpatch.summary(df=5), "summary df 5: not a log"),
+        (lambda: commpatch.summary_text(5), "summary df 5: not a log"),
+        (lambda: commpatch.summary(df, by=5), "summary by 5: give columns of the log or size_bucket"),
+        (lambda: commpatch.summary(df, by=["nope", "op"]), "('nope' is not one)"),
+        (lambda: commpatch.enable(ops=5), "(setting 'ops') is not a list of ops"),
+    ):
+        try:
+            with pytest.raises(commpatch.ConfigError) as raised:
+                call()
+        finally:
+            commpatch.disable()
+        assert said in str(raised.value) and "\n" not in str(raised.value), raised.value
+    assert len(commpatch.summary(df, by="op")) == df["op"].nunique()  # a column name alone is taken
