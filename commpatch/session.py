@@ -153,10 +153,7 @@ class Session:
     def export_csv(self, path: str | None = None, df=None) -> str:
         if path is not None and (not isinstance(path, (str, os.PathLike)) or not os.fspath(path)):
             raise config.ConfigError(f"export_csv path {path!r}: give a file name ending in .csv or .parquet, or None")
-        if df is not None and not hasattr(df, "columns"):  # a DataFrame, or the same columns as a pyarrow Table
-            raise config.ConfigError(
-                f"export_csv df {reprlib.repr(df)}: not a log: give commpatch.log()'s DataFrame, or None"
-            )
+        _check_log(df, "export_csv")
         log = self.log
         if path is None and log.sink is not None and log.sink.path is not None:
             suffix = os.path.splitext(_runtime.STATE.settings.get("output") or ".csv")[1]
@@ -474,11 +471,19 @@ def internal_errors() -> dict[str, int]:
     return dict(_runtime.ERRORS)
 
 
+def _check_log(df, caller: str) -> None:
+    """``df`` given to ``caller``: None (this process's log) or a log (a DataFrame, or the same columns
+    as a pyarrow Table); anything else is a one-line ConfigError."""
+    if df is not None and not hasattr(df, "columns"):
+        raise config.ConfigError(
+            f"{caller} df {reprlib.repr(df)}: not a log: give commpatch.log()'s DataFrame, or None"
+        )
+
+
 def summary(df=None, by=("collective",)):
     """Per-op (or per ``by``) summary DataFrame of a log (default: this process's log). ``by``: columns
     of the log and ``size_bucket``; anything else, or a ``df`` that is no log, is a one-line ConfigError."""
-    if df is not None and not hasattr(df, "columns"):
-        raise config.ConfigError(f"summary df {reprlib.repr(df)}: not a log: give commpatch.log()'s DataFrame, or None")
+    _check_log(df, "summary")
     df = log() if df is None else df
     try:
         keys = [by] if isinstance(by, str) else [str(k) for k in by]
