@@ -37,7 +37,7 @@ CELLS = [(None, 0.0)] + [
 ]
 
 
-EVIDENCE: list = []  # (step_arrivals, steps table, waits, p2p_steps) of every run, for --evidence
+EVIDENCE: list = []  # (step_arrivals, steps table, waits, p2p_steps, position_arrivals) of every run, for --evidence
 
 
 def named_rank(df):
@@ -48,7 +48,9 @@ def named_rank(df):
     cross, steps = cross_rank(df), per_step(df, by_rank=False)
     v = stragglers.of(cross, steps)
     waits = _match(df)[1][["step", "rank", "collective", "late_us", "ranks", "start_ns"]]
-    EVIDENCE.append((cross.step_arrivals, steps[["step", "stage", "step_us"]], waits, cross.p2p_steps))
+    EVIDENCE.append(
+        (cross.step_arrivals, steps[["step", "stage", "step_us"]], waits, cross.p2p_steps, cross.position_arrivals)
+    )
     return (v["rank"] if v and v["straggler"] else None), v
 
 
@@ -126,7 +128,7 @@ def main() -> int:
     parser.add_argument(
         "--evidence",
         default=None,
-        help="pickle every run's verdict inputs here (step_arrivals, steps, waits, p2p_steps)",
+        help="pickle every run's verdict inputs here (step_arrivals, steps, waits, p2p_steps, position_arrivals)",
     )
     parser.add_argument("--demo", type=int, default=0, help="instead: run the demo this many times beside a CPU hog")
     args = parser.parse_args()

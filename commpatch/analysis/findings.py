@@ -397,7 +397,7 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             text = "a pipeline (steps of point-to-point calls only)"  # arrivals at set-up's collectives: nothing here
         else:
             there = stragglers.place(v)
-            noise = f"the other ranks' {NOISE_QUANTILE:.0%} quantile" + (" at the group's collectives" if there else "")
+            noise = _noise(v) + (" at the group's collectives" if there else "")
             evidence = (
                 f"rank {v['rank']} held the other ranks up a median {_ms(v['late_median_us'])} per step{there} "
                 f"({_pct(v['share_of_step'])} of the step), the longest of all ranks {'there ' if there else ''}in "
@@ -416,8 +416,8 @@ def _straggler_text(ranks, cross, steps_table) -> str:
         text += (
             f"; rank {near['rank']} held the other ranks up a median {_ms(near['late_median_us'])} per "
             f"step{stragglers.place(near)}, the longest there in {near['last_steps']} of {near['steps']} "
-            f"steps (p = {near['p_value']:.2g}; threshold {_ms(near['threshold_us'])}: the other ranks' "
-            f"{NOISE_QUANTILE:.0%} quantile at the group's collectives), {_why_not(near['reason'], near['clock_us'])}"
+            f"steps (p = {near['p_value']:.2g}; threshold {_ms(near['threshold_us'])}: {_noise(near)} "
+            f"at the group's collectives), {_why_not(near['reason'], near['clock_us'])}"
         )
     if (
         v is not None
@@ -430,6 +430,15 @@ def _straggler_text(ranks, cross, steps_table) -> str:
             "longer than any other rank"
         )
     return text + "."
+
+
+def _noise(v) -> str:
+    """The effect threshold, in words: "the other ranks' 90% quantile", or where the evidence is
+    overwhelming "the other ranks' median hold-up when last (p < 1e-06)" (``stragglers._noise``)."""
+    q = v.get("noise_quantile", NOISE_QUANTILE)
+    if q == stragglers.STRONG_NOISE_QUANTILE and v.get("p_value", 1.0) < stragglers.STRONG_ALPHA:
+        return f"the other ranks' median hold-up when last (p < {stragglers.STRONG_ALPHA:.0e})"
+    return f"the other ranks' {NOISE_QUANTILE:.0%} quantile"
 
 
 def _why_not(reason: str, clock_us: float) -> str:

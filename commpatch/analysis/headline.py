@@ -157,6 +157,7 @@ def _evidence(v) -> dict:
         steps=int(v["steps"]),
         late_median_us=_num(v["late_median_us"]),
         threshold_us=_num(v["threshold_us"]),
+        noise_quantile=_num(v.get("noise_quantile", math.nan)),
         p_value=_num(v["p_value"]),
     )
 

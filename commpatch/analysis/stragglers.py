@@ -29,15 +29,18 @@ other rank's; the candidate is the rank with the largest median margin. The verd
 - an effect above the run's own noise: the candidate's median held_us above ``threshold_us``, the
   ``NOISE_QUANTILE`` quantile of the other ranks' held_us over the same steps (what the other ranks
   hold each other up by in all but the worst tenth of the steps: no constant tuned to one machine),
-  and above the clocks' uncertainty.
+  and above the clocks' uncertainty. Where p is below ``STRONG_ALPHA`` (a rank last at one place in
+  99 of 99 steps), above the median (``STRONG_NOISE_QUANTILE``) of the others' hold-ups when they
+  were the last, where that is lower (``_noise``): a delay of 5% of the step that is there in nearly
+  every step is a straggler although the machine's worst tenth of steps is as long
+  (``noise_quantile`` says which quantile the threshold is).
 
 Where the step's longest hold-up names no one, the same tests run at each collective's place in the
 step (the k-th collective of a group in each steady step: ``position_arrivals``,
 ``position_candidates``): a small delay one collective absorbs stands out there from the noise of
 the step's other collectives, which its step maximum carries. The candidate at a place is the rank
 that held the collective up in most steps; the correction counts every (place, rank) pair; the
-effect threshold is the ``NOISE_QUANTILE`` quantile of what the other ranks hold the group's
-collectives up by. Each family (the steps', the places') is tested at ``ALPHA``.
+effect threshold is the same rule's, over what the other ranks hold the group's collectives up by. Each family (the steps', the places') is tested at ``ALPHA``.
 
 Arrivals compare issue times taken on different hosts' wall clocks, aligned to rank 0's where the
 offsets were measured (``data.clock``): a held time within the offsets' uncertainty (the candidate's
@@ -62,8 +65,11 @@ ALPHA = 1e-3
 TRIM = 0.2
 # a straggler holds the others up longest in at least this share of the steady-state steps...
 STRAGGLER_SHARE = 0.5
-# ... by a median above this quantile of the other ranks' held times over the same steps (their noise)
+# ... by a median above this quantile of the other ranks' held times over the same steps (their noise)...
 NOISE_QUANTILE = 0.9
+# ... or, where the evidence is overwhelming (p below STRONG_ALPHA, a thousandth of ALPHA), above this one
+STRONG_ALPHA = 1e-6
+STRONG_NOISE_QUANTILE = 0.5
 # a pipeline stage's extra work per step must exceed this quantile of the other stages' variation
 STAGE_NOISE_QUANTILE = 0.5
 # a rank that held the others up this much longer than any other in set-up is mentioned (a one-off: it
@@ -154,7 +160,7 @@ def _position_verdict(candidates, tests, unc):
     held it up when last, minus the time the last rank held it up when another was last (the others
     hold nothing up there then); the same tests as for the step's longest hold-up, Bonferroni-corrected
     for the two tests and every (position, rank) pair; its effect, its median time holding it up per
-    step, above the ``NOISE_QUANTILE`` quantile of the time the other ranks held the group's
+    step, above the noise by its p (``_noise``) of the time the other ranks held the group's
     collectives up (at every steady collective of the group, each other rank: the last one's time when
     it was another, else 0) and above the clocks' uncertainty."""
     best = near = None
@@ -174,7 +180,7 @@ def _position_verdict(candidates, tests, unc):
         late = float(np.median(np.maximum(d, 0.0)))
         whole = by_group[group]  # the noise: what the other ranks hold the group's collectives up by
         others = whole["held_us"].to_numpy(np.float64)[whole["rank"].to_numpy(np.int64) != rank]
-        threshold = _padded_quantile(others, int((whole["n"].to_numpy(np.int64) - 1).sum()), NOISE_QUANTILE)
+        threshold, quantile = _noise(others, int((whole["n"].to_numpy(np.int64) - 1).sum()), p)
         clock = _relative(unc, rank, list(unc))
         ok = p < ALPHA and k >= STRAGGLER_SHARE * m and late > threshold and late > clock
         first = g.iloc[0]
@@ -185,6 +191,7 @@ def _position_verdict(candidates, tests, unc):
             late_median_us=late,
             margin_median_us=float(np.median(d)),
             threshold_us=threshold,
+            noise_quantile=quantile,
             p_value=p,
             clock_us=clock,
             at=dict(group=str(group), position=int(pos) + 1, op=str(first["op"]), cseq=int(first["cseq"])),
@@ -237,7 +244,8 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
     (bool), ``steps`` (steady steps with two or more ranks), ``last_steps`` (of them, those in which
     the candidate held the others up longest), ``late_median_us`` (its median held_us per step: how
     long the others waited for it), ``margin_median_us`` (its median held_us minus the largest
-    other's), ``threshold_us`` (the effect threshold: the other ranks' ``NOISE_QUANTILE`` held_us),
+    other's), ``threshold_us`` (the effect threshold: the other ranks' held_us at ``noise_quantile``,
+    ``NOISE_QUANTILE`` or, past ``STRONG_ALPHA``, ``STRONG_NOISE_QUANTILE``),
     ``p_value`` (Bonferroni corrected), ``share_of_step`` (late_median_us over the median step time),
     ``reason`` (why not, when not: ``steps``, too few steady-state steps; ``collectives``, steady
     steps but fewer than two with a collective of two or more ranks (a pipeline's point-to-point
@@ -262,6 +270,7 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
         late_median_us=math.nan,
         margin_median_us=math.nan,
         threshold_us=math.nan,
+        noise_quantile=math.nan,
         p_value=math.nan,
         share_of_step=math.nan,
         reason="steps",
@@ -292,7 +301,15 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
                 noise = noise[~np.isnan(noise)]
                 late = float(np.nanmedian(margins[rank].to_numpy(np.float64)))
                 threshold = float(np.quantile(noise, STAGE_NOISE_QUANTILE)) if len(noise) else 0.0
-                _decide(out, margins, rank, late, threshold, steps_table, clock_uncertainty(clock, list(work.columns)))
+                _decide(
+                    out,
+                    margins,
+                    rank,
+                    late,
+                    lambda p: (threshold, STAGE_NOISE_QUANTILE),  # a stage's work, not hold-ups
+                    steps_table,
+                    clock_uncertainty(clock, list(work.columns)),
+                )
                 out.update(
                     measure="work",
                     work_us=float(np.nanmedian(work[rank].to_numpy(np.float64))),
@@ -303,8 +320,15 @@ def verdict(arrivals, steps_table, clock=None, p2p_steps=None, positions=None) -
     rank = margins.median().idxmax()
     others = held.drop(columns=[rank]).to_numpy(np.float64).ravel()
     others = others[~np.isnan(others)]
-    threshold = float(np.quantile(others, NOISE_QUANTILE)) if len(others) else 0.0
-    _decide(out, margins, rank, float(np.nanmedian(held[rank].to_numpy(np.float64))), threshold, steps_table, unc)
+    _decide(
+        out,
+        margins,
+        rank,
+        float(np.nanmedian(held[rank].to_numpy(np.float64))),
+        lambda p: _noise(others, len(others), p),
+        steps_table,
+        unc,
+    )
     if not out["straggler"] and positions is not None:
         if not isinstance(positions, tuple):
             positions = position_candidates(positions, stage.index[stage.to_numpy() == "steady"])
@@ -347,16 +371,18 @@ def _pipeline(p2p_steps, stage):
     return wide if len(wide) else None
 
 
-def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
+def _decide(out, margins, rank, late, noise, steps_table, unc) -> None:
     """Fill ``out`` with the candidate ``rank``'s figures (``margins``: per step and rank, the rank's
     measure minus the largest other's; ``late``: its median effect, how long the others waited for it
-    per step; ``threshold``: the others' noise it must exceed) and the verdict."""
+    per step; ``noise(p)``: the others' noise it must exceed at significance p, and its quantile:
+    ``_noise``) and the verdict."""
     ranks = margins.columns
     d = margins[rank].to_numpy(np.float64)
     m = len(d)
     step_us = _step_us(steps_table)
     # Bonferroni: two tests, and the candidate was picked from n ranks
     p = min(1.0, 2 * len(ranks) * min(_binom_sf(int((d > 0).sum()), m, 1 / len(ranks)), _trimmed_t_sf(d)))
+    threshold, quantile = noise(p)
     out.update(
         rank=int(rank),
         steps=m,
@@ -364,6 +390,7 @@ def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
         late_median_us=late,
         margin_median_us=float(np.nanmedian(d)),
         threshold_us=threshold,
+        noise_quantile=quantile,
         p_value=p,
         share_of_step=late / step_us if step_us > 0 else math.nan,
     )
@@ -378,6 +405,24 @@ def _decide(out, margins, rank, late, threshold, steps_table, unc) -> None:
         out["reason"] = "effect"
     else:
         out.update(straggler=True, reason=None)
+
+
+def _noise(values, total: int, p: float) -> tuple:
+    """(threshold, its quantile): the other ranks' noise a candidate's effect must exceed at
+    significance ``p`` (``values``: the others' held times, 0 or more; ``total``: how many, with the
+    zeros not in ``values``). The ``NOISE_QUANTILE`` quantile of all of them (a 0 wherever one was not
+    the last); where p is below ``STRONG_ALPHA``, the median (``STRONG_NOISE_QUANTILE``) of those
+    above 0, the typical hold-up of a rank last by chance, when that is lower (of all of them the
+    median is 0 wherever most ranks are not the last: any delay would pass; of those above 0 alone,
+    two spikes in 29 steps would set a bar higher than the usual one)."""
+    threshold = _padded_quantile(values, total, NOISE_QUANTILE)
+    if p < STRONG_ALPHA:
+        v = np.asarray(values, np.float64)
+        v = v[v > 0]
+        typical = float(np.quantile(v, STRONG_NOISE_QUANTILE)) if len(v) else 0.0
+        if typical < threshold:
+            return typical, STRONG_NOISE_QUANTILE
+    return threshold, NOISE_QUANTILE
 
 
 def place(v: dict) -> str:
@@ -507,6 +552,8 @@ __all__ = [
     "NOISE_QUANTILE",
     "SETUP_LATE_US",
     "STRAGGLER_SHARE",
+    "STRONG_ALPHA",
+    "STRONG_NOISE_QUANTILE",
     "clock_uncertainty",
     "of",
     "place",
