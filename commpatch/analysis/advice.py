@@ -630,7 +630,9 @@ def rank_steps(by_rank, marks=None):
     if not len(t):
         return pd.DataFrame(columns=["rank", *RANK_STEP_COLUMNS])
     g = t.groupby("rank", sort=True)
-    out = g[list(RANK_STEP_COLUMNS[1:])].median()
+    columns = list(RANK_STEP_COLUMNS[1:])
+    known = [c for c in columns if t[c].notna().any()]  # no marks: three columns of NaN, not medians
+    out = g[known].median().reindex(columns=columns)
     out.insert(0, "steps", g.size())
     return out.reset_index()
 
