@@ -40,7 +40,8 @@ step (the k-th collective of a group in each steady step: ``position_arrivals``,
 ``position_candidates``): a small delay one collective absorbs stands out there from the noise of
 the step's other collectives, which its step maximum carries. The candidate at a place is the rank
 that held the collective up in most steps; the correction counts every (place, rank) pair; the
-effect threshold is the same rule's, over what the other ranks hold the group's collectives up by. Each family (the steps', the places') is tested at ``ALPHA``.
+effect threshold is the same rule's, over what the other ranks hold the group's collectives up by.
+Each family (the steps', the places') is tested at ``ALPHA``.
 
 Arrivals compare issue times taken on different hosts' wall clocks, aligned to rank 0's where the
 offsets were measured (``data.clock``): a held time within the offsets' uncertainty (the candidate's
@@ -469,7 +470,8 @@ def _held(table):
     flat, size = row * len(ranks) + col, len(steps) * len(ranks)
     # as pivot_table(aggfunc="sum") gives it, in numpy (1 s of the report at 1,024 ranks x 2,500 steps)
     seen = np.bincount(flat, minlength=size).reshape(len(steps), len(ranks)) > 0
-    sums = np.bincount(flat, weights=table["held_us"].to_numpy(np.float64), minlength=size)
+    held = table["held_us"].to_numpy(np.float64)
+    sums = np.bincount(flat, weights=np.where(np.isnan(held), 0.0, held), minlength=size)  # sum: NaN skipped
     keep = seen.sum(axis=1) >= 2
     if not keep.any():
         return None
