@@ -48,6 +48,9 @@ class Session:
         self.exit_lock = threading.Lock()
         self.exported: set[str] = set()  # binary logs already converted by this process
         self.exit_handler = False
+        self.exited = False  # the exit's export ran (atexit, or a multiprocessing child's finalizer)
+        self.mp_finalizer = None
+        _register_fork_handler()  # a child forked before enable() must not take this log's pid for its own
 
     # ---- enable / disable ------------------------------------------------------------------
     def enable(self, **settings) -> None:
@@ -113,7 +116,9 @@ class Session:
             watchdog.start(log, resolved)
             if not self.exit_handler:
                 self.exit_handler = True
-                atexit.register(self.write_at_exit)  # atexit only: the binary log needs no signal handler
+                atexit.register(self._at_exit)  # atexit only: the binary log needs no signal handler
+                self.mp_finalizer = _multiprocessing_exit(self._at_exit)
+                _at_shutdown(self._shutdown_begins)
 
     def disable(self) -> None:
         with self.lock:
@@ -138,7 +143,10 @@ class Session:
             self.log.observed = None
         self._stop_clock()
         if self.exit_handler:
-            atexit.unregister(self.write_at_exit)
+            atexit.unregister(self._at_exit)
+            finalizer, self.mp_finalizer = self.mp_finalizer, None
+            if finalizer is not None:
+                finalizer.cancel()
             self.exit_handler = False
 
     # ---- the log -----------------------------------------------------------------------------
@@ -222,6 +230,15 @@ class Session:
     def _on_destroy(self) -> None:
         self._stop_clock()  # its store goes with the process group
         self.write_at_exit(reason="destroy_process_group")
+
+    def _shutdown_begins(self) -> None:
+        self.log.exiting = True
+
+    def _at_exit(self) -> None:
+        """The process's end: once, whichever of atexit and multiprocessing's exit comes first."""
+        if not self.exited:
+            self.exited = True
+            self.write_at_exit()
 
     def write_at_exit(self, reason: str = "exit") -> list[str]:
         """Flush this rank's binary log and write its CSV / Parquet beside it; never raises, never
@@ -331,6 +348,36 @@ def new_default() -> Session:
     if old is not None:
         old.close()
     return _default
+
+
+def _at_shutdown(callback) -> None:
+    """``callback`` when the interpreter's shutdown begins: threading's exit hooks run before any
+    atexit handler (the user's, which may remove the output directory, included), and the flusher
+    goes on until commpatch's own handler. Nothing where this Python has no such hook."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    try:
+        register(callback)
+    except RuntimeError:  # the shutdown is under way already
+        pass
+
+
+def _multiprocessing_exit(callback):
+    """In a child of ``multiprocessing`` (``mp.Process``, ``torch.multiprocessing.start_processes``):
+    ``callback`` at its end too. Its fork and forkserver children end in ``os._exit`` once the target
+    returns, past atexit: only multiprocessing's own finalizers run there, and without one the last
+    rows (all of a short job's) and the CSV at exit would be lost. None elsewhere."""
+    mp = sys.modules.get("multiprocessing")
+    try:
+        if mp is None or mp.parent_process() is None:
+            return None
+        from multiprocessing import util
+
+        return util.Finalize(None, callback, exitpriority=1)
+    except Exception as exc:  # noqa: BLE001 - atexit still covers a normal exit
+        _runtime.fail("export.exit", exc, rows=0)
+        return None
 
 
 def _register_fork_handler() -> None:

@@ -31,7 +31,9 @@ def default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
-def _context():
+def _context(method=None):
+    if method is not None:
+        return mp.get_context(method)
     if os.environ.get("COMMPATCH_TEST_SPAWN", "") not in ("", "0"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -74,10 +76,13 @@ def _entry(fn, rank, world_size, store_path, q, kwargs, pg_timeout=None, env=Non
         q.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | None = None, **kwargs) -> list:
+def run_ranks(
+    fn, world_size: int = 2, timeout: float = 90, pg_timeout: float | None = None, start_method=None, **kwargs
+) -> list:
     """``fn(rank, world_size, **kwargs)`` in each rank; ``pg_timeout``: the process group's own
-    timeout in seconds (torch's default, 30 min, when None)."""
-    ctx = _context()
+    timeout in seconds (torch's default, 30 min, when None); ``start_method``: multiprocessing's
+    (forkserver, or spawn under COMMPATCH_TEST_SPAWN=1, when None)."""
+    ctx = _context(start_method)
     forked = ctx.get_start_method() == "forkserver"
     env, cwd = (dict(os.environ), os.getcwd()) if forked else (None, None)
     q = ctx.Queue()

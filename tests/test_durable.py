@@ -194,6 +194,41 @@ def test_every_rank_writes_its_own_file_whatever_starts_it(tmp_path, method):
     assert df.groupby("rank")["pid"].nunique().eq(1).all() and df["pid"].nunique() == 2
 
 
+def _short_rank(rank, world_size, out):
+    """A job shorter than one flush interval that disables commpatch and returns: its process
+    (a multiprocessing child: forkserver, as run_ranks starts it) ends in os._exit, past atexit."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    for _ in range(5):
+        dist.all_reduce(torch.ones(2))
+    commpatch.disable()
+    return os.getpid()
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_multiprocessing_child_that_ends_at_once_keeps_every_row_and_its_csv(tmp_path, method):
+    """A rank of ``mp.Process`` / ``torch.multiprocessing.start_processes(start_method='fork')``
+    ends in os._exit: its exit still writes the rows the flusher had not (here all of them) and
+    the CSV beside its log."""
+    from tests.multiproc import run_ranks
+
+    pids = run_ranks(_short_rank, 2, timeout=60, out=str(tmp_path), start_method=method)
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("rank")) == [
+        "rank0.cplog",
+        "rank0.csv",
+        "rank1.cplog",
+        "rank1.csv",
+    ]
+    for r in range(2):
+        df = commpatch.read_csv(str(tmp_path / f"rank{r}.cplog"))
+        assert len(df) == 5 and (df["rank"] == r).all() and (df["pid"] == pids[r]).all()
+        assert commpatch.read_csv(str(tmp_path / f"rank{r}.csv"))["seq"].tolist() == df["seq"].tolist()
+
+
 def test_reinitialising_with_another_rank_starts_a_new_file(tmp_path):
     import torch
     import torch.distributed as dist

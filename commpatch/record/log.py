@@ -107,6 +107,7 @@ class Log:
         self.failing = ""  # why this rank's file cannot be written now ('' : it can)
         self.retry_at = 0.0  # time.monotonic() of the next attempt after a failure
         self.closing = False  # the process exits: no file is re-created
+        self.exiting = False  # the interpreter's shutdown began (before any atexit handler: Session)
         self.closed: list = []  # earlier sinks that log() still shows (re-initialised ranks)
         self.files: list = []  # every file sink this process opened (exported at exit)
         self.written: dict[str, int] = {}  # registry -> entries already collected for the current sink
@@ -308,6 +309,8 @@ class Log:
                     return
                 sink = self.sink
             if sink is not None and sink.removed():
+                if self.exiting and not self.closing:
+                    return  # the user's own exit handlers may be removing it: the exit's flush says it, once
                 self._forget_removed(sink)
                 if self.closing:
                     return  # at exit: no new file where the user removed one
@@ -590,6 +593,7 @@ class Log:
         self.io_lock = threading.RLock()
         self.backlog = sinks.MemorySink()
         self.chain_written, self.stem_cache, self.failing, self.retry_at, self.wake = False, None, "", 0.0, None
+        self.exiting = False
         del self.buf[:]
         self.done.clear()
         self.own.clear()
