@@ -16,6 +16,7 @@ import os
 import reprlib
 import sys
 import threading
+import weakref
 
 from . import config, integrations, metrics, watchdog
 from .analysis.summaries import summary as _summary
@@ -118,7 +119,7 @@ class Session:
                 self.exit_handler = True
                 atexit.register(self._at_exit)  # atexit only: the binary log needs no signal handler
                 self.mp_finalizer = _multiprocessing_exit(self._at_exit)
-                _at_shutdown(self._shutdown_begins)
+                _at_shutdown(self)
 
     def disable(self) -> None:
         with self.lock:
@@ -230,9 +231,6 @@ class Session:
     def _on_destroy(self) -> None:
         self._stop_clock()  # its store goes with the process group
         self.write_at_exit(reason="destroy_process_group")
-
-    def _shutdown_begins(self) -> None:
-        self.log.exiting = True
 
     def _at_exit(self) -> None:
         """The process's end: once, whichever of atexit and multiprocessing's exit comes first."""
@@ -350,17 +348,30 @@ def new_default() -> Session:
     return _default
 
 
-def _at_shutdown(callback) -> None:
-    """``callback`` when the interpreter's shutdown begins: threading's exit hooks run before any
-    atexit handler (the user's, which may remove the output directory, included), and the flusher
-    goes on until commpatch's own handler. Nothing where this Python has no such hook."""
+_EXITING: weakref.WeakSet = weakref.WeakSet()  # sessions whose log is told when the shutdown begins
+_shutdown_hooked = False
+
+
+def _at_shutdown(session) -> None:
+    """Tell ``session``'s log when the interpreter's shutdown begins: threading's exit hooks run
+    before any atexit handler (the user's, which may remove the output directory, included), and the
+    flusher goes on until commpatch's own handler. One hook per process (it cannot be removed: it
+    holds no session). Nothing where this Python has no such hook."""
+    global _shutdown_hooked
+    _EXITING.add(session)
     register = getattr(threading, "_register_atexit", None)
-    if register is None:
+    if _shutdown_hooked or register is None:
         return
     try:
-        register(callback)
+        register(_shutdown_begins)
+        _shutdown_hooked = True
     except RuntimeError:  # the shutdown is under way already
         pass
+
+
+def _shutdown_begins() -> None:
+    for session in list(_EXITING):
+        session.log.exiting = True
 
 
 def _multiprocessing_exit(callback):
