@@ -160,6 +160,48 @@ def ddp_default(rank, world_size):
     )
 
 
+def ddp_batched_copy(rank, world_size):
+    """DDP(batched_grad_copy=True) (newer torch): without a hook the reducer copies a bucket's
+    gradients unscaled and divides the flat bucket once (``x / d``), not ``x * (1/d)`` as it scales
+    them one by one: gradients under commpatch, through its C hook and through its Python hook,
+    against the same training without commpatch, with and without gradient_as_bucket_view. None
+    where this torch's DDP has no such argument."""
+    import inspect
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+    from commpatch.integrations import ddp as cp_ddp
+
+    if "batched_grad_copy" not in inspect.signature(DDP.__init__).parameters:
+        return None
+    out = {}
+    for view in (False, True):
+
+        def make(view=view):
+            return DDP(_model(), bucket_cap_mb=0.0002, batched_grad_copy=True, gradient_as_bucket_view=view)
+
+        reference = _train(make(), rank)
+        commpatch.enable(output="none")
+        try:
+            grads = {"C hook": _train(make(), rank)}
+            bucket_hook, cp_ddp.bucket_hook = cp_ddp.bucket_hook, lambda *args, **kwargs: None
+            try:
+                grads["Python hook"] = _train(make(), rank)
+            finally:
+                cp_ddp.bucket_hook = bucket_hook
+            buckets = int((commpatch.log()["op"] == "ddp_bucket_allreduce").sum())
+        finally:
+            commpatch.disable()
+            commpatch.reset()
+        for path, got in grads.items():
+            same = all(torch.equal(a, b) for ga, gb in zip(reference, got) for a, b in zip(ga, gb))
+            out[(view, path)] = same
+        out[(view, "buckets")] = buckets
+    return out
+
+
 def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
         then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often

@@ -34,6 +34,19 @@ def test_profiler_witness_counts_and_bytes_match(default_run):
         assert res["installs"]["rebuild_buckets"] == 3, res["installs"]
 
 
+def test_batched_grad_copy_gradients_bit_identical():
+    """DDP(batched_grad_copy=True) divides each flat bucket (x / d) where the default copy scales
+    (x * (1/d)): with 3 ranks the two differ in the last bit, and commpatch's hook, which replaces
+    the reducer's arithmetic, must use the one this reducer would."""
+    results = run_ranks(w.ddp_batched_copy, 3, timeout=120)  # 3 ranks: 1/3 is inexact
+    if results[0] is None:
+        pytest.skip("this torch's DDP has no batched_grad_copy")
+    for res in results:
+        for view in (False, True):
+            assert res[(view, "buckets")] > 0, res
+            assert res[(view, "C hook")] and res[(view, "Python hook")], res
+
+
 @pytest.fixture(scope="module")
 def unused_run():
     return run_ranks(w.ddp_unused, 2, timeout=120)

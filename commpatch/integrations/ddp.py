@@ -13,7 +13,8 @@ first) and the dispatcher runs whatever sits in its slot:
   bucket, ``x / d`` in place on one that already is its bucket view or on a sparse gradient;
   the two differ in the last bit unless d is a power of two; with gradient_as_bucket_view=True
   and a divisor that may not be one, a post-accumulate-grad hook per parameter tells them
-  apart: ``_AliasTrack``), then the reducer's own C++ all-reduce (``reducer._run_allreduce_
+  apart: ``_AliasTrack``; ``x / d`` on the whole bucket under ``batched_grad_copy=True``, which
+  defers the copies and divides the flat bucket once), then the reducer's own C++ all-reduce (``reducer._run_allreduce_
   hook``). Gradients stay bit-identical. A ``ddp_bucket_allreduce`` row (bytes of the bucket,
   timed to the future's completion). On a dense CPU bucket this runs in C when commpatch's
   extension is built (``record/_hot.c``: ``BucketHook``, the hook registered then; anything else
@@ -285,7 +286,7 @@ class _Dispatch:
     """The hook commpatch registered on one reducer: runs ``hook(state, bucket)``, which is the
     reducer's own arithmetic (``_default_hook``, state = self) until a hook is registered."""
 
-    __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "pack", "__weakref__")
+    __slots__ = ("ddp", "size", "hook", "state", "user", "work", "static", "track", "pack", "divide", "__weakref__")
 
     def __init__(self, ddp) -> None:
         self.ddp = weakref.ref(ddp)  # the reducer holds this object: no cycle through it
@@ -294,7 +295,10 @@ class _Dispatch:
         self.work, self.static = None, True  # the reducer's forward work handle (join), if any
         self.track = None  # _AliasTrack, when the reducer's operation must be known
         self.pack = None  # rows.Packing of a CPU model (_packing)
-        if ddp.gradient_as_bucket_view and not _pow2(self.size):
+        # batched_grad_copy=True (newer torch): the reducer copies a bucket's gradients unscaled and
+        # divides the flat bucket once (flush_deferred_copies: x / d), whether or not they alias it
+        self.divide = bool(getattr(ddp, "batched_grad_copy", False))
+        if ddp.gradient_as_bucket_view and not _pow2(self.size) and not self.divide:
             self.track = _AliasTrack(ddp)
 
     def fill(self, hook, state) -> None:
@@ -330,8 +334,8 @@ def _default_hook(slot, bucket, buf=None, timed=None, ended=None):
     d = slot.divisor()
     if d == 1:
         pass  # x * 1.0 and x / 1 are x: no pass over the bucket
-    elif buf.is_sparse:
-        buf.div_(d)  # mark_variable_ready_sparse: div_ in place
+    elif buf.is_sparse or slot.divide:
+        buf.div_(d)  # mark_variable_ready_sparse, or batched_grad_copy's flat bucket: div_ in place
     elif slot.track is None or _pow2(d):
         buf.mul_(1.0 / d)  # mul_out(bucket_view, grad, 1/d); x/d is the same bits
     else:

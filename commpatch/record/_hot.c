@@ -842,7 +842,7 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Done;
 
-static PyObject *s_value, *s_hook, *s_track, *s_work, *s_static, *s_ddp, *s_size, *s_buffer;
+static PyObject *s_value, *s_hook, *s_track, *s_divide, *s_div_, *s_work, *s_static, *s_ddp, *s_size, *s_buffer;
 static PyObject *s_is_cpu, *s_is_sparse, *s_mul_, *s_reducer, *s_run, *s_then, *s_pg, *s_index, *s_params;
 static PyObject *s_is_last, *s_bucket;
 static PyTypeObject DoneType;
@@ -1047,6 +1047,9 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
     int no_work = attr_is(slot, s_work, Py_None);
     if (no_work < 0)
         goto slow;
+    int divide = attr_is(slot, s_divide, Py_True);   /* batched_grad_copy: x / d, else x * (1/d) */
+    if (divide < 0)
+        goto slow;
     if (!no_work && attr_is(slot, s_static, Py_True) != 1)
         goto slow;                      /* a join divisor: the Python hook waits for it */
     if ((tensor = PyObject_CallMethodNoArgs(bucket, s_buffer)) == NULL || !Py_IS_TYPE(tensor, (PyTypeObject *)self->tensor))
@@ -1089,9 +1092,9 @@ BucketHook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, 
         goto slow;                      /* nothing called yet (a number of the sequence is skipped) */
     if (cb->pack != NULL && packing_launch(cb->pack, seq, start) < 0)
         report_failure(self->fail, s_bucket);
-    if (d != 1) {                       /* x * (1/d), as the reducer's copy into the bucket */
-        PyObject *f = PyFloat_FromDouble(1.0 / (double)d);
-        scaled = f ? PyObject_CallMethodOneArg(tensor, s_mul_, f) : NULL;
+    if (d != 1) {                       /* x * (1/d), as the reducer's copy into the bucket; x / d batched */
+        PyObject *f = divide ? PyLong_FromLong(d) : PyFloat_FromDouble(1.0 / (double)d);
+        scaled = f ? PyObject_CallMethodOneArg(tensor, divide ? s_div_ : s_mul_, f) : NULL;
         Py_XDECREF(f);
         if (scaled == NULL)
             goto error;
@@ -1227,6 +1230,7 @@ PyInit__hot(void)
 #define INTERN(v, text) if ((v = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_dtype, "dtype"); INTERN(s_nbytes, "nbytes"); INTERN(s_numel, "numel"); INTERN(s_record, "record");
     INTERN(s_value, "value"); INTERN(s_hook, "hook"); INTERN(s_track, "track");
+    INTERN(s_divide, "divide"); INTERN(s_div_, "div_");
     INTERN(s_work, "work"); INTERN(s_static, "static"); INTERN(s_ddp, "ddp"); INTERN(s_size, "size");
     INTERN(s_buffer, "buffer"); INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_sparse, "is_sparse"); INTERN(s_mul_, "mul_");
     INTERN(s_reducer, "reducer"); INTERN(s_run, "_run_allreduce_hook"); INTERN(s_then, "then");
