@@ -48,6 +48,7 @@ matrix: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/overhead.py
+	-$(PYTHON) benchmarks/overhead.py --instructions    # needs valgrind and a C compiler
 	$(PYTHON) benchmarks/memory.py
 	$(PYTHON) benchmarks/durable.py
 	$(PYTHON) benchmarks/compare.py

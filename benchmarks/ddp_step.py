@@ -8,7 +8,10 @@ Prints the median step time of each and the ratio (target: <= 1.02).
 
 --compare adds, in the same alternating rounds: torch.profiler (CPU, record_shapes=True) and
 CommDebugMode around the plain model, torch's own Python ``allreduce_hook`` on a model of its own
-(what any Python comm hook costs: commpatch sees DDP's buckets through one), and the hand-written
+(what any Python comm hook costs: commpatch sees DDP's buckets through one), torch's own C++
+``ALLREDUCE`` comm hook on another (what any comm hook costs: the reducer then copies each gradient
+into its bucket unscaled and the hook divides the bucket, a second pass over the gradients that
+the hook-less path fuses into the copy), and the hand-written
 recipe on another model (a comm hook
 that times each bucket's all_reduce and waits for it: DDP's reducer bypasses dist.*, so a
 wrapper of dist.all_reduce would see nothing). DeepSpeed's comms logger only sees calls made
@@ -77,7 +80,11 @@ def worker(rank, nproc, steps, rounds, port, compare=False):
 
         models["torch allreduce_hook"] = DDP(demo_model(), bucket_cap_mb=1)
         models["torch allreduce_hook"].register_comm_hook(None, default_hooks.allreduce_hook)
-        kinds += ["torch.profiler", "CommDebugMode", "sync recipe", "torch allreduce_hook"]
+        # torch's own C++ hook (no Python at all): with any hook the reducer copies each gradient
+        # into its bucket unscaled and the hook divides it, a second pass the default path fuses
+        models["torch C++ ALLREDUCE hook"] = DDP(demo_model(), bucket_cap_mb=1)
+        models["torch C++ ALLREDUCE hook"]._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        kinds += ["torch.profiler", "CommDebugMode", "sync recipe", "torch allreduce_hook", "torch C++ ALLREDUCE hook"]
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
     x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
     times = {k: [] for k in kinds}
