@@ -202,6 +202,75 @@ def ddp_batched_copy(rank, world_size):
     return out
 
 
+def ddp_lazy_buckets(rank, world_size):
+    """DDP(lazy_bucket_allocation=True, gradient_as_bucket_view=True) (newer torch): a bucket gets
+    its storage when its first gradient is marked ready, and the gradients defined then become its
+    views (divided in place, ``x / d``), the others are copied in (``x * (1/d)``). Gradients under
+    commpatch against the same training without it, per case: {case: (identical, bucket rows)}.
+    None where this torch's DDP has no such argument."""
+    import inspect
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import commpatch
+
+    if "lazy_bucket_allocation" not in inspect.signature(DDP.__init__).parameters:
+        return None
+
+    class Net(torch.nn.Module):
+        def __init__(self, unused):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+            self.u = torch.nn.Linear(4, 4) if unused else None  # never used: find_unused / static graph
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    def train(case):
+        opts = dict(case)
+        unused, to_none, accumulate = opts.pop("unused", False), opts.pop("to_none", True), opts.pop("no_sync", False)
+        ddp = DDP(Net(unused), bucket_cap_mb=0.0004, gradient_as_bucket_view=True, lazy_bucket_allocation=True, **opts)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        grads = []
+        for step in range(5):
+            if accumulate and step % 2 == 0:
+                with ddp.no_sync():
+                    ddp(torch.randn(4, 8, generator=gen)).sum().backward()
+            ddp(torch.randn(4, 8, generator=gen)).sum().backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in ddp.parameters()])
+            opt.step()
+            opt.zero_grad(set_to_none=to_none)
+        return grads
+
+    cases = {
+        "default": {},
+        "zero_grad(set_to_none=False)": {"to_none": False},
+        "find_unused_parameters": {"find_unused_parameters": True, "unused": True},
+        "static_graph": {"static_graph": True, "unused": True},
+        "no_sync accumulation": {"no_sync": True},
+    }
+    out = {}
+    for name, case in cases.items():
+        reference = train(case)
+        commpatch.enable(output="none")
+        try:
+            got = train(case)
+            buckets = int((commpatch.log()["op"] == "ddp_bucket_allreduce").sum())
+        finally:
+            commpatch.disable()
+            commpatch.reset()
+        same = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for ga, gb in zip(reference, got)
+            for a, b in zip(ga, gb)
+        )
+        out[name] = (same, buckets)
+    return out
+
+
 def ddp_c_and_python_paths(rank, world_size):
     """The same DDP training twice under commpatch: buckets through the C comm hook (when built),
         then through the Python one (``bucket_hook`` made to decline, ``rows.Packing`` for the packing); the seq ranges of each, how often

@@ -13,8 +13,9 @@ first) and the dispatcher runs whatever sits in its slot:
   bucket, ``x / d`` in place on one that already is its bucket view or on a sparse gradient;
   the two differ in the last bit unless d is a power of two; with gradient_as_bucket_view=True
   and a divisor that may not be one, a post-accumulate-grad hook per parameter tells them
-  apart: ``_AliasTrack``; ``x / d`` on the whole bucket under ``batched_grad_copy=True``, which
-  defers the copies and divides the flat bucket once), then the reducer's own C++ all-reduce (``reducer._run_allreduce_
+  apart: ``_AliasTrack``, also under ``lazy_bucket_allocation=True``; ``x / d`` on the whole
+  bucket under ``batched_grad_copy=True``, which defers the copies and divides the flat bucket
+  once), then the reducer's own C++ all-reduce (``reducer._run_allreduce_
   hook``). Gradients stay bit-identical. A ``ddp_bucket_allreduce`` row (bytes of the bucket,
   timed to the future's completion). On a dense CPU bucket this runs in C when commpatch's
   extension is built (``record/_hot.c``: ``BucketHook``, the hook registered then; anything else
@@ -341,7 +342,7 @@ def _default_hook(slot, bucket, buf=None, timed=None, ended=None):
     else:
         slot.track.scale(bucket, buf, d)
     if slot.track is not None and bucket.is_last():
-        slot.track.ptr.clear()
+        slot.track.clear()
     # the hook must return a future whose value is a Python object: then(), not the C++ future
     fut = slot.ddp().reducer._run_allreduce_hook(bucket)
     if ended is not None:
@@ -380,13 +381,29 @@ class _AliasTrack:
     view; so a post-accumulate-grad hook on each parameter notes the storage of its gradient
     then. The first accumulation of a synchronized backward also notes the parameters not noted
     yet: those that accumulate nothing (unused ones, which the reducer marks first) keep that
-    state. The notes are dropped once the last bucket of the backward is scaled."""
+    state. The notes are dropped once the last bucket of the backward is scaled.
+
+    ``lazy_bucket_allocation=True`` (newer torch): the reducer gives a bucket its storage when the
+    first of its parameters is marked ready in a backward (the unused ones, marked at the first
+    accumulation, included) and then makes every gradient of the bucket that is defined at that
+    moment a view of it (``initialize_bucket_views``): those are the ones it divides in place. So
+    the notes are, per parameter, whether its gradient was defined when the backward's first
+    accumulation ran (``pre``) and its place in the order of accumulation (``order``); under
+    static_graph=True the first synchronized backward marks every gradient at its end, when
+    every one accumulated is defined (``delayed``)."""
 
     def __init__(self, ddp) -> None:
         self.ddp = weakref.ref(ddp)
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.task = None  # the autograd graph task last seen
         self.ptr: dict[int, int] = {}  # id(param) -> data_ptr of its grad's storage (0: none)
+        self.lazy = bool(getattr(ddp, "lazy_bucket_allocation", False))
+        self.pre: dict[int, bool] = {}  # lazy: id(param) -> its grad defined at the first accumulation
+        self.order: dict[int, int] = {}  # lazy: id(param) -> its place among this backward's accumulations
+        # lazy, static_graph: DDP's first synchronized backward enqueues the reducer's delayed
+        # all-reduce, which marks every gradient at the backward's end (all defined ones then views)
+        self.enqueued = bool(getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
+        self.delayed = False  # this backward is that one
         hook = functools.partial(_accumulated, weakref.ref(self))
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         weakref.finalize(self, _remove, handles)
@@ -395,9 +412,27 @@ class _AliasTrack:
         grad = param.grad
         self.ptr[id(param)] = grad.untyped_storage().data_ptr() if grad is not None else 0
 
+    def aliases(self, bucket, base: int) -> list[bool]:
+        """Which of the bucket's gradients the reducer holds as views of it (divides in place)."""
+        params = bucket.parameters()
+        if not self.lazy:
+            return [self.ptr.get(id(p)) == base for p in params]
+        order = [self.order.get(id(p)) for p in params]
+        if self.delayed:
+            return [self.pre.get(id(p), False) or o is not None for p, o in zip(params, order)]
+        # the storage came with the first mark: the backward's first accumulation where an unused
+        # parameter is in the bucket, else the bucket's own first accumulation
+        first = 0 if None in order else min(order)
+        return [self.pre.get(id(p), False) or o == first for p, o in zip(params, order)]
+
+    def clear(self) -> None:
+        self.ptr.clear()
+        self.pre.clear()
+        self.order.clear()
+
     def scale(self, bucket, buf, d: int) -> None:
         base = buf.untyped_storage().data_ptr()
-        alias = [self.ptr.get(id(p)) == base for p in bucket.parameters()]
+        alias = self.aliases(bucket, base)
         if all(alias):
             buf.div_(d)
         elif not any(alias):
@@ -416,11 +451,18 @@ def _accumulated(track_ref, param) -> None:
         task = _graph_task_id()
         if task != track.task:  # a new backward (or a reentrant one inside it)
             track.task = task
-            ptr = track.ptr
+            ptr, pre = track.ptr, track.pre
             for p in track.params:
                 if id(p) not in ptr:
                     track.note(p)
+                if track.lazy and id(p) not in pre:
+                    pre[id(p)] = p is not param and p.grad is not None
+            if track.lazy:  # static_graph's first synchronized backward marks every gradient at its end
+                enqueued = bool(getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
+                track.delayed, track.enqueued = enqueued and not track.enqueued, enqueued
         track.note(param)
+        if track.lazy and id(param) not in track.order:
+            track.order[id(param)] = len(track.order)
     except Exception as exc:  # noqa: BLE001 - never break the user's backward
         _runtime.fail("ddp.track", exc)
 
