@@ -175,6 +175,15 @@ def test_long_finalize_gets_gradient_as_bucket_view():
     assert _advice(_ddp_log(TWO_BUCKETS), "ddp_grad_copy") == []
 
 
+def test_gradient_copy_advice_claims_only_the_copy_the_flag_removes():
+    """With torch's default zero_grad(set_to_none=True) each step's gradients are new tensors and DDP
+    copies them into its buckets again whatever the flag: the flag removes the copy back into .grad,
+    and the copy in only where .grad is kept between steps (torch's own batched_grad_copy docs say so)."""
+    (a,) = _advice(_ddp_log(TWO_BUCKETS, finalize_us=3000.0, pack_us=1000.0), "ddp_grad_copy")
+    assert "two copies" not in a.title and "copy of 4 MiB back into .grad" in a.title, a.title
+    assert "both copies" not in a.text and "set_to_none=False" in a.text and "copies in again" in a.text, a.text
+
+
 def test_gradient_copy_gain_is_not_the_finalize():
     # issue 32 item 9: a 3.77 ms finalize (mostly the hooks and the thread's wake-up) was promised as the gain
     # where the flag saved 0.29 ms: the log does not time the copies, so no gain is promised, and the text says why

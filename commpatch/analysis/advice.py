@@ -397,8 +397,10 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
     text = (
         f"DDP copies the step's gradients ({_mb(total)}) into its buckets during the backward and back into "
         f".grad in its finalize after the last all-reduce ({_ms(finalize_us)} per step, {_pct(finalize_us / step_us)} "
-        "of the step); with gradient_as_bucket_view=True .grad is a view of the bucket and both copies (and the "
-        "copy's memory) go (gradients then alias the buckets: no .grad = None / detach_() of them by hand). The "
+        "of the step); with gradient_as_bucket_view=True .grad is a view of the bucket: the copy back goes, and "
+        "the copy in (and its memory) too where .grad is kept between steps (optimizer.zero_grad(set_to_none=False)); "
+        "with set_to_none=True, torch's default, each step's gradients are new tensors that DDP copies in again "
+        "(gradients then alias the buckets: no .grad = None / detach_() of them by hand). The "
         f"gain is not predicted: the log times the windows that hold the copies (the packing, {'not timed' if math.isnan(pack_us) else _ms(pack_us)}, "
         "and the finalize), which also hold the reducer's hooks and the thread's wake-up after the all-reduce, "
         "not the copies (a 3.77 ms finalize once came with 0.29 ms saved)."
@@ -406,7 +408,7 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
     return [
         Advice(
             "ddp_grad_copy",
-            f"DDP: gradient_as_bucket_view=True saves two copies of {_mb(total)} per step",
+            f"DDP: gradient_as_bucket_view=True saves the copy of {_mb(total)} back into .grad per step",
             evidence,
             "DistributedDataParallel(model, gradient_as_bucket_view=True)",
             {"gradient_as_bucket_view": True},
