@@ -1,8 +1,10 @@
 #!/bin/bash
 # One call on a lent GPU machine (the device tool): the kit, then the extra checks, each bounded; the
 # JSONs under $OUT, every log in $OUT/logs.tgz (at most 8 files come back).
-# Usage there: bash benchmarks/gpu/device_run.sh [kit s] [extras s] [ddp_cost s] [percall s] [checks]
-# (checks: a comma-separated subset of validate,extras,ddp_cost,percall; default all)
+# Usage there: bash benchmarks/gpu/device_run.sh [kit s] [extras s] [ddp_cost s] [percall s] [checks] [verdicts s]
+# (checks: a comma-separated subset of validate,extras,ddp_cost,percall,verdicts; default the first
+# four. verdicts: the straggler truth table's 4-rank DDP and ZeRO cells, quiet and beside a CPU hog,
+# on that machine's 16 cores, where this project's 2-core machine puts 4 ranks on 2 cores; CPU only)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/commpatch-gpu}; mkdir -p "$OUT"
 LOGS=$(mktemp -d); mkdir -p "$LOGS/gloo"
@@ -32,9 +34,15 @@ if want percall; then
   timeout "${4:-90}" python3 benchmarks/gpu/percall.py --json "$OUT/percall.json" >"$LOGS/percall.log" 2>&1
   echo "percall.py exit $?"
 fi
+if want verdicts; then
+  timeout "${6:-420}" python3 benchmarks/verdicts.py --kinds ddp,zero --worlds 4 --json "$OUT/verdicts.json" \
+    >"$LOGS/verdicts.log" 2>&1
+  echo "verdicts.py exit $?"
+fi
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 for f in validate extras; do
   [ -f "$LOGS/$f.log" ] && grep -v "^USDT" "$LOGS/$f.log" | grep -E "^(PASS|FAIL|SKIP)|raised|Error|PASSED|FAILED" | cut -c1-600 | tail -n 60
 done
 [ -f "$LOGS/ddp_cost.log" ] && grep -v "^USDT" "$LOGS/ddp_cost.log" | head -n 70
 [ -f "$LOGS/percall.log" ] && grep -v "^USDT" "$LOGS/percall.log" | head -n 24
+[ -f "$LOGS/verdicts.log" ] && grep -v "^USDT" "$LOGS/verdicts.log" | tail -n 40
