@@ -224,14 +224,24 @@ def ddp_lazy_buckets(rank, world_size):
             torch.manual_seed(0)
             self.a, self.b, self.c = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
             self.u = torch.nn.Linear(4, 4) if unused else None  # never used: find_unused / static graph
+            self.reentrant = False  # block b under a reentrant checkpoint: a backward inside the backward
 
         def forward(self, x):
-            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+            h = torch.relu(self.a(x))
+            if self.reentrant:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(self.b, h, use_reentrant=True)
+            else:
+                h = self.b(h)
+            return self.c(torch.relu(h))
 
     def train(case):
         opts = dict(case)
         unused, to_none, accumulate = opts.pop("unused", False), opts.pop("to_none", True), opts.pop("no_sync", False)
-        ddp = DDP(Net(unused), bucket_cap_mb=0.0004, gradient_as_bucket_view=True, lazy_bucket_allocation=True, **opts)
+        net = Net(unused)
+        net.reentrant = opts.pop("reentrant", False)
+        ddp = DDP(net, bucket_cap_mb=0.0004, gradient_as_bucket_view=True, lazy_bucket_allocation=True, **opts)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
         grads = []
@@ -250,6 +260,7 @@ def ddp_lazy_buckets(rank, world_size):
         "zero_grad(set_to_none=False)": {"to_none": False},
         "find_unused_parameters": {"find_unused_parameters": True, "unused": True},
         "static_graph": {"static_graph": True, "unused": True},
+        "static_graph, reentrant checkpoint": {"static_graph": True, "reentrant": True},
         "no_sync accumulation": {"no_sync": True},
     }
     out = {}

@@ -452,14 +452,15 @@ def _accumulated(track_ref, param) -> None:
         if task != track.task:  # a new backward (or a reentrant one inside it)
             track.task = task
             ptr, pre = track.ptr, track.pre
+            if track.lazy and not pre:  # this backward's first accumulation (not a reentrant one's)
+                # static_graph's first synchronized backward marks every gradient at its end
+                enqueued = bool(getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
+                track.delayed, track.enqueued = enqueued and not track.enqueued, enqueued
             for p in track.params:
                 if id(p) not in ptr:
                     track.note(p)
                 if track.lazy and id(p) not in pre:
                     pre[id(p)] = p is not param and p.grad is not None
-            if track.lazy:  # static_graph's first synchronized backward marks every gradient at its end
-                enqueued = bool(getattr(ddp, "_static_graph_delay_allreduce_enqueued", False))
-                track.delayed, track.enqueued = enqueued and not track.enqueued, enqueued
         track.note(param)
         if track.lazy and id(param) not in track.order:
             track.order[id(param)] = len(track.order)
