@@ -85,6 +85,14 @@ TARGETS: tuple[Target, ...] = (
     _T("send_object_list", None, ("nested", None), NO_BW, False, peer=("dst", "group_dst"), leaf=False),
     _T("recv_object_list", None, ("nested", None), NO_BW, False, peer=("src", "group_src"), leaf=False),
 )
+# torch.distributed functions newer than the table above: patched like the others, their op codes
+# appended after EXTRA_OPS (the codes of older files stay valid)
+NEWER_TARGETS: tuple[Target, ...] = (
+    # torch 2.15: gather into one tensor on the root (NCCL >= 2.28.3 natively; gloo: "does not support")
+    _T("gather_single", "tensor", ("xn", "tensor"), ROOTED_N, peer=("dst", "group_dst")),
+    _T("gather_into_tensor", "tensor", ("xn", "tensor"), ROOTED_N, peer=("dst", "group_dst"), leaf=False),  # its alias
+)
+_FIRST_TARGETS, TARGETS = TARGETS, TARGETS + NEWER_TARGETS
 TARGET_NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
 
 # Ops recorded by commpatch/integrations (not patch targets of torch.distributed): rows for
@@ -128,7 +136,9 @@ EXTRA_OPS: tuple[Target, ...] = (
     _T("coalesced.all_gather_into_tensor", None, ("list", None), ALLGATHER, runs=("all_gather",)),
     _T("coalesced.reduce_scatter_tensor", None, ("list", None), REDUCESCATTER, runs=("reduce_scatter",)),
 )
-OP_NAMES: tuple[str, ...] = TARGET_NAMES + tuple(t.name for t in EXTRA_OPS)
+OP_NAMES: tuple[str, ...] = tuple(
+    t.name for t in _FIRST_TARGETS + EXTRA_OPS + NEWER_TARGETS
+)  # an op's code is its place here
 
 # What each op is, as three separate facts (the `op` column folds them into one name):
 # collective (the nccl-tests kind), api (the function actually called, torch's own name) and
