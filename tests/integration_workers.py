@@ -408,6 +408,35 @@ def ddp_unused(rank, world_size):
     )
 
 
+def compiled_coalesced(rank, world_size):
+    """A coalesced functional all-reduce in a graph compiled with fullgraph=True (aot_eager), 3 calls,
+    then one in eager code waited for with ``funcol.wait_tensors`` where torch has it (2.15: compiled
+    code waits a coalesced result with ``_c10d_functional.wait_tensors``), else by using both
+    results. Returns the rows (op, duration) and whether the outputs equal the eager function's."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import commpatch
+
+    def step(a, b):
+        x, y = funcol.all_reduce_coalesced([a * 2, b * 3], "sum", dist.group.WORLD)
+        return x + 1, y + 1
+
+    eager = [step(torch.ones(8), torch.ones(16)) for _ in range(3)]
+    commpatch.enable(output="none")
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    got = [compiled(torch.ones(8), torch.ones(16)) for _ in range(3)]
+    outs = funcol.all_reduce_coalesced([torch.ones(4), torch.ones(4)], "sum", dist.group.WORLD)
+    if hasattr(funcol, "wait_tensors"):
+        outs = funcol.wait_tensors(outs)
+    total = float((outs[0] + outs[1]).sum())
+    commpatch.disable()
+    df = commpatch.log()
+    equal = all(torch.equal(a, b) for pa, pb in zip(eager, got) for a, b in zip(pa, pb))
+    return dict(rows=list(zip(df["op"].astype(str), df["duration_us"])), equal=equal, total=total)
+
+
 def compiled_tp(rank, world_size):
     """A tensor-parallel MLP compiled with inductor (fullgraph=True), and a functional collective
     whose autograd formula issues one in backward; the profiler as witness."""

@@ -49,3 +49,14 @@ def test_autograd_formula_collective_is_recorded(run):
         assert w.claimed_bytes(df) == witness_bytes
         assert (df["duration_us"] > 0).all()
         assert set(grad) == {2.0 * len(run) * (rank + 1)}  # the reduce-scatter summed 2s over the ranks
+
+
+def test_coalesced_functional_collectives_get_their_duration():
+    """A coalesced functional collective's results are waited for together where torch has
+    ``wait_tensors`` (2.15: compiled code and funcol's backward formulas use it): its rows, compiled
+    and eager, are timed to that wait, not left without a duration."""
+    for out in run_ranks(w.compiled_coalesced, 2, timeout=240):
+        assert out["equal"] and out["total"] == 2 * 4 * 2, out  # two sums of 4 ones over 2 ranks
+        ops = [op for op, _ in out["rows"]]
+        assert ops == ["compiled.all_reduce_coalesced"] * 3 + ["funcol.all_reduce_coalesced"], out["rows"]
+        assert all(d > 0 for _, d in out["rows"]), out["rows"]  # NaN (never waited) fails too

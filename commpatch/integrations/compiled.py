@@ -9,7 +9,8 @@ a Python kernel for each of these ops on the way to torch's kernel (``patch.disp
 at the ``ADInplaceOrView`` key, a fallthrough for them): torch's kernel runs with the same
 arguments (bit-identical results; traced and fake calls pass straight through), and a row is
 written per collective, timed from issue to the return of the ``wait_tensor`` on its result
-(timing ``wait``); the thread's time inside that wait is the row's ``wait_us`` (exposed time).
+(``wait_tensors`` on a coalesced one's, torch 2.15) (timing ``wait``); the thread's time inside
+that wait is the row's ``wait_us`` (exposed time).
 
 - Rows: ``compiled.<op>`` (source ``compiled``, api the op's name) for a call from compiled code
   (or any other direct call of the op); ``funcol.<op>`` when an autograd node other than a
@@ -160,6 +161,9 @@ def _install(ctx) -> None:
                 log, call, c, f, m, waits, groups, node
             )
     makers[torch.ops._c10d_functional.wait_tensor.default] = lambda call: _wait_kernel(call, waits)
+    many_waits = getattr(torch.ops._c10d_functional, "wait_tensors", None)  # torch 2.15: a coalesced result's
+    if many_waits is not None:
+        makers[many_waits.default] = lambda call: _wait_kernel(call, waits, many=True)
     for op, make in makers.items():
         _KERNELS.wrap(op._opname, make)
     try:
@@ -227,14 +231,17 @@ def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Wai
     return collective
 
 
-def _wait_kernel(call, waits: Waits):
+def _wait_kernel(call, waits: Waits, many: bool = False):
+    """``wait_tensor(tensor)``, or with ``many`` ``wait_tensors(tensors)`` (torch 2.15: what compiled
+    code and funcol's backward formulas wait a coalesced collective's results with)."""
 
     def wait_tensor(keyset, tensor):
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = call(keyset, tensor)
         if waits:
             try:
-                waits.waited(tensor.untyped_storage().data_ptr(), began)
+                for one in tensor if many else (tensor,):
+                    waits.waited(one.untyped_storage().data_ptr(), began)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("compiled.wait", exc)
         return out

@@ -81,6 +81,10 @@ def _patch_funcol(ctx, funcol) -> None:
             lambda orig, op=op, many=many: invisible_to_dynamo(_wrapper(ctx, funcol, orig, op, many, waits), orig),
         )
     ctx.patches.wrap(funcol, "wait_tensor", lambda orig: invisible_to_dynamo(_wait_wrapper(orig, waits), orig))
+    if hasattr(funcol, "wait_tensors"):  # torch 2.15: waits a coalesced collective's results at once
+        ctx.patches.wrap(
+            funcol, "wait_tensors", lambda orig: invisible_to_dynamo(_wait_wrapper(orig, waits, many=True), orig)
+        )
 
 
 def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
@@ -180,18 +184,20 @@ def _with_group(args: tuple, kwargs: dict, gpos: int, group):
     return args, {**kwargs, "group": group}
 
 
-def _wait_wrapper(orig, waits: Waits):
+def _wait_wrapper(orig, waits: Waits, many: bool = False):
+    """funcol's ``wait_tensor(tensor)``, or with ``many`` its ``wait_tensors(tensors)``."""
     local = _runtime.LOCAL
 
     def wait_tensor(tensor):
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = orig(tensor)
-        if local.python_call:  # inside a recorded functional collective: its result
+        if local.python_call and not many:  # inside a recorded functional collective: its result
             local.waited = tensor
         if waits:
-            key = _storage_key(tensor)
-            if key is not None:  # a traced / fake tensor has no storage: not one of ours
-                waits.waited(key, began)
+            for one in tensor if many else (tensor,):
+                key = _storage_key(one)
+                if key is not None:  # a traced / fake tensor has no storage: not one of ours
+                    waits.waited(key, began)
         return out
 
     return wait_tensor
