@@ -112,6 +112,17 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def _same_steps(a, b) -> bool:
+    """Two runs' per-step lists of tensors (None where a gradient is undefined) equal bit for bit."""
+    import torch
+
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for xs, ys in zip(a, b)
+        for x, y in zip(xs, ys)
+    )
+
+
 def _train(ddp, rank, steps=4, accumulate=True):
     """Steps of SGD; the first step accumulates one micro-batch under no_sync(). Returns grads."""
     import torch
@@ -132,7 +143,6 @@ def _train(ddp, rank, steps=4, accumulate=True):
 
 def ddp_default(rank, world_size):
     """Bucket rows, witness counts and bit-identical gradients against an uninstrumented run."""
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.profiler import profile
 
@@ -146,7 +156,7 @@ def ddp_default(rank, world_size):
         settle_gloo()
     df = commpatch.log()
     commpatch.disable()
-    identical = all(torch.equal(a, b) for ga, gb in zip(reference, grads) for a, b in zip(ga, gb))
+    identical = _same_steps(reference, grads)
     after = _train(ddp, rank, steps=2)  # the hook stays registered: a pass-through now
     return dict(
         df=df,
@@ -168,7 +178,6 @@ def ddp_batched_copy(rank, world_size):
     where this torch's DDP has no such argument."""
     import inspect
 
-    import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import commpatch
@@ -196,8 +205,7 @@ def ddp_batched_copy(rank, world_size):
             commpatch.disable()
             commpatch.reset()
         for path, got in grads.items():
-            same = all(torch.equal(a, b) for ga, gb in zip(reference, got) for a, b in zip(ga, gb))
-            out[(view, path)] = same
+            out[(view, path)] = _same_steps(reference, got)
         out[(view, "buckets")] = buckets
     return out
 
@@ -273,12 +281,7 @@ def ddp_lazy_buckets(rank, world_size):
         finally:
             commpatch.disable()
             commpatch.reset()
-        same = all(
-            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-            for ga, gb in zip(reference, got)
-            for a, b in zip(ga, gb)
-        )
-        out[name] = (same, buckets)
+        out[name] = (_same_steps(reference, got), buckets)
     return out
 
 
@@ -335,9 +338,7 @@ def ddp_c_and_python_paths(rank, world_size):
     _train(DDP(_model(), bucket_cap_mb=0.0002), rank)
     df = commpatch.log()
     commpatch.disable()
-    identical = all(
-        torch.equal(a, b) for runs in (grads_py, grads_fault) for ga, gb in zip(grads_c, runs) for a, b in zip(ga, gb)
-    )
+    identical = all(_same_steps(grads_c, runs) for runs in (grads_py, grads_fault))
     return dict(
         df=df,
         lo=lo,
@@ -433,7 +434,7 @@ def compiled_coalesced(rank, world_size):
     total = float((outs[0] + outs[1]).sum())
     commpatch.disable()
     df = commpatch.log()
-    equal = all(torch.equal(a, b) for pa, pb in zip(eager, got) for a, b in zip(pa, pb))
+    equal = _same_steps(eager, got)
     return dict(rows=list(zip(df["op"].astype(str), df["duration_us"])), equal=equal, total=total)
 
 
