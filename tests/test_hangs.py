@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -160,8 +161,16 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
         ), calls
     assert not len(_section(rep, "mismatches")), "the hung call is no row: no false mismatch"
     assert not [f for f in rep["findings"] if f["kind"] == "mismatch"]
+    # the hung call is no evidence of a straggler: the steps before it are symmetric. On this 2-core
+    # machine (4 ranks, each with gloo's thread, beside the suite) the host may keep one rank off
+    # the CPU in most steps: a real hold-up, named, its cause the host (or unknown), never its work
+    # or input (as tests/test_stragglers.py allows a symmetric real job); never the rank that skipped
     named = [f["text"] for f in rep["findings"] if f["kind"] == "straggler" and "the straggler" in f["text"]]
-    assert not named, (named, rep["headline"].get("straggler"))  # (the evidence, when a loaded machine names one)
+    causes = [a["title"].split(", ")[-1] for a in rep["advice"] if a["rule"] == "straggler"]
+    assert not named or (
+        causes in (["kept off the CPU by its host"], ["cause unknown"])
+        and re.findall(r"[Rr]ank \d+", named[0].split(": the straggler")[0])[-1].lower() != "rank 3"
+    ), (named, causes, rep["headline"].get("straggler"))
     text = _report(tmp_path, "text")
     assert text.split("Findings:\n- ")[1].startswith(f"hang: ranks 0-2 wait in all_reduce #{last} of group 0")
     dumps = sorted(p.name for p in tmp_path.glob("hang_rank*.txt"))
