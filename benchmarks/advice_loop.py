@@ -22,6 +22,10 @@ The jobs (``--worker``, run by torchrun):
 - ``tail`` (``ddp_tail_parameter``): DDP at ``bucket_cap_mb=1`` over a model whose first parameter is a
   4 MiB embedding: the last bucket is that one parameter. The rule names it and predicts nothing;
   applied: DDP's fp16 compression hook (its ``change``).
+- ``fsdp`` (``fsdp_reshard``): FSDP2 over ``--layers`` blocks of Linear(``--hidden``) + ReLU, each its own
+  unit, batch ``--batch`` x 2; CPU compute only. Poor: every unit ``reshard_after_forward=True``
+  (FSDP's default: their parameters gathered again in the backward); advised: the units the item
+  names with the value it gives.
 - ``slow`` (``straggler``): the ``mlp`` job at 6 MiB buckets with rank 1 sleeping ``--slow-ms`` before
   each forward (a slow data loader); advised: no sleep (the input made ready in time).
 """
@@ -118,6 +122,10 @@ def worker(args) -> None:
             boundary.step()
         dist.destroy_process_group()
         return
+    if args.job == "fsdp":
+        fsdp_job(args)
+        dist.destroy_process_group()
+        return
     model = tail_model() if args.job == "tail" else mlp(args)
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.as_view)
     if args.fp16_hook:
@@ -138,6 +146,32 @@ def worker(args) -> None:
         loss.backward()
         opt.step()
     dist.destroy_process_group()
+
+
+def fsdp_job(args) -> None:
+    """The ``fsdp`` job's steps: units named by their index in the model, as FSDP names them."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    width = args.hidden
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(args.layers)]
+    )
+    kept = set(args.keep_units.split(",")) if args.keep_units else set()
+    for name, block in model.named_children():
+        fully_shard(block, reshard_after_forward=name not in kept)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2 * args.batch, width, generator=torch.Generator().manual_seed(0))
+    for _ in range(args.steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
 
 
 def run_job(args, job_args: list, out: str) -> dict:
@@ -190,6 +224,11 @@ def _fp16(item) -> list:
     return ["--fp16-hook"]
 
 
+def _keep(item) -> list:
+    assert item["setting"]["reshard_after_forward"] is False, item
+    return ["--keep-units", ",".join(item["setting"]["units"])]
+
+
 def _even(item) -> list:
     assert item["evidence"]["rank"] == 1, item
     return []  # the input ready in time: no sleep
@@ -207,6 +246,7 @@ RULES = {
         ["--job", "tail", "--bucket-mb", "1"],
         lambda item: ["--job", "tail", "--bucket-mb", "1", *_fp16(item)],
     ),
+    "fsdp_reshard": (["--job", "fsdp"], lambda item: ["--job", "fsdp", *_keep(item)]),
     "straggler": (
         ["--job", "mlp", "--bucket-mb", "6", "--slow-ms", "30"],
         lambda item: ["--job", "mlp", "--bucket-mb", "6", *_even(item)],
@@ -259,6 +299,7 @@ def main() -> int:
     parser.add_argument("--coalesce", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp16-hook", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--slow-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--keep-units", default="", help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--rules", default="all", help="comma-separated rule names (default: all of RULES)")
     parser.add_argument("--steps", type=int, default=24)

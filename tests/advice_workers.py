@@ -101,3 +101,38 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
         return commpatch.log().attrs.get("job_notes")
     finally:
         commpatch.disable()
+
+
+def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, steps: int = 12, width: int = 512):
+    """FSDP2 over 4 blocks (Linear + ReLU, ``width`` wide), each its own unit with
+    ``reshard_after_forward=reshard``, and the root; its log written to ``out`` (rank{rank}.csv and
+    .cplog). False where FSDP2 cannot run on CPU with this torch, else True."""
+    import os
+
+    import torch
+
+    import commpatch
+    from tests.torch_compat import fsdp2_cpu_unsupported
+    from tests.torch_compat import fully_shard as _fully_shard
+
+    if fsdp2_cpu_unsupported() is not None:
+        return False
+    fully_shard = _fully_shard()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks)
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    try:
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return True
+    finally:
+        commpatch.disable()

@@ -16,7 +16,7 @@ from commpatch.data.schema import COLUMNS
 from commpatch.render import text as report
 from commpatch.testing import make_log
 
-from .advice_workers import ddp_job, fsdp2_job, many_small_calls
+from .advice_workers import ddp_job, fsdp2_job, fsdp2_reshard_job, many_small_calls
 from .multiproc import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -468,6 +468,69 @@ def test_real_fsdp2_settings():
         }
         assert units == {"0": False, "2": True} and len(notes["settings"]) == 2
         assert all(s["values"]["mesh"] == [2] for s in notes["settings"])
+
+
+def test_real_fsdp2_backward_all_gathers_get_the_reshard_advice(tmp_path):
+    """FSDP jobs with most of their step exposed got no advice (issue 32, item 8). FSDP2 units that
+    reshard after their forward gather their parameters again in the backward: on gloo the training
+    thread is inside those all-gathers, and the advice proposes reshard_after_forward=False for them
+    with their time per step and the memory it costs; never where the job already has it; nothing
+    where the thread's wait for them is unknown (an accelerator's stream), never a 0."""
+    import commpatch
+    from commpatch.analysis import matching
+
+    poor, good = tmp_path / "reshard", tmp_path / "kept"
+    for out, reshard in ((poor, True), (good, False)):
+        out.mkdir()
+        if not all(run_ranks(fsdp2_reshard_job, 2, timeout=240, out=str(out), reshard=reshard)):
+            pytest.skip("FSDP2 does not run on CPU with this torch")
+    with commpatch.open(str(poor)) as run:
+        rep, df = run.to_dict(), run.rows()
+    (item,) = [a for a in rep["advice"] if a["rule"] == "fsdp_reshard"]
+    assert item["setting"]["reshard_after_forward"] is False and sorted(item["setting"]["units"]) == [
+        "0",
+        "1",
+        "2",
+        "3",
+    ]
+    # the gain: per steady-state step and rank, the units' backward all-gathers' transfer time, summed; the median
+    steady = [r["step"] for r in rep["sections"]["steps"] if r["stage"] == "steady"]
+    rows = matching.with_transfer(df)
+    rows = rows[rows["step"].isin(steady) & (rows["phase"] == "backward") & (rows["collective"] == "all_gather")]
+    assert (rows["timing"] == "host").all() and set(rows["module"].astype(str)) == {"0", "1", "2", "3"}
+    per_step = rows.groupby(["rank", "step"])["transfer_us"].sum()
+    assert len(per_step) == 2 * len(steady) and (rows.groupby(["rank", "step"]).size() == 4).all()
+    assert item["gain_us"] == pytest.approx(float(per_step.median()), rel=1e-9)
+    assert item["gain_us"] >= 0.05 * item["evidence"]["step_us"]
+    gathered = rows.groupby("module", observed=True)["bytes"].first()
+    assert item["evidence"]["held_bytes"] == pytest.approx(float(gathered.sum()) / 2)  # less each rank's half
+    assert f"{item['gain_us'] / 1e3:.3g} ms per step" in item["title"]
+    assert "reshard_after_forward=False" in item["change"]
+    # the job that keeps its parameters: no backward all-gather, and the setting it has is not proposed
+    with commpatch.open(str(good)) as run:
+        kept, kept_rows = run.to_dict(), run.rows()
+    assert not ((kept_rows["phase"] == "backward") & (kept_rows["collective"] == "all_gather")).any()
+    assert [a for a in kept["advice"] if a["rule"] == "fsdp_reshard"] == []
+    # on an accelerator the calls run on FSDP's stream, timed by device events: the thread's wait unknown
+    steps_table = report._steps.per_step(df, by_rank=False)
+    st = adv.steady_state(steps_table)
+    job = df.attrs["job_notes"]
+    timed = matching.with_transfer(df)
+    device = timed.assign(timing=pd.Categorical(["device_event"] * len(timed)), wait_us=np.nan)
+    assert adv.fsdp_reshard(device, steps_table, st, job) == []
+    waited = device.assign(wait_us=1e9)  # a wait seen (Work.wait): the exposed time, at most the transfer
+    (again,) = adv.fsdp_reshard(waited, steps_table, st, job)
+    assert again.gain_us == pytest.approx(item["gain_us"], rel=1e-9)
+    assert adv.fsdp_reshard(timed, steps_table, st, []) == []  # no settings noted (CSV, older logs): not advised
+    try:
+        from tests.test_engine_parity import assert_same_report
+    except ImportError:
+        return
+    from commpatch.analysis import engine
+
+    if engine.available():  # the DuckDB engine reads the same rows and advises the same
+        pandas, _ = assert_same_report(str(poor))
+        assert [a["rule"] for a in pandas["advice"]] == [a["rule"] for a in rep["advice"]]
 
 
 def _train_ddp(tmp_path, port, *args):

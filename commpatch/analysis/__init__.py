@@ -55,6 +55,8 @@ REPORT_COLUMNS = (
     "pack_us",
     "pack_alone_us",
     "wait_us",
+    "phase",  # FSDP's backward all-gathers (advice.fsdp_reshard)
+    "module",
 )
 
 __all__ = [

@@ -12,6 +12,8 @@ latency that cannot be fitted). Rules:
 - ``ddp_grad_copy``: DDP's finalize (its copy of the averaged gradients from the buckets into
   ``.grad``) takes a share of the step: ``gradient_as_bucket_view=True`` makes ``.grad`` a view of
   the bucket, and the copy goes.
+- ``fsdp_reshard``: FSDP2 units that reshard after their forward gather their parameters again in the
+  backward, and the training thread waits for those all-gathers: ``reshard_after_forward=False``.
 - ``small_messages``: many calls per step on one group below the latency-bound size (where a call's
   fixed latency equals its transfer time, fitted from the group's own calls): coalesce them.
 - ``straggler``: one rank late in most steady-state steps by a steady amount (the straggler
@@ -30,7 +32,7 @@ import numpy as np
 from ..data.logfile import JOB_ATTR
 from . import stragglers
 from .arrays import lexsort
-from .steps import _bucket_mask, per_step, steady_rows, steady_state
+from .steps import BLOCKING_TIMINGS, _bucket_mask, per_step, steady_rows, steady_state
 from .summaries import own_durations, size_bucket, transfer_durations
 
 # evidence: at least this many steady-state steps
@@ -126,11 +128,18 @@ def advice(df, steps_table, cross=None, by_rank=None, job=None) -> list:
         conf = settings(job)
         for rule in (ddp_bucket_size, ddp_grad_copy, small_messages):
             out += rule(df, steps_table, st, conf)
+        out += fsdp_reshard(df, steps_table, st, job)
     out += straggler(df, steps_table, st, cross, by_rank, job)
     return by_gain(out)
 
 
-ROW_RULES = ("ddp_bucket_size", "ddp_tail_parameter", "ddp_grad_copy", "small_messages")  # rules reading every row
+ROW_RULES = (
+    "ddp_bucket_size",
+    "ddp_tail_parameter",
+    "ddp_grad_copy",
+    "fsdp_reshard",
+    "small_messages",
+)  # rules reading every row
 
 
 def by_gain(items: list) -> list:
@@ -414,6 +423,108 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
             {"gradient_as_bucket_view": True},
             math.nan,
             math.nan,
+            text,
+            "steps",
+        )
+    ]
+
+
+# ---- FSDP -----------------------------------------------------------------------------------------
+def unit_settings(job) -> dict:
+    """{FSDP2 unit name: its settings} from the first rank's log that noted any (``integrations.fsdp``:
+    reshard_after_forward as in force after FSDP's lazy init, mesh); {} when none were noted."""
+    for notes in sorted(job or (), key=lambda n: n.get("rank", -1)):
+        units = {
+            str(item.get("module")): dict(item.get("values") or {})
+            for item in notes.get("settings") or ()
+            if item.get("wrapper") == "fsdp2"
+        }
+        if units:
+            return units
+    return {}
+
+
+def fsdp_gather_mask(df) -> np.ndarray:
+    """The rows that are an FSDP unit's all-gather in the backward (``integrations.fsdp`` names the unit
+    and the phase): what ``fsdp_reshard`` reads (the engine stages them apart)."""
+    if any(c not in df.columns for c in ("phase", "module", "collective")):
+        return np.zeros(len(df), bool)
+    module = df["module"]
+    return (
+        (df["collective"].astype(str) == "all_gather").to_numpy()
+        & (df["phase"].astype(str) == "backward").to_numpy()
+        & (module.notna() & (module.astype(str) != "")).to_numpy()
+    )
+
+
+def fsdp_reshard(df, steps_table, st, job=None) -> list:
+    """``reshard_after_forward=False`` for the FSDP2 units that reshard after their forward and whose
+    all-gather of their parameters again in the backward the training thread waits for: per steady-state
+    step and rank, those all-gathers' exposed time (a call the thread was inside throughout, timed
+    ``host``: its arrival-free transfer time; one it waited for: that wait, at most its transfer time;
+    neither (an accelerator's calls on FSDP's own stream): unknown, and no advice). The gain is that time
+    (the all-gathers go; their copies in and out of FSDP's buffers, not in the log, go too); the cost
+    is memory: each unit keeps its gathered parameters from its forward to its backward."""
+    units = {name for name, values in unit_settings(job).items() if values.get("reshard_after_forward")}
+    if not units or "timing" not in df.columns or "module" not in df.columns:
+        return []
+    rows = steady_rows(df, steps_table)
+    g = rows[fsdp_gather_mask(rows) & rows["module"].astype(str).isin(units).to_numpy()]
+    if not len(g):
+        return []
+    transfer = transfer_durations(g)
+    blocking = g["timing"].astype(str).isin(BLOCKING_TIMINGS).to_numpy()
+    wait = g["wait_us"].to_numpy(np.float64) if "wait_us" in g.columns else np.full(len(g), np.nan)
+    exposed = np.where(blocking, transfer, np.minimum(wait, transfer))  # NaN: not known
+    if np.isnan(exposed).all():
+        return []
+    module = g["module"].astype(str).to_numpy()
+    # the shards a unit's parameters are gathered from: its mesh's last dimension (HSDP: [replicas, shards])
+    shards = {name: (values.get("mesh") or [math.nan])[-1] for name, values in unit_settings(job).items()}
+    size = np.array([shards.get(m, math.nan) for m in module], np.float64)
+    t = g[["rank", "step"]].assign(module=module, exposed=exposed)
+    t = t.assign(held=g["bytes"].to_numpy(np.float64) * (1 - 1 / size))  # gathered less the rank's own shard
+    by_step = t.assign(unknown=np.isnan(exposed)).groupby(["rank", "step"])
+    per_step = by_step["exposed"].sum()[~by_step["unknown"].any()]  # a step with one unknown: unknown
+    gain = float(per_step.median()) if len(per_step) else math.nan
+    step_us = st["step_p50_us"]
+    if per_step.index.get_level_values("step").nunique() < MIN_STEPS or not gain >= max(
+        MIN_GAIN_SHARE * step_us, MIN_GAIN_US
+    ):
+        return []
+    per_unit = t.groupby(["module", "rank", "step"]).agg(exposed=("exposed", "sum"), held=("held", "max"))
+    per_unit = per_unit.groupby(level="module").median().sort_values("exposed", ascending=False)
+    names = [str(m) for m in per_unit.index]
+    held = float(per_unit["held"].sum())
+    shown = ", ".join(repr(m) for m in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    evidence = dict(
+        steps=int(per_step.index.get_level_values("step").nunique()),
+        step_us=step_us,
+        units=len(names),
+        backward_all_gather_us=gain,
+        backward_all_gathers=int(round(float(t.groupby(["rank", "step"]).size().median()))),
+        held_bytes=held,
+    )
+    memory = f"{_mb(held)} more memory per rank" if held >= 0 else "more memory per rank (their mesh not noted)"
+    text = (
+        f"{len(names)} FSDP unit(s) reshard their parameters after the forward and gather them again in the "
+        f"backward: those all-gathers hold the training thread {_ms(gain)} per step ({_pct(gain / step_us)} of "
+        f"the step; their transfer time, waits for other ranks left out). With reshard_after_forward=False a "
+        f"unit keeps its gathered parameters from its forward to its backward: no all-gather there, for "
+        f"{memory} (its parameters' bytes less its own shard, kept; the units by their time, the largest "
+        f"first: {shown}). FSDP's copies into and out of its all-gather buffers go with them; the log does not "
+        "time those: the gain counts the all-gathers only."
+    )
+    return [
+        Advice(
+            "fsdp_reshard",
+            f"FSDP: reshard_after_forward=False on {len(names)} unit(s) saves their backward all-gathers, "
+            f"{_ms(gain)} per step" + (f", for {_mb(held)} of memory" if held >= 0 else ""),
+            evidence,
+            f"fully_shard(module, reshard_after_forward=False) for the units {shown}",
+            {"reshard_after_forward": False, "units": names},
+            gain,
+            gain / step_us if step_us > 0 else math.nan,
             text,
             "steps",
         )
@@ -828,6 +939,8 @@ __all__ = [
     "bucket_steps",
     "ddp_bucket_size",
     "ddp_grad_copy",
+    "fsdp_gather_mask",
+    "fsdp_reshard",
     "latency_fit",
     "small_messages",
     "straggler",

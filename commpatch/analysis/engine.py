@@ -32,7 +32,7 @@ from ..data.logfile import IN_FLIGHT_ATTR, JOB_ATTR
 from ..data.ops import describe_op
 from ..data.schema import STEPLESS_ATTR, expand_ranks
 from . import hangs as _hangs
-from .advice import RANK_STEPS_READS
+from .advice import RANK_STEPS_READS, fsdp_gather_mask
 from .arrays import lexsort
 from .findings import ENGINE_LEFT_OUT
 from .hangs import merge_flights
@@ -75,6 +75,8 @@ ADVICE_COLUMNS = (
     "bucket",
     "device",
 )
+# and FSDP's backward all-gathers (advice.fsdp_reshard) with these besides
+FSDP_GATHER_COLUMNS = ("phase", "module", "timing", "wait_us")
 ADVICE_ROWS = 5_000_000  # ~40 bytes each in memory: the small-message advice is left out beyond
 
 
@@ -196,6 +198,8 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
     released = int(known.sum())
     bucketed = _bucket_mask(df)
     rows["bucketed"] = bucketed  # DDP's gradient buckets: the advice reads them apart (advice.bucket_steps)
+    gathered = fsdp_gather_mask(df)
+    rows["fsdp_gather"] = gathered  # FSDP's backward all-gathers: apart too (advice.fsdp_reshard)
     for i, key in enumerate(by):
         if key == "size_bucket":
             rows[f"k{i}"] = size_bucket(df["bytes"])
@@ -214,21 +218,24 @@ def stage(df, directory: str, by=("collective", "size_bucket"), steps=None, wind
         row_group_size=1 << 20,
         use_dictionary=low,
     )
-    if bucketed.any():  # the bucket rows whole (a few per step), for the DDP advice
-        cols = [c for c in ADVICE_COLUMNS if c in df.columns]
-        sub = df.loc[bucketed, cols].reset_index(drop=True)
+    # the rows the advice reads whole (a few per step): DDP's buckets; FSDP's backward all-gathers
+    for table, mask, extra in (("buckets", bucketed, ()), ("fsdp", gathered, FSDP_GATHER_COLUMNS)):
+        if not mask.any():
+            continue
+        cols = [c for c in ADVICE_COLUMNS + extra if c in df.columns]
+        sub = df.loc[mask, cols].reset_index(drop=True)
         for column in sub.columns:
             if sub[column].dtype.name == "category":
                 sub[column] = sub[column].astype(str)
         sub = sub.assign(
-            g=rows["group"][bucketed],
-            cseq=rows["cseq"][bucketed],
-            own=rows["own"][bucketed],
-            dur=rows["dur"][bucketed],
-            host=rows["host"][bucketed],
+            g=rows["group"][mask],
+            cseq=rows["cseq"][mask],
+            own=rows["own"][mask],
+            dur=rows["dur"][mask],
+            host=rows["host"][mask],
         )
-        os.makedirs(os.path.join(directory, "buckets"), exist_ok=True)
-        pq.write_table(pa.Table.from_pandas(sub, preserve_index=False), os.path.join(directory, "buckets", name))
+        os.makedirs(os.path.join(directory, table), exist_ok=True)
+        pq.write_table(pa.Table.from_pandas(sub, preserve_index=False), os.path.join(directory, table, name))
     table = per_step(df, steps=steps)
     if len(table):
         os.makedirs(os.path.join(directory, "steps"), exist_ok=True)
@@ -427,7 +434,7 @@ class Engine:
 
     def _connect(self) -> None:
         self.con = self._open()
-        for name in ("rows", "steps", "p2p", "buckets"):  # what ``stage`` wrote
+        for name in ("rows", "steps", "p2p", "buckets", "fsdp"):  # what ``stage`` wrote
             if os.path.isdir(os.path.join(self.directory, name)):
                 self._parquet_view(name, os.path.join(self.directory, name))
                 self.tables.add(name)
@@ -618,11 +625,12 @@ class Engine:
         import pandas as pd
 
         parts, left_out = [], ""
-        if "buckets" in self.tables:
-            b = self._df(f"SELECT * FROM {self._transfer_source('buckets', 'g')} ORDER BY rank, start_ns")
-            b["transfer_us"] = b.pop("transfer")
-            parts.append(b.drop(columns=["g", "cseq", "own", "dur", "host"]))
-        where = f"NOT bucketed AND bytes > 0 AND {steady}"
+        for table in ("buckets", "fsdp"):  # read whole
+            if table in self.tables:
+                b = self._df(f"SELECT * FROM {self._transfer_source(table, 'g')} ORDER BY rank, start_ns")
+                b["transfer_us"] = b.pop("transfer")
+                parts.append(b.drop(columns=["g", "cseq", "own", "dur", "host"]))
+        where = f"NOT bucketed AND NOT fsdp_gather AND bytes > 0 AND {steady}"
         n = self.con.execute(f"SELECT count(*) FROM rows WHERE {where}").fetchone()[0]
         if n > ADVICE_ROWS:
             left_out = ENGINE_LEFT_OUT.format(rows=n, most=ADVICE_ROWS)
