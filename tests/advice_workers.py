@@ -103,10 +103,11 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
         commpatch.disable()
 
 
-def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, steps: int = 12, width: int = 512):
+def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, keep=(), steps: int = 12, width: int = 512):
     """FSDP2 over 4 blocks (Linear + ReLU, ``width`` wide), each its own unit with
-    ``reshard_after_forward=reshard``, and the root; its log written to ``out`` (rank{rank}.csv and
-    .cplog). False where FSDP2 cannot run on CPU with this torch, else True."""
+    ``reshard_after_forward=reshard`` (False for the blocks whose index is in ``keep``), and the root;
+    its log written to ``out`` (rank{rank}.csv and .cplog). False where FSDP2 cannot run on CPU with
+    this torch, else True."""
     import os
 
     import torch
@@ -124,8 +125,8 @@ def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, steps: int = 1
     model = torch.nn.Sequential(*blocks)
     commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
     try:
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=reshard)
+        for i, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=reshard and i not in keep)
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
