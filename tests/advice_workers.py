@@ -103,9 +103,10 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
         commpatch.disable()
 
 
-def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, keep=(), steps: int = 12, width: int = 512):
+def fsdp2_reshard_job(rank: int, n: int, out: str, reshard, keep=(), steps: int = 12, width: int = 512):
     """FSDP2 over 4 blocks (Linear + ReLU, ``width`` wide), each its own unit with
-    ``reshard_after_forward=reshard`` (False for the blocks whose index is in ``keep``), and the root;
+    ``reshard_after_forward=reshard`` (a bool, or an int: resharded over that many ranks; False for the
+    blocks whose index is in ``keep``), and the root;
     its log written to ``out`` (rank{rank}.csv and .cplog). False where FSDP2 cannot run on CPU with
     this torch, else True."""
     import os
@@ -126,7 +127,7 @@ def fsdp2_reshard_job(rank: int, n: int, out: str, reshard: bool, keep=(), steps
     commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
     try:
         for i, block in enumerate(blocks):
-            fully_shard(block, reshard_after_forward=reshard and i not in keep)
+            fully_shard(block, reshard_after_forward=False if i in keep else reshard)
         fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))

@@ -530,6 +530,23 @@ def test_real_fsdp2_backward_all_gathers_get_the_reshard_advice(tmp_path):
         assert [a["rule"] for a in pandas["advice"]] == [a["rule"] for a in rep["advice"]]
 
 
+def test_real_fsdp2_resharded_over_fewer_ranks_counts_the_memory_it_would_keep(tmp_path):
+    """reshard_after_forward=2 at 4 ranks keeps a half of each unit's parameters between forward and
+    backward (not the quarter its mesh shards them to): False costs the other half, which the advice
+    says (from the backward all-gathers' group, 2 ranks), not three quarters."""
+    import commpatch
+
+    if not all(run_ranks(fsdp2_reshard_job, 4, timeout=240, out=str(tmp_path), reshard=2, steps=10)):
+        pytest.skip("FSDP2 does not run on CPU with this torch")
+    with commpatch.open(str(tmp_path)) as run:
+        rep, df = run.to_dict(), run.rows()
+    gathers = df[(df["phase"] == "backward") & (df["collective"] == "all_gather")]
+    assert set(gathers["group_ranks"].astype(str)) == {"0 1", "2 3"}  # each pair gathers what it keeps
+    (item,) = [a for a in rep["advice"] if a["rule"] == "fsdp_reshard"]
+    per_unit = gathers.groupby("module", observed=True)["bytes"].first()
+    assert len(per_unit) == 4 and item["evidence"]["held_bytes"] == pytest.approx(float(per_unit.sum()) / 2)
+
+
 def _train_ddp(tmp_path, port, *args):
     """examples/train_ddp.py (the demo's job) under ``commpatch run``, 2 ranks; its report as JSON."""
     out = tmp_path / "run"

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..data.logfile import JOB_ATTR
+from ..data.schema import expand_ranks
 from . import stragglers
 from .arrays import lexsort
 from .steps import BLOCKING_TIMINGS, _bucket_mask, per_step, steady_rows, steady_state
@@ -457,6 +458,18 @@ def fsdp_gather_mask(df) -> np.ndarray:
     )
 
 
+def _group_sizes(rows) -> np.ndarray:
+    """Per row, how many ranks its group has (``group_ranks``, each distinct value parsed once; NaN
+    where not known)."""
+    if "group_ranks" not in rows.columns:
+        return np.full(len(rows), np.nan)
+    import pandas as pd
+
+    codes, uniques = pd.factorize(rows["group_ranks"].astype(str), use_na_sentinel=True)
+    sizes = np.array([float(len(expand_ranks(u))) if u and u != "nan" else math.nan for u in uniques] + [math.nan])
+    return sizes[codes]
+
+
 def fsdp_reshard(df, steps_table, st, job=None) -> list:
     """``reshard_after_forward=False`` for the FSDP2 units that reshard after their forward and whose
     all-gather of their parameters again in the backward the training thread waits for: per steady-state
@@ -479,9 +492,9 @@ def fsdp_reshard(df, steps_table, st, job=None) -> list:
     if np.isnan(exposed).all():
         return []
     module = g["module"].astype(str).to_numpy()
-    # the shards a unit's parameters are gathered from: its mesh's last dimension (HSDP: [replicas, shards])
-    shards = {name: (values.get("mesh") or [math.nan])[-1] for name, values in unit_settings(job).items()}
-    size = np.array([shards.get(m, math.nan) for m in module], np.float64)
+    # the ranks a unit's parameters are gathered from in the backward: the all-gather's group (its
+    # mesh's shard dimension; fewer with reshard_after_forward=<int>, which keeps a shard of that many)
+    size = _group_sizes(g)
     t = g[["rank", "step"]].assign(module=module, exposed=exposed)
     t = t.assign(held=g["bytes"].to_numpy(np.float64) * (1 - 1 / size))  # gathered less the rank's own shard
     by_step = t.assign(unknown=np.isnan(exposed)).groupby(["rank", "step"])

@@ -76,7 +76,7 @@ ADVICE_COLUMNS = (
     "device",
 )
 # and FSDP's backward all-gathers (advice.fsdp_reshard) with these besides
-FSDP_GATHER_COLUMNS = ("phase", "module", "timing", "wait_us")
+FSDP_GATHER_COLUMNS = ("phase", "module", "timing", "wait_us", "group_ranks")
 ADVICE_ROWS = 5_000_000  # ~40 bytes each in memory: the small-message advice is left out beyond
 
 
