@@ -120,6 +120,17 @@ class _quiet:
         return self.cm.__exit__(*exc)
 
 
+def _stuck(path) -> list:
+    """(collective number, group) of each [STUCK] line of a watchdog dump file, in order. A call the
+    watchdog found pending past its threshold that completed later (a slow step on a loaded machine:
+    the tests' threshold is 0.5 s) is dumped too, in an earlier dump appended to the same file: the
+    hung call is the last dump's, and the earlier ones name earlier collectives."""
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("[STUCK]")]
+    found = [re.search(r"collective #(\d+) of group (\S+)", ln) for ln in lines]
+    assert all(found), lines
+    return [(int(m.group(1)), m.group(2)) for m in found]
+
+
 def _section(rep, name):
     return pd.DataFrame(rep["sections"][name]) if name in rep["sections"] else pd.DataFrame()
 
@@ -177,8 +188,8 @@ def test_a_rank_that_skips_an_all_reduce_is_named_first(tmp_path, watchdog):
     if watchdog:  # the dumps number the call as the report does, and the report names them
         assert dumps == ["hang_rank0.txt", "hang_rank1.txt", "hang_rank2.txt"]
         for name in dumps:
-            stuck = [ln for ln in (tmp_path / name).read_text().splitlines() if ln.startswith("[STUCK]")]
-            assert stuck and all(f"collective #{last} of group 0" in ln for ln in stuck), stuck
+            stuck = _stuck(tmp_path / name)
+            assert stuck[-1] == (last, "0") and all(c < last for c, _ in stuck[:-1]), stuck
             assert str(tmp_path / name) in first["text"]
     else:
         assert dumps == []
@@ -224,9 +235,10 @@ def test_a_ddp_rank_stuck_before_a_step_is_named_first(tmp_path, watchdog):
     if watchdog:
         assert dumps == ["hang_rank0.txt"]
         dump = (tmp_path / "hang_rank0.txt").read_text()
-        stuck = [ln for ln in dump.splitlines() if ln.startswith("[STUCK]")]
-        assert len(stuck) == 1 and f"collective #{n} of group 0" in stuck[0], stuck
-        assert "ddp_bucket_allreduce" in stuck[0] and "backward" in dump
+        stuck = _stuck(tmp_path / "hang_rank0.txt")
+        assert stuck[-1] == (n, "0") and all(c < n for c, _ in stuck[:-1]), stuck
+        last_dump = dump.split("===== end of commpatch watchdog dump")[-2]
+        assert "[STUCK] ddp_bucket_allreduce" in last_dump and "backward" in last_dump
         assert str(tmp_path / "hang_rank0.txt") in first["text"]
     else:
         assert dumps == []
