@@ -25,7 +25,8 @@ The jobs (``--worker``, run by torchrun):
 - ``fsdp`` (``fsdp_reshard``): FSDP2 over ``--layers`` blocks of Linear(``--hidden``) + ReLU, each its own
   unit, batch ``--batch`` x 2; CPU compute only. Poor: every unit ``reshard_after_forward=True``
   (FSDP's default: their parameters gathered again in the backward); advised: the units the item
-  names with the value it gives.
+  names with the value it gives. ``fsdp_reshard/fsdp1``: the same blocks under FSDP1, auto-wrapped one
+  unit each, at ``FULL_SHARD``; advised: the sharding strategy the item gives.
 - ``slow`` (``straggler``): the ``mlp`` job at 6 MiB buckets with rank 1 sleeping ``--slow-ms`` before
   each forward (a slow data loader); advised: no sleep (the input made ready in time).
 """
@@ -149,23 +150,36 @@ def worker(args) -> None:
 
 
 def fsdp_job(args) -> None:
-    """The ``fsdp`` job's steps: units named by their index in the model, as FSDP names them."""
+    """The ``fsdp`` job's steps: FSDP2 units named by their index in the model, as FSDP names them;
+    with ``--fsdp1 STRATEGY``, FSDP1 auto-wrapping each block with that sharding strategy instead."""
     import torch
-
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import fully_shard
 
     torch.manual_seed(0)
     width = args.hidden
     model = torch.nn.Sequential(
         *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(args.layers)]
     )
-    kept = set(args.keep_units.split(",")) if args.keep_units else set()
-    for name, block in model.named_children():
-        fully_shard(block, reshard_after_forward=name not in kept)
-    fully_shard(model)
+    if args.fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        blocks = {type(model[0])}  # each block is a Sequential: the root's type too, which is always wrapped
+        model = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy(blocks),
+            sharding_strategy=getattr(ShardingStrategy, args.fsdp1),
+            device_id=torch.device("cpu"),
+        )
+    else:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+
+        kept = set(args.keep_units.split(",")) if args.keep_units else set()
+        for name, block in model.named_children():
+            fully_shard(block, reshard_after_forward=name not in kept)
+        fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(2 * args.batch, width, generator=torch.Generator().manual_seed(0))
     for _ in range(args.steps):
@@ -229,6 +243,11 @@ def _keep(item) -> list:
     return ["--keep-units", ",".join(item["setting"]["units"])]
 
 
+def _strategy(item) -> str:
+    assert sorted(item["setting"]["units"]) == [f"_fsdp_wrapped_module.{i}" for i in range(6)], item
+    return item["setting"]["sharding_strategy"]
+
+
 def _even(item) -> list:
     assert item["evidence"]["rank"] == 1, item
     return []  # the input ready in time: no sleep
@@ -247,6 +266,10 @@ RULES = {
         lambda item: ["--job", "tail", "--bucket-mb", "1", *_fp16(item)],
     ),
     "fsdp_reshard": (["--job", "fsdp"], lambda item: ["--job", "fsdp", *_keep(item)]),
+    "fsdp_reshard/fsdp1": (
+        ["--job", "fsdp", "--fsdp1", "FULL_SHARD"],
+        lambda item: ["--job", "fsdp", "--fsdp1", _strategy(item)],
+    ),
     "straggler": (
         ["--job", "mlp", "--bucket-mb", "6", "--slow-ms", "30"],
         lambda item: ["--job", "mlp", "--bucket-mb", "6", *_even(item)],
@@ -269,7 +292,7 @@ def check_rule(args, rule: str, base: str) -> dict:
         if first:
             good = run_job(args, advised(item), os.path.join(base, f"{rule}-{i}-advised"))
         poor = run_job(args, poor_args, os.path.join(base, f"{rule}-{i}-poor"))
-        item = next((a for a in poor.get("advice", []) if a["rule"] == rule), None)
+        item = next((a for a in poor.get("advice", []) if a["rule"] == rule.split("/")[0]), None)
         if item is None:
             missing += 1
             print(f"  {rule} pair {i}: the poor run got no {rule} advice", flush=True)
@@ -300,6 +323,7 @@ def main() -> int:
     parser.add_argument("--fp16-hook", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--slow-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--keep-units", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--fsdp1", default="", help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--rules", default="all", help="comma-separated rule names (default: all of RULES)")
     parser.add_argument("--steps", type=int, default=24)

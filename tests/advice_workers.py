@@ -138,3 +138,52 @@ def fsdp2_reshard_job(rank: int, n: int, out: str, reshard, keep=(), steps: int 
         return True
     finally:
         commpatch.disable()
+
+
+def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 12, width: int = 512):
+    """FSDP1 (``FullyShardedDataParallel`` on CPU) over 4 blocks (Linear + ReLU, ``width`` wide),
+    auto-wrapped one unit each, and a last Linear in the root unit, with ``sharding_strategy``
+    ``strategy``; its log written to ``out``. False where FSDP1 cannot run on CPU with this torch."""
+    import os
+
+    import torch
+
+    import commpatch
+
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    except ImportError:
+        return False
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x))
+
+    model = torch.nn.Sequential(*[Block() for _ in range(4)], torch.nn.Linear(width, 1))
+    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    try:
+        try:
+            model = FullyShardedDataParallel(
+                model,
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+                sharding_strategy=getattr(ShardingStrategy, strategy),
+                device_id=torch.device("cpu"),
+            )
+        except (RuntimeError, ValueError, TypeError):  # an older torch: FSDP1 on accelerators only
+            return False
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return True
+    finally:
+        commpatch.disable()

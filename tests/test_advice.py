@@ -16,7 +16,7 @@ from commpatch.data.schema import COLUMNS
 from commpatch.render import text as report
 from commpatch.testing import make_log
 
-from .advice_workers import ddp_job, fsdp2_job, fsdp2_reshard_job, many_small_calls
+from .advice_workers import ddp_job, fsdp1_reshard_job, fsdp2_job, fsdp2_reshard_job, many_small_calls
 from .multiproc import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -545,6 +545,49 @@ def test_real_fsdp2_resharded_over_fewer_ranks_counts_the_memory_it_would_keep(t
     (item,) = [a for a in rep["advice"] if a["rule"] == "fsdp_reshard"]
     per_unit = gathers.groupby("module", observed=True)["bytes"].first()
     assert len(per_unit) == 4 and item["evidence"]["held_bytes"] == pytest.approx(float(per_unit.sum()) / 2)
+
+
+def test_real_fsdp1_full_shard_gets_the_strategy_that_keeps_its_parameters(tmp_path):
+    """FSDP1's FULL_SHARD frees each unit's parameters after its forward (not the root's) and gathers
+    them again in the backward: its settings note the strategy per unit, and the advice proposes
+    SHARD_GRAD_OP for the wrapped units (never the root, which keeps them); a SHARD_GRAD_OP job has no
+    backward all-gather and gets none. The engines agree."""
+    import commpatch
+    from commpatch.analysis import matching
+
+    poor, good = tmp_path / "full", tmp_path / "grad_op"
+    for out, strategy in ((poor, "FULL_SHARD"), (good, "SHARD_GRAD_OP")):
+        out.mkdir()
+        if not all(run_ranks(fsdp1_reshard_job, 2, timeout=240, out=str(out), strategy=strategy)):
+            pytest.skip("FSDP1 does not run on CPU with this torch")
+    with commpatch.open(str(poor)) as run:
+        rep, df = run.to_dict(), run.rows()
+    wrapped = [f"_fsdp_wrapped_module.{i}" for i in range(4)]
+    for notes in df.attrs["job_notes"]:
+        noted = {s["module"]: s["values"] for s in notes["settings"] if s["wrapper"] == "fsdp1"}
+        assert noted == {
+            "FullyShardedDataParallel": dict(sharding_strategy="FULL_SHARD", reshard_after_forward=False),
+            **{name: dict(sharding_strategy="FULL_SHARD", reshard_after_forward=True) for name in wrapped},
+        }, noted
+    (item,) = [a for a in rep["advice"] if a["rule"] == "fsdp_reshard"]
+    assert item["setting"]["sharding_strategy"] == "SHARD_GRAD_OP" and sorted(item["setting"]["units"]) == wrapped
+    assert "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP" in item["change"]
+    steady = [r["step"] for r in rep["sections"]["steps"] if r["stage"] == "steady"]
+    rows = matching.with_transfer(df)
+    rows = rows[rows["step"].isin(steady) & (rows["phase"] == "backward") & (rows["collective"] == "all_gather")]
+    assert sorted(set(rows["module"].astype(str))) == wrapped  # the root gathers nothing in the backward
+    assert item["gain_us"] == pytest.approx(float(rows.groupby(["rank", "step"])["transfer_us"].sum().median()))
+    with commpatch.open(str(good)) as run:
+        kept, kept_rows = run.to_dict(), run.rows()
+    assert not ((kept_rows["phase"] == "backward") & (kept_rows["collective"] == "all_gather")).any()
+    assert [a for a in kept["advice"] if a["rule"] == "fsdp_reshard"] == []
+    from commpatch.analysis import engine
+
+    if engine.available():
+        from tests.test_engine_parity import assert_same_report
+
+        pandas, _ = assert_same_report(str(poor))
+        assert [a["rule"] for a in pandas["advice"]] == [a["rule"] for a in rep["advice"]]
 
 
 def _train_ddp(tmp_path, port, *args):

@@ -432,17 +432,24 @@ def ddp_grad_copy(df, steps_table, st, conf=None) -> list:
 
 # ---- FSDP -----------------------------------------------------------------------------------------
 def unit_settings(job) -> dict:
-    """{FSDP2 unit name: its settings} from the first rank's log that noted any (``integrations.fsdp``:
-    reshard_after_forward as in force after FSDP's lazy init, mesh); {} when none were noted."""
+    """{FSDP unit name: its settings, with ``wrapper`` (``fsdp2``, ``fsdp1``)} from the first rank's log
+    that noted any (``integrations.fsdp``: ``reshard_after_forward`` as in force after FSDP's lazy init,
+    FSDP2's mesh, FSDP1's sharding strategy); {} when none were noted."""
     for notes in sorted(job or (), key=lambda n: n.get("rank", -1)):
         units = {
-            str(item.get("module")): dict(item.get("values") or {})
+            str(item.get("module")): dict(item.get("values") or {}, wrapper=item.get("wrapper"))
             for item in notes.get("settings") or ()
-            if item.get("wrapper") == "fsdp2"
+            if item.get("wrapper") in FSDP_WRAPPERS
         }
         if units:
             return units
     return {}
+
+
+# what frees a unit's parameters after its forward, and the change that keeps them (FSDP1: its
+# sharding strategy; HYBRID_SHARD's counterpart is torch's _HYBRID_SHARD_ZERO2)
+FSDP_WRAPPERS = ("fsdp2", "fsdp1")
+FSDP1_KEEPING = {"FULL_SHARD": "SHARD_GRAD_OP", "HYBRID_SHARD": "_HYBRID_SHARD_ZERO2"}
 
 
 def fsdp_gather_mask(df) -> np.ndarray:
@@ -471,26 +478,44 @@ def _group_sizes(rows) -> np.ndarray:
 
 
 def fsdp_reshard(df, steps_table, st, job=None) -> list:
-    """``reshard_after_forward=False`` for the FSDP2 units that reshard after their forward and whose
-    all-gather of their parameters again in the backward the training thread waits for: per steady-state
-    step and rank, those all-gathers' exposed time (a call the thread was inside throughout, timed
-    ``host``: its arrival-free transfer time; one it waited for: that wait, at most its transfer time;
-    neither (an accelerator's calls on FSDP's own stream): unknown, and no advice). The gain is that time
-    (the all-gathers go; their copies in and out of FSDP's buffers, not in the log, go too); the cost
-    is memory: each unit keeps its gathered parameters from its forward to its backward."""
-    units = {name for name, values in unit_settings(job).items() if values.get("reshard_after_forward")}
-    if not units or "timing" not in df.columns or "module" not in df.columns:
+    """Keep the parameters of the FSDP units that free them after their forward and whose all-gather of
+    them again in the backward the training thread waits for: FSDP2 ``reshard_after_forward=False``,
+    FSDP1 ``sharding_strategy=SHARD_GRAD_OP`` (from FULL_SHARD; ``_HYBRID_SHARD_ZERO2`` from
+    HYBRID_SHARD). Per steady-state step and rank, those all-gathers' exposed time (a call the thread
+    was inside throughout, timed ``host``: its arrival-free transfer time; one it waited for: that wait,
+    at most its transfer time; neither (an accelerator's calls on FSDP's own stream): unknown, and no
+    advice). The gain is that time (the all-gathers go; their copies in and out of FSDP's buffers, not
+    in the log, go too); the cost is memory: each unit keeps its gathered parameters from its forward
+    to its backward. One item per change (FSDP2's, each FSDP1 strategy's)."""
+    changes: dict = {}  # the change -> its units
+    for name, values in unit_settings(job).items():
+        if values.get("reshard_after_forward"):
+            if values["wrapper"] == "fsdp2":
+                changes.setdefault(("reshard_after_forward", False), set()).add(name)
+            elif values.get("sharding_strategy") in FSDP1_KEEPING:
+                changes.setdefault(("sharding_strategy", FSDP1_KEEPING[values["sharding_strategy"]]), set()).add(name)
+    if not changes or "timing" not in df.columns or "module" not in df.columns:
         return []
     rows = steady_rows(df, steps_table)
-    g = rows[fsdp_gather_mask(rows) & rows["module"].astype(str).isin(units).to_numpy()]
+    gathers = rows[fsdp_gather_mask(rows)]
+    out = []
+    for change, units in changes.items():
+        item = _fsdp_keep(gathers[gathers["module"].astype(str).isin(units).to_numpy()], st, change)
+        out += [item] if item is not None else []
+    return out
+
+
+def _fsdp_keep(g, st, change):
+    """``fsdp_reshard``'s item for one change (setting, value) from its units' backward all-gathers
+    ``g``, or None when their exposed time is unknown or too small."""
     if not len(g):
-        return []
+        return None
     transfer = transfer_durations(g)
     blocking = g["timing"].astype(str).isin(BLOCKING_TIMINGS).to_numpy()
     wait = g["wait_us"].to_numpy(np.float64) if "wait_us" in g.columns else np.full(len(g), np.nan)
     exposed = np.where(blocking, transfer, np.minimum(wait, transfer))  # NaN: not known
     if np.isnan(exposed).all():
-        return []
+        return None
     module = g["module"].astype(str).to_numpy()
     # the ranks a unit's parameters are gathered from in the backward: the all-gather's group (its
     # mesh's shard dimension; fewer with reshard_after_forward=<int>, which keeps a shard of that many)
@@ -504,7 +529,7 @@ def fsdp_reshard(df, steps_table, st, job=None) -> list:
     if per_step.index.get_level_values("step").nunique() < MIN_STEPS or not gain >= max(
         MIN_GAIN_SHARE * step_us, MIN_GAIN_US
     ):
-        return []
+        return None
     per_unit = t.groupby(["module", "rank", "step"]).agg(exposed=("exposed", "sum"), held=("held", "max"))
     per_unit = per_unit.groupby(level="module").median().sort_values("exposed", ascending=False)
     names = [str(m) for m in per_unit.index]
@@ -518,30 +543,34 @@ def fsdp_reshard(df, steps_table, st, job=None) -> list:
         backward_all_gathers=int(round(float(t.groupby(["rank", "step"]).size().median()))),
         held_bytes=held,
     )
-    memory = f"{_mb(held)} more memory per rank" if held >= 0 else "more memory per rank (their mesh not noted)"
+    setting, value = change
+    how = f"{setting}={value}"
+    if setting == "reshard_after_forward":
+        code = f"fully_shard(module, {how}) for the units {shown}"
+    else:  # FSDP1: the strategy is given where the units are wrapped (once, at the root, with auto-wrapping)
+        code = f"FullyShardedDataParallel(..., sharding_strategy=ShardingStrategy.{value}) for the units {shown}"
+    memory = f"{_mb(held)} more memory per rank" if held >= 0 else "more memory per rank (not known how much)"
     text = (
-        f"{len(names)} FSDP unit(s) reshard their parameters after the forward and gather them again in the "
+        f"{len(names)} FSDP unit(s) free their parameters after the forward and gather them again in the "
         f"backward: those all-gathers hold the training thread {_ms(gain)} per step ({_pct(gain / step_us)} of "
-        f"the step; their transfer time, waits for other ranks left out). With reshard_after_forward=False a "
-        f"unit keeps its gathered parameters from its forward to its backward: no all-gather there, for "
-        f"{memory} (its parameters' bytes less its own shard, kept; the units by their time, the largest "
-        f"first: {shown}). FSDP's copies into and out of its all-gather buffers go with them; the log does not "
-        "time those: the gain counts the all-gathers only."
+        f"the step; their transfer time, waits for other ranks left out). With {how} a unit keeps its gathered "
+        f"parameters from its forward to its backward: no all-gather there, for {memory} (its parameters' "
+        f"bytes less its own shard, kept; the units by their time, the largest first: {shown}). FSDP's copies "
+        "into and out of its all-gather buffers go with them; the log does not time those: the gain counts "
+        "the all-gathers only."
     )
-    return [
-        Advice(
-            "fsdp_reshard",
-            f"FSDP: reshard_after_forward=False on {len(names)} unit(s) saves their backward all-gathers, "
-            f"{_ms(gain)} per step" + (f", for {_mb(held)} of memory" if held >= 0 else ""),
-            evidence,
-            f"fully_shard(module, reshard_after_forward=False) for the units {shown}",
-            {"reshard_after_forward": False, "units": names},
-            gain,
-            gain / step_us if step_us > 0 else math.nan,
-            text,
-            "steps",
-        )
-    ]
+    return Advice(
+        "fsdp_reshard",
+        f"FSDP: {how} on {len(names)} unit(s) saves their backward all-gathers, {_ms(gain)} per step"
+        + (f", for {_mb(held)} of memory" if held >= 0 else ""),
+        evidence,
+        code,
+        {setting: value, "units": names},
+        gain,
+        gain / step_us if step_us > 0 else math.nan,
+        text,
+        "steps",
+    )
 
 
 # ---- small messages ------------------------------------------------------------------------------

@@ -98,8 +98,35 @@ def note_settings(log, group) -> None:
 
 
 def _patch_fsdp1(ctx, module) -> None:
-    for name in ("_unshard", "_reduce_grad"):
-        ctx.patches.wrap(module, name, lambda orig: _attributed(orig, _fsdp1_unit))
+    noted: weakref.WeakSet = weakref.WeakSet()  # the handles whose unit's settings are in the log
+    log = ctx.log
+
+    def unit(state, args):
+        found = _fsdp1_unit(state, args)
+        handle = args[0]
+        if handle not in noted:
+            noted.add(handle)
+            note_fsdp1_settings(log, state, handle, found)
+        return found
+
+    ctx.patches.wrap(module, "_unshard", lambda orig: _attributed(orig, unit))
+    ctx.patches.wrap(module, "_reduce_grad", lambda orig: _attributed(orig, _fsdp1_unit))
+
+
+def note_fsdp1_settings(log, state, handle, unit) -> None:
+    """An FSDP1 unit's settings, at its first unshard: its sharding strategy, and whether it frees its
+    parameters after its forward (FULL_SHARD and HYBRID_SHARD do, except the root's, whose backward
+    starts at once); named as its rows name it (``modules``)."""
+    try:
+        strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", None)
+        root = bool(getattr(unit, "_is_root", False))
+        values = dict(
+            sharding_strategy=strategy,
+            reshard_after_forward=strategy in ("FULL_SHARD", "HYBRID_SHARD") and not root,
+        )
+        log.settings.append(("fsdp1", _runtime.MODULES[modules.code_of(unit)], values))
+    except Exception as exc:  # noqa: BLE001 - a setting not read never breaks FSDP
+        _runtime.fail("fsdp.settings", exc)
 
 
 _fsdp1_units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # FlatParamHandle -> unit
@@ -151,7 +178,7 @@ INTEGRATION = Integration(
     )
     + tuple(Needs(f"{FSDP1}.{f}", "FSDP1's module attribution") for f in ("_unshard", "_reduce_grad"))
     + (Needs("torch._C._current_graph_task_id"),),
-    records="FSDP's collectives attributed to their unit (module)",
+    records="FSDP's collectives attributed to their unit (module); each unit's settings (resharding after forward)",
     wanted=wanted,
     apply=apply,
 )
