@@ -77,7 +77,7 @@ class Advice:
     """One item of advice. ``rule``: the rule's name (stable); ``title``: one line; ``evidence``: the
     measurements behind it, name -> number (units in the names: _us, _bytes, _share, _mib); ``change``:
     the exact argument or code to change; ``setting``: the same, machine-readable (argument -> value;
-    {} when the change is code); ``gain_us``: expected gain per step (an upper estimate: NaN when
+    {} when the change is code); ``gain_us``: expected gain per step (an estimate, not a bound: NaN when
     unknown), ``gain_share``: of the median steady-state step; ``text``: why, in a sentence or two;
     ``section``: the report table behind it."""
 
