@@ -519,6 +519,12 @@ def test_real_fsdp2_backward_all_gathers_get_the_reshard_advice(tmp_path):
     (again,) = adv.fsdp_reshard(waited, steps_table, st, job)
     assert again.gain_us == pytest.approx(item["gain_us"], rel=1e-9)
     assert adv.fsdp_reshard(timed, steps_table, st, []) == []  # no settings noted (CSV, older logs): not advised
+    # tensor parallel's functional all-gathers in a unit's backward (attributed to the unit) are not FSDP's
+    tp = timed[adv.fsdp_gather_mask(timed)].assign(op="funcol.all_gather", api="all_gather", source="funcol")
+    mixed = pd.concat([timed.astype({"op": str, "api": str, "source": str}), tp], ignore_index=True)
+    assert len(tp) and adv.fsdp_gather_mask(mixed).sum() == len(tp)
+    (same,) = adv.fsdp_reshard(mixed, steps_table, st, job)
+    assert same.gain_us == pytest.approx(item["gain_us"], rel=1e-9)
     try:
         from tests.test_engine_parity import assert_same_report
     except ImportError:

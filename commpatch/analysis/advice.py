@@ -454,14 +454,17 @@ FSDP1_KEEPING = {"FULL_SHARD": "SHARD_GRAD_OP", "HYBRID_SHARD": "_HYBRID_SHARD_Z
 
 def fsdp_gather_mask(df) -> np.ndarray:
     """The rows that are an FSDP unit's all-gather in the backward (``integrations.fsdp`` names the unit
-    and the phase): what ``fsdp_reshard`` reads (the engine stages them apart)."""
-    if any(c not in df.columns for c in ("phase", "module", "collective")):
+    and the phase): what ``fsdp_reshard`` reads (the engine stages them apart). FSDP calls
+    torch.distributed itself: an all-gather of a functional collective (``funcol.``, ``compiled.``:
+    tensor parallel's, in a unit's backward too) or of a coalescing block is not FSDP's."""
+    if any(c not in df.columns for c in ("phase", "module", "collective", "op")):
         return np.zeros(len(df), bool)
     module = df["module"]
     return (
         (df["collective"].astype(str) == "all_gather").to_numpy()
         & (df["phase"].astype(str) == "backward").to_numpy()
         & (module.notna() & (module.astype(str) != "")).to_numpy()
+        & ~df["op"].astype(str).str.contains(".", regex=False).to_numpy()
     )
 
 
