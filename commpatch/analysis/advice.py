@@ -12,8 +12,9 @@ latency that cannot be fitted). Rules:
 - ``ddp_grad_copy``: DDP's finalize (its copy of the averaged gradients from the buckets into
   ``.grad``) takes a share of the step: ``gradient_as_bucket_view=True`` makes ``.grad`` a view of
   the bucket, and the copy goes.
-- ``fsdp_reshard``: FSDP2 units that reshard after their forward gather their parameters again in the
-  backward, and the training thread waits for those all-gathers: ``reshard_after_forward=False``.
+- ``fsdp_reshard``: FSDP units that free their parameters after their forward gather them again in the
+  backward, and the training thread waits for those all-gathers: FSDP2 ``reshard_after_forward=False``,
+  FSDP1 ``sharding_strategy=SHARD_GRAD_OP``.
 - ``small_messages``: many calls per step on one group below the latency-bound size (where a call's
   fixed latency equals its transfer time, fitted from the group's own calls): coalesce them.
 - ``straggler``: one rank late in most steady-state steps by a steady amount (the straggler

@@ -106,14 +106,14 @@ def _patch_fsdp1(ctx, module) -> None:
         handle = args[0]
         if handle not in noted:
             noted.add(handle)
-            note_fsdp1_settings(log, state, handle, found)
+            note_fsdp1_settings(log, handle, found)
         return found
 
     ctx.patches.wrap(module, "_unshard", lambda orig: _attributed(orig, unit))
     ctx.patches.wrap(module, "_reduce_grad", lambda orig: _attributed(orig, _fsdp1_unit))
 
 
-def note_fsdp1_settings(log, state, handle, unit) -> None:
+def note_fsdp1_settings(log, handle, unit) -> None:
     """An FSDP1 unit's settings, at its first unshard: its sharding strategy, and whether it frees its
     parameters after its forward (FULL_SHARD and HYBRID_SHARD do, except the root's, whose backward
     starts at once); named as its rows name it (``modules``)."""

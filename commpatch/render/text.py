@@ -438,8 +438,8 @@ def advice_lines(rep: Report, para=lambda text, first="", rest="  ": [first + te
 
 
 def _gain(a) -> str:
-    """'about 3.2 ms per step (12% of the step)' for an advice item (an estimate, not a
-    bound: ``benchmarks/advice_loop.py`` measured 0.54 to 1.14 of it per rule); 'unknown' without an estimate."""
+    """'about 3.2 ms per step (12% of the step)' for an advice item (an estimate, not a bound: in
+    ``benchmarks/advice_loop.py`` predicted / measured was 0.54 to 1.21 per rule); 'unknown' without one."""
     if not a.gain_us == a.gain_us:  # NaN
         return "unknown"
     ms = f"{a.gain_us / 1e3:.3g} ms" if a.gain_us >= 100 else f"{a.gain_us:.3g} us"
