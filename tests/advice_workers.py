@@ -140,10 +140,12 @@ def fsdp2_reshard_job(rank: int, n: int, out: str, reshard, keep=(), steps: int 
         commpatch.disable()
 
 
-def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 12, width: int = 512):
+def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 12, width: int = 512, record=True):
     """FSDP1 (``FullyShardedDataParallel`` on CPU) over 4 blocks (Linear + ReLU, ``width`` wide),
     auto-wrapped one unit each, and a last Linear in the root unit, with ``sharding_strategy``
-    ``strategy``; its log written to ``out``. False where FSDP1 cannot run on CPU with this torch."""
+    ``strategy``; its log written to ``out`` (``record`` False: commpatch stays off). The digest of the
+    rank's parameters after the steps; False where FSDP1 cannot run on CPU with this torch."""
+    import hashlib
     import os
 
     import torch
@@ -167,7 +169,8 @@ def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 1
             return torch.relu(self.linear(x))
 
     model = torch.nn.Sequential(*[Block() for _ in range(4)], torch.nn.Linear(width, 1))
-    commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
+    if record:
+        commpatch.enable(output=os.path.join(out, "rank{rank}.csv"))
     try:
         try:
             model = FullyShardedDataParallel(
@@ -184,6 +187,7 @@ def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 1
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        return True
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     finally:
         commpatch.disable()

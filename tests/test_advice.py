@@ -562,10 +562,15 @@ def test_real_fsdp1_full_shard_gets_the_strategy_that_keeps_its_parameters(tmp_p
     from commpatch.analysis import matching
 
     poor, good = tmp_path / "full", tmp_path / "grad_op"
+    digests = {}
     for out, strategy in ((poor, "FULL_SHARD"), (good, "SHARD_GRAD_OP")):
         out.mkdir()
-        if not all(run_ranks(fsdp1_reshard_job, 2, timeout=240, out=str(out), strategy=strategy)):
+        digests[strategy] = run_ranks(fsdp1_reshard_job, 2, timeout=240, out=str(out), strategy=strategy)
+        if not all(digests[strategy]):
             pytest.skip("FSDP1 does not run on CPU with this torch")
+    # transparent: the same parameters, bit for bit, with commpatch off (its settings note reads, never writes)
+    off = run_ranks(fsdp1_reshard_job, 2, timeout=240, out=str(tmp_path), strategy="FULL_SHARD", record=False)
+    assert off == digests["FULL_SHARD"]
     with commpatch.open(str(poor)) as run:
         rep, df = run.to_dict(), run.rows()
     wrapped = [f"_fsdp_wrapped_module.{i}" for i in range(4)]
