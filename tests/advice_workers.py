@@ -103,12 +103,23 @@ def fsdp2_job(rank: int, n: int, steps: int = 4):
         commpatch.disable()
 
 
+def _train_square(model, rank: int, width: int, steps: int) -> None:
+    """``steps`` SGD steps of the FSDP jobs below on a batch of 16 (the rank's own data)."""
+    import torch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
+    for _ in range(steps):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def fsdp2_reshard_job(rank: int, n: int, out: str, reshard, keep=(), steps: int = 12, width: int = 512):
     """FSDP2 over 4 blocks (Linear + ReLU, ``width`` wide), each its own unit with
     ``reshard_after_forward=reshard`` (a bool, or an int: resharded over that many ranks; False for the
-    blocks whose index is in ``keep``), and the root;
-    its log written to ``out`` (rank{rank}.csv and .cplog). False where FSDP2 cannot run on CPU with
-    this torch, else True."""
+    blocks whose index is in ``keep``), and the root; its log written to ``out`` (rank{rank}.csv and
+    .cplog). False where FSDP2 cannot run on CPU with this torch, else True."""
     import os
 
     import torch
@@ -129,12 +140,7 @@ def fsdp2_reshard_job(rank: int, n: int, out: str, reshard, keep=(), steps: int 
         for i, block in enumerate(blocks):
             fully_shard(block, reshard_after_forward=False if i in keep else reshard)
         fully_shard(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
-        for _ in range(steps):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_square(model, rank, width, steps)
         return True
     finally:
         commpatch.disable()
@@ -181,12 +187,7 @@ def fsdp1_reshard_job(rank: int, n: int, out: str, strategy: str, steps: int = 1
             )
         except (RuntimeError, ValueError, TypeError):  # an older torch: FSDP1 on accelerators only
             return False
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank))
-        for _ in range(steps):
-            model(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+        _train_square(model, rank, width, steps)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     finally:
