@@ -252,3 +252,31 @@ def test_resolving_stays_linear_while_the_device_is_far_behind(built):
     assert r["examined_while_behind"] <= 2000 + 2000 // 64 * 2 + 16, r
     assert r["examined"] <= 2 * 2000 + 2000 // 64 * 2 + 16, r
     assert r["rows"] == r["timed"] == 2000, r  # and every row got its duration once it caught up
+
+
+def test_functional_collectives_stall_is_timed_on_the_device(built, monkeypatch):
+    """Tensor parallel's collectives on an accelerator: ``wait_tensor`` only makes the stream wait,
+    the host returns at once. Timed on the host (as on CPU), rank 0's rows said it waited 0.04-0.15
+    ms per step (its exposed time ~0) while its stream stalled 60 ms per step for rank 1, and their
+    durations were the host's issue-to-wait. Now timed on the device: from the issue to the stream
+    passing the wait, the wait the stream's stall there; eagerly (``funcol``) and through the ops
+    compiled graphs call (the kernels of ``integrations.compiled``)."""
+    late_ms = 60
+    monkeypatch.setenv("EMUSTREAM_COMM_STREAM", "1")  # the group's own stream, as NCCL's
+    results = workers.run_emu_ranks(workers.funcol_device_wait, 2, timeout=120, late_ms=late_ms, steps=4)
+    for rank, r in enumerate(results):
+        assert r["errors"] == [], rank
+        rows = r["rows"]
+        assert [x["op"] for x in rows] == ["funcol.all_reduce"] * 4 + ["compiled.all_reduce"] * 4
+        assert {(x["device"], x["timing"]) for x in rows} == {("emu", "device_event")}, rows
+        steady = [x for x in rows if x["step"] >= 2]  # steps 0-1: the group's first calls (connections, streams)
+        for x in steady:
+            assert x["duration_us"] >= x["wait_us"] >= 0, (rank, x)
+            if rank == 0:  # its stream waited for rank 1's late collective at each wait
+                assert late_ms * 0.8 <= x["wait_us"] / 1e3 <= late_ms * 1.5, (rank, x)
+            else:  # rank 1 was the late one: its stream found the result ready
+                assert x["wait_us"] / 1e3 < late_ms * 0.25, (rank, x)
+        exposed = {s["step"]: s["exposed_us"] for s in r["steps"]}
+        waits = {x["step"]: x["wait_us"] for x in steady}
+        for step, wait in waits.items():  # the step's exposed time is that stall, not an unknown
+            assert exposed[step] == pytest.approx(wait), (rank, step)

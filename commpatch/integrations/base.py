@@ -23,7 +23,7 @@ from ..data.schema import T_HOST
 from ..patch.hooks import Patches
 from ..patch.hooks import when_imported as _when_imported
 from ..record import state as _runtime
-from ..record.rows import record  # noqa: F401 - the row writer of every integration
+from ..record.rows import on_device, record  # noqa: F401 - the row writer of every integration
 
 CURRENT = None  # the Context between apply() and remove()
 _ADAPTERS: dict = {}
@@ -213,24 +213,36 @@ class Waits:
     their result: keyed by the result's storage address, as torch's work registry is (waits on
     views of it count); an entry keeps its tensor alive, so the storage is not reused meanwhile.
     The time the thread spent inside that wait (the first on the result: later ones return at
-    once) is noted on the row (``log.waits``: the ``wait_us`` column, the exposed time)."""
+    once) is noted on the row (``log.waits``: the ``wait_us`` column, the exposed time).
+
+    On an accelerator the wait only makes the current stream wait (the host returns at once): an
+    entry ``started`` at issue on the device (``Timing.device_start``) is timed on the device
+    instead, from issue to the stream passing the wait, and its wait is the stream's stall there
+    (``mark``, an event recorded before the wait, to the end event after it: ``Timing.device_waited``)."""
 
     MAX = 1 << 16  # results never waited for are dropped beyond this
 
-    def __init__(self, log) -> None:
+    def __init__(self, log, timing=None) -> None:
         self.pending: dict[int, tuple] = {}
         self.done = log.done
         self.waits = log.waits
+        self.timing = timing
+        self.devices = 0  # device entries pending: a wait marks the stream before it waits
         # storage address -> storage, of every result recorded and still alive (served())
         self.results = weakref.WeakValueDictionary()
 
     def __bool__(self) -> bool:
         return bool(self.pending)
 
-    def add(self, key: int, tensor, seq: int, start: int) -> None:
+    def add(self, key: int, tensor, seq: int, start: int, started=None, gid: int = -1) -> None:
+        """The row ``seq`` (issued at ``start``, perf ns) waits for the wait on its result at
+        ``key``; ``started``: its device measurement (on an accelerator), with its group id."""
         if len(self.pending) >= self.MAX:
             self.pending.clear()
-        self.pending[key] = (tensor, seq, start)
+            self.devices = 0
+        old = self.pending.get(key)
+        self.devices += (started is not None) - (old is not None and old[3] is not None)
+        self.pending[key] = (tensor, seq, start, started, gid)
         self.keep(key, tensor)
 
     def keep(self, key: int, tensor) -> None:
@@ -247,13 +259,58 @@ class Waits:
         runs writes a new buffer, which cannot share the storage of a live one."""
         return bool(key) and self.results.get(key) is not None
 
-    def waited(self, key: int, began: int) -> None:
-        """The wait on the result at ``key``, entered at ``began`` (perf ns), has returned."""
+    def mark(self, key: int):
+        """Before the wait on the result at ``key``: for a result timed on the device, an event on
+        the current stream where its stall begins (``Timing.device_mark``); else None."""
+        entry = self.pending.get(key)
+        if entry is None or entry[3] is None:
+            return None
+        return self.timing.device_mark(entry[3])
+
+    def waited(self, key: int, began: int, mark=None) -> None:
+        """The wait on the result at ``key``, entered at ``began`` (perf ns), has returned
+        (``mark``: ``mark(key)``'s event, for a result timed on the device)."""
         entry = self.pending.pop(key, None)
-        if entry is not None:
-            now = time.perf_counter_ns()
-            self.done[entry[1]] = now - entry[2]
-            self.waits.append((entry[1], now - began))
+        if entry is None:
+            return
+        if entry[3] is not None:
+            self.devices -= 1
+            try:
+                self.timing.device_waited(entry[1], entry[4], entry[3], mark)
+            except Exception as exc:  # noqa: BLE001 - device events unusable: the row stays untimed
+                _runtime.fail("funcol.device_wait", exc)
+            return
+        now = time.perf_counter_ns()
+        self.done[entry[1]] = now - entry[2]
+        self.waits.append((entry[1], now - began))
+
+
+def device_start(timing, tensor, kind: str):
+    """A device measurement started at a functional collective's issue (``Timing.device_start``)
+    when ``tensor`` lives on an accelerator, else None (never raises: device events unusable, the
+    row is left untimed)."""
+    if timing is None or tensor.is_cpu or tensor.is_meta:
+        return None
+    try:
+        return timing.device_start(tensor)
+    except Exception as exc:  # noqa: BLE001
+        _runtime.fail(f"{kind}.timing", exc)
+        return None
+
+
+def marks(waits: Waits, tensor, many: bool, storage_key) -> dict:
+    """Before a wait on ``tensor`` (``many``: a list of them): {storage key: ``Waits.mark``'s event}
+    for those whose collective is timed on the device (never raises)."""
+    out = {}
+    try:
+        for one in tensor if many else (tensor,):
+            key = storage_key(one)
+            ev = waits.mark(key) if key is not None else None
+            if ev is not None:
+                out[key] = ev
+    except Exception as exc:  # noqa: BLE001
+        _runtime.fail("funcol.wait_mark", exc)
+    return out
 
 
 def error_row(log, op: str, group, tensor, numel: int, start: int, peer: int, kind: str) -> None:

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import time
 
-from ..data.schema import T_WAIT
+from ..data.schema import T_DEVICE, T_NONE, T_WAIT
 from ..patch.dispatch import Kernels
 from ..record import state as _runtime
-from .base import Integration, Needs, Waits, error_row, record, when_imported
+from .base import Integration, Needs, Waits, device_start, error_row, marks, on_device, record, when_imported
 
 _pc = time.perf_counter_ns
 
@@ -149,8 +149,8 @@ def ensure_installed(for_formulas: bool = False) -> None:
 def _install(ctx) -> None:
     import torch
 
-    log = ctx.log
-    waits = Waits(log)
+    log, timing = ctx.log, ctx.timing
+    waits = Waits(log, timing)
     groups: dict = {}
     node = torch._C._current_autograd_node
     makers = {}  # OpOverload -> make(call), also for the first invocation below
@@ -158,7 +158,7 @@ def _install(ctx) -> None:
         packet = getattr(torch.ops._c10d_functional, name, None)  # older torch lacks some (said at apply)
         if packet is not None:
             makers[packet.default] = lambda call, c=compiled_op, f=formula_op, m=many: _kernel(
-                log, call, c, f, m, waits, groups, node
+                log, timing, call, c, f, m, waits, groups, node
             )
     makers[torch.ops._c10d_functional.wait_tensor.default] = lambda call: _wait_kernel(call, waits)
     many_waits = getattr(torch.ops._c10d_functional, "wait_tensors", None)  # torch 2.15: a coalesced result's
@@ -196,7 +196,7 @@ def _tensor():
     return torch.Tensor
 
 
-def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Waits, groups: dict, node):
+def _kernel(log, timing, call, compiled_op: str, formula_op: str, many: bool, waits: Waits, groups: dict, node):
     state, local = _runtime.STATE, _runtime.LOCAL
 
     def collective(keyset, *args, **kwargs):
@@ -213,17 +213,22 @@ def _kernel(log, call, compiled_op: str, formula_op: str, many: bool, waits: Wai
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("compiled.read", exc)
             return call(keyset, *args, **kwargs)
+        started = device_start(timing, tensor, "compiled")
         start = _pc()
         try:
             result = call(keyset, *args, **kwargs)
         except BaseException:
+            if started is not None:
+                timing.cancel(started)
             error_row(log, op, group, tensor, numel, start, peer, "compiled")
             raise
         end = _pc()
         try:
             last = result[-1] if many else result
-            seq = record(log, op, group, tensor, numel, start, end, True, T_WAIT, peer=peer)
-            waits.add(last.untyped_storage().data_ptr(), last, seq, start)
+            # on an accelerator the host's times say nothing of the device's: timed there, or not at all
+            code = T_WAIT if started is None and not on_device(tensor, log) else T_DEVICE if started else T_NONE
+            seq = record(log, op, group, tensor, numel, start, end, True, code, peer=peer)
+            waits.add(last.untyped_storage().data_ptr(), last, seq, start, started, log.group_ids.get(group, -1))
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("compiled.record", exc)
         return result
@@ -236,17 +241,23 @@ def _wait_kernel(call, waits: Waits, many: bool = False):
     code and funcol's backward formulas wait a coalesced collective's results with)."""
 
     def wait_tensor(keyset, tensor):
+        stalls = marks(waits, tensor, many, _storage_ptr) if waits.devices else None
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = call(keyset, tensor)
         if waits:
             try:
                 for one in tensor if many else (tensor,):
-                    waits.waited(one.untyped_storage().data_ptr(), began)
+                    key = one.untyped_storage().data_ptr()
+                    waits.waited(key, began, stalls.get(key) if stalls else None)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("compiled.wait", exc)
         return out
 
     return wait_tensor
+
+
+def _storage_ptr(tensor):
+    return tensor.untyped_storage().data_ptr()
 
 
 def _group(cache: dict, name):

@@ -7,7 +7,9 @@ is an ``AsyncCollectiveTensor`` whose ``wait_tensor`` runs at first use, so the 
 ``wait``: issue -> return of that ``wait_tensor`` (an upper bound on the collective: it also
 contains whatever ran before the result was first used). The time the thread spent inside that
 ``wait_tensor`` is the row's ``wait_us``: the exposed part of the call (``AsyncCollectiveTensor``'s
-``wait()`` and its wait at first use call the same function). A call torch waits for inside the
+``wait()`` and its wait at first use call the same function). On an accelerator that wait only
+makes the current stream wait: the row is timed on the device instead (``base.Waits``), its wait
+the stream's stall. A call torch waits for inside the
 function itself (all_gather along a dim other than 0) is timed ``host``: exposed throughout. While a wrapper runs torch's function
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
@@ -29,11 +31,22 @@ from __future__ import annotations
 import inspect
 import time
 
-from ..data.schema import T_HOST, T_NONE, T_WAIT
+from ..data.schema import T_DEVICE, T_HOST, T_NONE, T_WAIT
 from ..patch import compile_notice as _compile_notice
 from ..record import state as _runtime
 from . import compiled
-from .base import Integration, Needs, Waits, error_row, invisible_to_dynamo, record, when_imported
+from .base import (
+    Integration,
+    Needs,
+    Waits,
+    device_start,
+    error_row,
+    invisible_to_dynamo,
+    marks,
+    on_device,
+    record,
+    when_imported,
+)
 
 FUNCOL = "torch.distributed._functional_collectives"
 _pc = time.perf_counter_ns
@@ -71,7 +84,7 @@ def apply(ctx) -> None:
 
 
 def _patch_funcol(ctx, funcol) -> None:
-    waits = Waits(ctx.log)
+    waits = Waits(ctx.log, ctx.timing)
     # where dynamo inlines one (torch 2.4 traces dist.all_reduce into funcol.all_reduce_inplace, which
     # calls funcol.all_reduce), it traces torch's function: compiled calls are recorded by integrations.compiled
     for name, (op, many) in FUNCTIONS.items():
@@ -89,7 +102,7 @@ def _patch_funcol(ctx, funcol) -> None:
 
 def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
     state, local = _runtime.STATE, _runtime.LOCAL
-    log = ctx.log
+    log, timing = ctx.log, ctx.timing
     params = list(inspect.signature(orig).parameters)
     gpos, tpos = params.index("group"), params.index("tag") if "tag" in params else None
     peer_pos = params.index("src") if "src" in params else None
@@ -144,6 +157,7 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             return orig(*args, **kwargs)
         if tensor.requires_grad and grad_enabled():  # an autograd formula may issue collectives in
             compiled.ensure_installed(for_formulas=True)  # backward, from C++: seen at the dispatcher
+        started = device_start(timing, tensor, "funcol")
         start = _pc()
         local.python_call = True  # recorded here: the dispatcher kernels skip it
         try:
@@ -163,13 +177,21 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             else:  # torch waited for it and made a new tensor of it (all_gather on
                 key, lazy = (_storage_key(waited) if waited is not None else None), False  # a dim other than 0)
             if key and waits.served(key):  # a saved result handed back (SAC's recomputation): nothing ran
+                if started is not None:
+                    timing.cancel(started)
                 return result
             if key and not lazy:
                 waits.keep(key, waited)
-            timing = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
-            seq = record(log, op, pg, tensor, numel, start, end, True, timing, peer=peer)
+            code = T_WAIT if lazy else T_HOST if not isinstance(last, act) else T_NONE
+            if started is not None or on_device(tensor, log):  # the host's times say nothing of the device's
+                code = T_DEVICE if started is not None and (lazy or code == T_HOST) else T_NONE
+            seq = record(log, op, pg, tensor, numel, start, end, True, code, peer=peer)
             if lazy:  # the last result's wait marks completion of the batch
-                waits.add(key, last.elem, seq, start)
+                waits.add(key, last.elem, seq, start, started, log.group_ids.get(pg, -1))
+            elif code == T_DEVICE:  # torch made the stream wait inside the call: to its return
+                timing.device_end(seq, log.group_ids.get(pg, -1), started, None, False)
+            elif started is not None:
+                timing.cancel(started)
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("funcol.record", exc)
         return result
@@ -189,6 +211,7 @@ def _wait_wrapper(orig, waits: Waits, many: bool = False):
     local = _runtime.LOCAL
 
     def wait_tensor(tensor):
+        stalls = marks(waits, tensor, many, _storage_key) if waits.devices else None
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = orig(tensor)
         if local.python_call and not many:  # inside a recorded functional collective: its result
@@ -197,7 +220,7 @@ def _wait_wrapper(orig, waits: Waits, many: bool = False):
             for one in tensor if many else (tensor,):
                 key = _storage_key(one)
                 if key is not None:  # a traced / fake tensor has no storage: not one of ours
-                    waits.waited(key, began)
+                    waits.waited(key, began, stalls.get(key) if stalls else None)
         return out
 
     return wait_tensor

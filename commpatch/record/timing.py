@@ -15,6 +15,9 @@
   synchronized only when the log is read or written, and not touched at all while the
   stream is capturing (CUDA graphs: those rows say ``timing=none``). A device whose backend
   has no events makes the row ``timing=none`` (counted in ``internal_errors()``, warned once).
+  Functional collectives on a device (``integrations.base.Waits``): the end event after the
+  ``wait_tensor`` on their result, on the stream that waits, and an event just before that wait:
+  the stream's stall between the two is the row's wait (``device_mark``, ``device_waited``).
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
 Durations land in ``Log.done`` (seq -> ns) and are flushed to the rank log by ``Log.flush``.
@@ -185,6 +188,37 @@ class Timing:
 
         return record_end
 
+    def device_mark(self, started):
+        """Before the training thread makes its stream wait for a functional collective's result
+        (``started``: its measurement, ``device_start``'s): an event recorded on the current stream,
+        where the stream's stall for the collective begins; None while the stream is capturing."""
+        key = started[0]
+        api = self.apis[key]
+        if api.capturing_now():
+            return None
+        ev = self._event(key, api)
+        api.record(ev)
+        return ev
+
+    def device_waited(self, seq: int, gid: int, started, mark) -> int:
+        """The current stream has been made to wait for the result of the functional collective
+        ``seq`` (started at its issue: ``started``): its end event recorded there. The row's
+        duration runs from the issue to the stream passing the wait (an upper bound on the
+        collective, as a CPU ``wait`` row's), and the stream's stall, ``mark`` (``device_mark``)
+        to that end, is the row's wait (``Log.waits``): the exposed time on the device. Returns
+        the timing code of the row."""
+        key, start_ev = started
+        api = self.apis[key]
+        if api.capturing_now():
+            self.cancel(started)
+            if mark is not None:
+                self._free(key, mark)
+            return T_NONE
+        end_ev = self._event(key, api)
+        api.record(end_ev)
+        self.dev_pending.append((seq, key, gid, start_ev, end_ev, mark))
+        return T_DEVICE
+
     def _host_wait(self, work, key) -> None:
         """Wait on the host for a work (read / exit only): NCCL's ``wait()`` makes the current
         stream wait, not the host (without TORCH_NCCL_BLOCKING_WAIT), so an event recorded after it
@@ -269,13 +303,15 @@ class Timing:
             self.in_chains += len(new)
         examined, resolved = len(new), 0
         done, own, last, pending, pools = self.log.done, self.log.own, self.last_end, self.log.pending, self.pools
+        waits = self.log.waits
         for (key, gid), chain in chains.items():
             if key in capturing:
                 continue
             pool = pools.setdefault(key, [])
             while chain:
                 examined += 1
-                seq, _, _, ev0, ev1 = chain[0]
+                item = chain[0]
+                seq, ev0, ev1 = item[0], item[3], item[4]
                 if block:
                     ev1.synchronize()
                 if not ev1.query():
@@ -291,6 +327,9 @@ class Timing:
                     pool.append(prev)
                 last[(key, gid)] = ev1
                 pool.append(ev0)
+                if len(item) > 5 and item[5] is not None:  # a stream's wait for the result (device_waited)
+                    waits.append((seq, int(item[5].elapsed_time(ev1) * 1e6)))
+                    pool.append(item[5])
                 done[seq] = int(duration * 1e6)
                 own[seq] = int(mine * 1e6)
                 pending.pop(seq, None)

@@ -520,3 +520,49 @@ def commpatch_behind(rank, world_size, calls=2000, sleep_ms=3000):
         "timed": int((rows["duration_us"] > 0).sum()),
         "events_created": timing.created,
     }
+
+
+def funcol_device_wait(rank, world_size, late_ms=60, steps=4):
+    """Functional collectives on the device (as DTensor / tensor parallel issue them), the group on a
+    stream of its own (``pg.COMM_STREAM_ENV``, as NCCL's): rank 1 queues ``late_ms`` of device work
+    before each of its all-reduces, so rank 0's stream stalls at its wait for the result while its
+    host returns at once. Eager ``funcol.all_reduce`` + ``AsyncCollectiveTensor.wait()``, then the
+    ops a compiled graph calls (``_c10d_functional.all_reduce`` / ``wait_tensor``, through the
+    kernels of ``integrations.compiled``). Returns the rows and the steps table."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import commpatch
+    from commpatch.analysis import per_step
+    from commpatch.integrations import compiled
+    from tests import emulated_device as emu
+
+    commpatch.enable(output="none")
+    try:
+        x = torch.ones(1024, device="emu")
+        name = dist.group.WORLD.group_name
+        compiled.ensure_installed()
+        ops = torch.ops._c10d_functional
+        for i in range(2 * steps):
+            if rank == 1:
+                emu.sleep(x, late_ms)  # its device is busy: its collective starts late
+            if i < steps:
+                result = funcol.all_reduce(x, "sum", dist.group.WORLD)
+            else:
+                result = ops.all_reduce.default(x, "sum", name)
+            emu.sleep(x, 5)  # compute queued before the result is used
+            y = result.wait() if i < steps else ops.wait_tensor.default(result)
+            emu.sleep(y, 5)
+            commpatch.step()
+        torch.accelerator.synchronize()
+        df = commpatch.log()
+        steps_table = per_step(df)
+    finally:
+        commpatch.disable()
+    cols = ("op", "device", "timing", "duration_us", "wait_us", "step")
+    return {
+        "rows": _rows(df, cols),
+        "steps": steps_table[["step", "exposed_us", "overlap_unknown_us"]].to_dict("records"),
+        "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
+    }
