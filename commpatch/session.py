@@ -16,6 +16,7 @@ import os
 import reprlib
 import sys
 import threading
+import time
 import weakref
 
 from . import config, integrations, metrics, watchdog
@@ -44,6 +45,7 @@ class Session:
         self.flusher: Flusher | None = None
         self.metrics: metrics.Exporter | None = None  # live Prometheus metrics, when asked for
         self.clock = None  # record.clocksync.ClockSync: this rank's offset to rank 0
+        self.stopped_clocks: list = []  # stopped (destroy_process_group) and maybe still in the store: joined at exit
         self.lock = threading.RLock()
         self.warned: set[str] = set()
         self.exit_lock = threading.Lock()
@@ -193,6 +195,18 @@ class Session:
         clock, self.clock = self.clock, None
         if clock is not None:
             clock.stop(join_s)  # it returns from the store at once: stop() sets the key it waits on
+            self.stopped_clocks = [c for c in self.stopped_clocks if c.thread.is_alive()] + [clock]
+
+    def _join_clocks(self, join_s: float) -> None:
+        """At exit: wait up to ``join_s`` in all for the stopped clock threads to leave the store. A
+        daemon thread that comes back from a C++ call (a cloned store's wait) once the interpreter
+        is finalizing is ended by ``pthread_exit`` inside pybind11's GIL guard, a destructor: the
+        process aborts ("terminate called without an active exception", exit status -6)."""
+        deadline = time.monotonic() + join_s
+        for clock in self.stopped_clocks:
+            if clock.thread is not threading.current_thread():
+                clock.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.stopped_clocks = []
 
     def _tick(self) -> None:
         """The flusher's pass: the log to its file, then the live metrics from what was written."""
@@ -249,7 +263,8 @@ class Session:
         try:
             self.timing.resolve(block=True)
             if reason == "exit":
-                self._stop_clock(join_s=1.0)  # not inside the store when the interpreter ends
+                self._stop_clock()  # not inside the store when the interpreter ends:
+                self._join_clocks(1.0)  # this one, or one destroy_process_group() stopped
             if reason == "destroy_process_group":
                 log.end_file()
             else:
@@ -314,6 +329,7 @@ class Session:
         self.flusher = None  # threads do not survive fork
         self.metrics = None  # the parent's metrics, not a child's
         self.clock = None
+        self.stopped_clocks = []
         self.exit_lock = threading.Lock()
         self.exported.clear()
         self.log.after_fork()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import glob
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -21,6 +23,7 @@ from commpatch.io import read
 from commpatch.io.reader import one_run
 from commpatch.render import text as report
 from commpatch.testing import make_log
+from tests.conftest import ROOT
 from tests.torch_compat import file_store_exchange_unsupported
 
 from .clock_workers import exchange_job, tcp_exchange
@@ -367,3 +370,58 @@ def test_the_verdict_of_a_result_is_computed_once_per_steps_table():
         assert stragglers.of(cross, steps.copy())["rank"] == 0 and len(calls) == 3
     finally:
         stragglers.verdict = original
+
+
+STOPPED_AT_DESTROY = """
+import sys, time
+import torch.distributed as dist
+from commpatch.record.clocksync import ClockSync
+from commpatch.session import Session
+
+
+class SlowClone:
+    # the thread's cloned store on a loaded machine: its wait comes back 0.5 s after the key is set
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def wait(self, keys, timeout):
+        self.inner.wait(keys, timeout)
+        time.sleep(0.5)
+
+
+store = dist.FileStore(sys.argv[1], 2)
+session = Session()
+session.clock = ClockSync(store, 1, 2, lambda *a: None, generation="g", connect=lambda: SlowClone(store.clone()))
+time.sleep(0.3)  # rank 1's thread waits in the store for rank 0's answer (no rank 0 here)
+thread = session.clock.thread
+session._on_destroy()  # destroy_process_group(): the clock stopped, not waited for
+print("in the store after destroy:", thread.is_alive())
+session.write_at_exit()  # the process's end
+print("in the store at the end of the exit:", thread.is_alive())
+"""
+
+
+def test_a_clock_stopped_by_destroy_process_group_is_joined_at_exit(tmp_path):
+    """destroy_process_group() stops the clock thread without waiting for it (the job goes on); the
+    exit then waited only for a clock still running, so a thread that destroy had stopped could still
+    be inside its cloned store (a C++ call) when the interpreter finalized: coming back, a daemon
+    thread is ended by pthread_exit inside pybind11's GIL guard and the process aborted ("terminate
+    called without an active exception", exit status -6: once in a suite run, in
+    tests/test_metrics.py's 2-rank job, which destroys its group and exits). The exit now joins it."""
+    script = tmp_path / "job.py"
+    script.write_text(STOPPED_AT_DESTROY)
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == [
+        "in the store after destroy: True",
+        "in the store at the end of the exit: False",
+    ], p.stdout + p.stderr[-3000:]
