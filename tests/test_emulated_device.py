@@ -7,6 +7,7 @@ are stamped when a stream reaches them, plus a stream-ordered process group ("em
 so the extension (which renames PrivateUse1 process-wide) never loads into pytest's own process.
 """
 
+import math
 import os
 import subprocess
 import sys
@@ -267,8 +268,13 @@ def test_functional_collectives_stall_is_timed_on_the_device(built, monkeypatch)
     for rank, r in enumerate(results):
         assert r["errors"] == [], rank
         rows = r["rows"]
-        assert [x["op"] for x in rows] == ["funcol.all_reduce"] * 4 + ["compiled.all_reduce"] * 4
+        assert [x["op"] for x in rows] == ["funcol.all_reduce"] * 4 + ["compiled.all_reduce"] * 4 + [
+            "funcol.all_reduce"
+        ]
+        *rows, captured = rows  # the last one issued and waited for while the stream was capturing
         assert {(x["device"], x["timing"]) for x in rows} == {("emu", "device_event")}, rows
+        assert captured["timing"] == "none" and math.isnan(captured["duration_us"]), captured
+        assert math.isnan(captured["wait_us"]) and r["captured_in_flight"] == 0, (captured, r)
         steady = [x for x in rows if x["step"] >= 2]  # steps 0-1: the group's first calls (connections, streams)
         for x in steady:
             assert x["duration_us"] >= x["wait_us"] >= 0, (rank, x)

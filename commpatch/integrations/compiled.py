@@ -228,7 +228,8 @@ def _kernel(log, timing, call, compiled_op: str, formula_op: str, many: bool, wa
             # on an accelerator the host's times say nothing of the device's: timed there, or not at all
             code = T_WAIT if started is None and not on_device(tensor, log) else T_DEVICE if started else T_NONE
             seq = record(log, op, group, tensor, numel, start, end, True, code, peer=peer)
-            waits.add(last.untyped_storage().data_ptr(), last, seq, start, started, log.group_ids.get(group, -1))
+            if code != T_NONE:  # (a device that gives no events now, a capturing stream: untimed)
+                waits.add(last.untyped_storage().data_ptr(), last, seq, start, started, log.group_ids.get(group, -1))
         except Exception as exc:  # noqa: BLE001
             _runtime.fail("compiled.record", exc)
         return result

@@ -10,7 +10,8 @@ contains whatever ran before the result was first used). The time the thread spe
 ``wait()`` and its wait at first use call the same function). On an accelerator that wait only
 makes the current stream wait: the row is timed on the device instead (``base.Waits``), its wait
 the stream's stall. A call torch waits for inside the
-function itself (all_gather along a dim other than 0) is timed ``host``: exposed throughout. While a wrapper runs torch's function
+function itself (all_gather along a dim other than 0) is timed ``host``: exposed throughout (on an
+accelerator: timed on the device to its return, its wait not seen). While a wrapper runs torch's function
 it sets ``LOCAL.python_call``, so the dispatcher kernels of ``integrations.compiled`` (which see
 the collectives of compiled graphs and of the autograd formulas, calling the ops directly) do
 not count the call again.
@@ -186,8 +187,10 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
             if started is not None or on_device(tensor, log):  # the host's times say nothing of the device's
                 code = T_DEVICE if started is not None and (lazy or code == T_HOST) else T_NONE
             seq = record(log, op, pg, tensor, numel, start, end, True, code, peer=peer)
-            if lazy:  # the last result's wait marks completion of the batch
+            if lazy and code != T_NONE:  # the last result's wait marks completion of the batch
                 waits.add(key, last.elem, seq, start, started, log.group_ids.get(pg, -1))
+            elif lazy:  # on a device that gives no events now (a capturing stream): untimed
+                waits.keep(key, last.elem)
             elif code == T_DEVICE:  # torch made the stream wait inside the call: to its return
                 timing.device_end(seq, log.group_ids.get(pg, -1), started, None, False)
             elif started is not None:

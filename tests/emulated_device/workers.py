@@ -536,6 +536,7 @@ def funcol_device_wait(rank, world_size, late_ms=60, steps=4):
     import commpatch
     from commpatch.analysis import per_step
     from commpatch.integrations import compiled
+    from commpatch.session import default
     from tests import emulated_device as emu
 
     commpatch.enable(output="none")
@@ -555,14 +556,20 @@ def funcol_device_wait(rank, world_size, late_ms=60, steps=4):
             y = result.wait() if i < steps else ops.wait_tensor.default(result)
             emu.sleep(y, 5)
             commpatch.step()
+        timing = default().timing
+        in_flight = timing.in_flight()
+        with emu.capturing():  # a CUDA graph's capture: no event may be recorded, the row says so
+            funcol.all_reduce(x, "sum", dist.group.WORLD).wait()
+            captured = timing.in_flight() - in_flight
         torch.accelerator.synchronize()
         df = commpatch.log()
-        steps_table = per_step(df)
+        steps_table = per_step(df[df["step"] < 2 * steps])
     finally:
         commpatch.disable()
     cols = ("op", "device", "timing", "duration_us", "wait_us", "step")
     return {
         "rows": _rows(df, cols),
         "steps": steps_table[["step", "exposed_us", "overlap_unknown_us"]].to_dict("records"),
+        "captured_in_flight": captured,
         "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
     }
