@@ -404,6 +404,7 @@ print("in the store at the end of the exit:", thread.is_alive())
 """
 
 
+@FILE_STORE
 def test_a_clock_stopped_by_destroy_process_group_is_joined_at_exit(tmp_path):
     """destroy_process_group() stops the clock thread without waiting for it (the job goes on); the
     exit then waited only for a clock still running, so a thread that destroy had stopped could still
