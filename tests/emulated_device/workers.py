@@ -369,14 +369,17 @@ def commpatch_device(rank, world_size, busy_ms=150, calls=10_000):
         # 4. the pool over many calls (the user's code reads a value now and then, like loss.item())
         commpatch.reset()
         torch.accelerator.synchronize()
-        created = []
+        created, peaks, peak = [], [], 0
         for i in range(calls):
             dist.all_reduce(small)
+            peak = max(peak, timing.in_flight())  # the most measurements in flight so far
             if i % 100 == 99:
                 small.cpu()
             if i in (calls // 2 - 1, calls - 1):  # right after a read
                 created.append(timing.created)
+                peaks.append(peak)
         out["pool"] = created
+        out["peak_in_flight"] = peaks
         out["pool_rows"] = len(commpatch.log())
         out["events_created"] = timing.created
         out["events_accounted"] = (
