@@ -240,8 +240,9 @@ class Waits:
         if len(self.pending) >= self.MAX:
             self.pending.clear()
             self.devices = 0
-        old = self.pending.get(key)
-        self.devices += (started is not None) - (old is not None and old[3] is not None)
+        if started is not None or self.devices:  # (CPU rows only: nothing to count)
+            old = self.pending.get(key)
+            self.devices += (started is not None) - (old is not None and old[3] is not None)
         self.pending[key] = (tensor, seq, start, started, gid)
         self.keep(key, tensor)
 
@@ -298,7 +299,15 @@ def device_start(timing, tensor, kind: str):
         return None
 
 
-def marks(waits: Waits, tensor, many: bool, storage_key) -> dict:
+def storage_key(tensor):
+    """Address of a tensor's storage, or None for one without real storage (fake, simulated)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - "invalid python storage" and the like
+        return None
+
+
+def marks(waits: Waits, tensor, many: bool) -> dict:
     """Before a wait on ``tensor`` (``many``: a list of them): {storage key: ``Waits.mark``'s event}
     for those whose collective is timed on the device (never raises)."""
     out = {}

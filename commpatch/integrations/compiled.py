@@ -242,7 +242,7 @@ def _wait_kernel(call, waits: Waits, many: bool = False):
     code and funcol's backward formulas wait a coalesced collective's results with)."""
 
     def wait_tensor(keyset, tensor):
-        stalls = marks(waits, tensor, many, _storage_ptr) if waits.devices else None
+        stalls = marks(waits, tensor, many) if waits.devices else None
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = call(keyset, tensor)
         if waits:
@@ -255,10 +255,6 @@ def _wait_kernel(call, waits: Waits, many: bool = False):
         return out
 
     return wait_tensor
-
-
-def _storage_ptr(tensor):
-    return tensor.untyped_storage().data_ptr()
 
 
 def _group(cache: dict, name):

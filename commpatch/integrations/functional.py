@@ -46,6 +46,7 @@ from .base import (
     marks,
     on_device,
     record,
+    storage_key,
     when_imported,
 )
 
@@ -173,10 +174,10 @@ def _wrapper(ctx, funcol, orig, op: str, many: bool, waits: Waits):
         try:
             last = result[-1] if many and result else result
             if isinstance(last, act):
-                key = _storage_key(last.elem)
+                key = storage_key(last.elem)
                 lazy = key is not None  # no real storage (a simulated LocalTensor): no wait to time
             else:  # torch waited for it and made a new tensor of it (all_gather on
-                key, lazy = (_storage_key(waited) if waited is not None else None), False  # a dim other than 0)
+                key, lazy = (storage_key(waited) if waited is not None else None), False  # a dim other than 0)
             if key and waits.served(key):  # a saved result handed back (SAC's recomputation): nothing ran
                 if started is not None:
                     timing.cancel(started)
@@ -214,14 +215,14 @@ def _wait_wrapper(orig, waits: Waits, many: bool = False):
     local = _runtime.LOCAL
 
     def wait_tensor(tensor):
-        stalls = marks(waits, tensor, many, _storage_key) if waits.devices else None
+        stalls = marks(waits, tensor, many) if waits.devices else None
         began = _pc()  # the thread's wait (exposed time): one clock read
         out = orig(tensor)
         if local.python_call and not many:  # inside a recorded functional collective: its result
             local.waited = tensor
         if waits:
             for one in tensor if many else (tensor,):
-                key = _storage_key(one)
+                key = storage_key(one)
                 if key is not None:  # a traced / fake tensor has no storage: not one of ours
                     waits.waited(key, began, stalls.get(key) if stalls else None)
         return out
@@ -238,14 +239,6 @@ def _traced(tensor, fake_type, functional_type) -> bool:
 
         tensor = torch._from_functional_tensor(tensor.elem)
     return isinstance(tensor, fake_type) or tensor.is_meta
-
-
-def _storage_key(tensor):
-    """Address of a tensor's storage, or None for one without real storage (fake, simulated)."""
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except Exception:  # noqa: BLE001 - "invalid python storage" and the like
-        return None
 
 
 def _process_group(funcol, cache: dict, group, tag: str):
