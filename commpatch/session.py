@@ -191,10 +191,11 @@ class Session:
         if self.clock is None or not self.clock.alive():
             self.clock = clocksync.start(log)  # a thread: the training thread never waits for it
 
-    def _stop_clock(self, join_s: float = 0.0) -> None:
+    def _stop_clock(self) -> None:
+        """Stop the clock thread without waiting for it (the exit joins it: ``_join_clocks``)."""
         clock, self.clock = self.clock, None
         if clock is not None:
-            clock.stop(join_s)  # it returns from the store at once: stop() sets the key it waits on
+            clock.stop()  # it returns from the store at once: stop() sets the key it waits on
             self.stopped_clocks = [c for c in self.stopped_clocks if c.thread.is_alive()] + [clock]
 
     def _join_clocks(self, join_s: float) -> None:

@@ -200,24 +200,23 @@ class Timing:
         api.record(ev)
         return ev
 
-    def device_waited(self, seq: int, gid: int, started, mark) -> int:
+    def device_waited(self, seq: int, gid: int, started, mark) -> None:
         """The current stream has been made to wait for the result of the functional collective
         ``seq`` (started at its issue: ``started``): its end event recorded there. The row's
         duration runs from the issue to the stream passing the wait (an upper bound on the
         collective, as a CPU ``wait`` row's), and the stream's stall, ``mark`` (``device_mark``)
-        to that end, is the row's wait (``Log.waits``): the exposed time on the device. Returns
-        the timing code of the row."""
+        to that end, is the row's wait (``Log.waits``): the exposed time on the device (while the
+        stream is capturing, nothing: the row stays untimed)."""
         key, start_ev = started
         api = self.apis[key]
         if api.capturing_now():
             self.cancel(started)
             if mark is not None:
                 self._free(key, mark)
-            return T_NONE
+            return
         end_ev = self._event(key, api)
         api.record(end_ev)
         self.dev_pending.append((seq, key, gid, start_ev, end_ev, mark))
-        return T_DEVICE
 
     def _host_wait(self, work, key) -> None:
         """Wait on the host for a work (read / exit only): NCCL's ``wait()`` makes the current
