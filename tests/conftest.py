@@ -18,6 +18,7 @@ OFFLINE_MODULES = {
     "test_engine",
     "test_fuzz",
     "test_fuzz_follow",
+    "test_harness",
     "test_hostile",
     "test_hostile_report",
     "test_html_report",
@@ -97,6 +98,62 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+# A hang that pytest-timeout cannot end: its default method raises from SIGALRM's handler, which runs
+# only when the main thread runs Python, so a test blocked in C (a process group's wait, a JVM's call)
+# or a teardown that hangs after the alarm has fired (it fires once an item) would stall the run until
+# CI's own limit kills it with no word of where. This backstop, BACKSTOP_S after the item's own
+# timeout, dumps every thread's stack from faulthandler's C thread and ends the process: pytest-xdist
+# then reports the test as its worker's crash and goes on with a fresh worker.
+BACKSTOP_S = float(os.environ.get("COMMPATCH_TEST_BACKSTOP_S", "120"))
+
+
+def pytest_configure(config):
+    config._backstop_stderr = os.dup(2)  # the terminal's stderr (a test's fd 2 is captured)
+
+
+def _arm_backstop(config, deadline) -> None:
+    import faulthandler
+    import time
+
+    faulthandler.dump_traceback_later(max(1.0, deadline - time.monotonic()), exit=True, file=config._backstop_stderr)
+
+
+def _timeout_of(item) -> float:
+    """The item's pytest-timeout: its marker's, else the ini's (0: none, or no pytest-timeout)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout not installed: no "timeout" ini
+        return 0.0
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+    import time
+
+    timeout = _timeout_of(item)
+    item._backstop_deadline = time.monotonic() + timeout + BACKSTOP_S if timeout > 0 else None
+    if item._backstop_deadline is not None:
+        _arm_backstop(item.config, item._backstop_deadline)
+    try:
+        yield
+    finally:
+        if item._backstop_deadline is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact(node, call, report):
+    """pytest's faulthandler plugin cancels the timer when a phase fails (before a debugger could
+    start): armed again, to the same deadline, for the phases that follow (a teardown that hangs)."""
+    deadline = getattr(node, "_backstop_deadline", None)
+    if deadline is not None:
+        _arm_backstop(node.config, deadline)
 
 
 @pytest.fixture(autouse=True)

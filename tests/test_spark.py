@@ -196,17 +196,19 @@ def standalone_cluster(tmp_path):
         assert alive == 2, logs
         yield url, ui
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-        spark.stop()
+        try:
+            spark.stop()  # the application first, while its master is there to hear of it
+        finally:
+            for p in procs:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
 
 
 @needs_spark
