@@ -248,6 +248,43 @@ def test_ddp_fsdp2_and_nccl_timing_on_the_device(built):
         assert 38 <= nccl["duration_ms"] < 60, nccl  # the 40 ms "kernel", not the 20 ms queued before it
 
 
+def _late_rank_1(monkeypatch, worker, late_ms: int) -> list:
+    """``worker`` on 2 ranks, 4 steps, rank 1's device busy ``late_ms`` before each, the group on a
+    stream of its own (as NCCL's): each rank's result, with no error on either."""
+    monkeypatch.setenv("EMUSTREAM_COMM_STREAM", "1")
+    results = workers.run_emu_ranks(worker, 2, timeout=120, late_ms=late_ms, steps=4)
+    for rank, r in enumerate(results):
+        assert r["errors"] == [], rank
+    return results
+
+
+def test_fsdp2_stall_at_its_all_gather_is_timed_on_the_device(built, monkeypatch):
+    """FSDP2 on an accelerator: its copy-out makes the stream wait for the all-gather's event and the
+    host returns at once, so the all-gather rows' waits were unknown (the step's exposed time said 0,
+    its communication all "overlap unknown") while rank 0's stream stalled ~60 ms per step for rank
+    1's late all-gather. The stall is now timed on the device, between events around that wait: the
+    all-gather rows' waits, and the step's exposed time."""
+    late_ms = 60
+    for rank, r in enumerate(_late_rank_1(monkeypatch, workers.fsdp2_device_stall, late_ms)):
+        rows = r["rows"]
+        assert rows and {(x["device"], x["timing"]) for x in rows} == {("emu", "device_event")}, rows
+        assert not any(math.isnan(x["wait_us"]) for x in rows), rows  # each all-gather's stall is known
+        steady = [x for x in rows if x["step"] >= 1]  # step 0: the group's first calls (connections, streams)
+        waits: dict = {}
+        for x in steady:
+            assert x["wait_us"] >= 0, (rank, x)
+            waits.setdefault(x["step"], []).append(x["wait_us"])
+        exposed = {s["step"]: s["exposed_us"] for s in r["steps"]}
+        for step, wait in waits.items():
+            if rank == 0:  # its stream waited for rank 1's late all-gather once a step
+                assert late_ms * 0.8 <= sum(wait) / 1e3 <= late_ms * 1.5, (rank, step, steady)
+            else:  # rank 1 was the late one: its stream found the gathered parameters ready
+                assert sum(wait) / 1e3 < late_ms * 0.25, (rank, step, steady)
+            # the stalls are the step's exposed time: the union of their windows, each placed before
+            # its row's completion (which the host's issue + the device duration place; two may overlap)
+            assert max(wait) * 0.99 <= exposed[step] <= sum(wait) * 1.01, (rank, step, exposed, wait)
+
+
 def test_resolving_stays_linear_while_the_device_is_far_behind(built):
     """2,000 calls issued while the device is 3 s behind the host: every measurement stays in flight.
     Resolving early (to give events back to the pool) walked every one of them for each new event,
@@ -270,10 +307,7 @@ def test_functional_collectives_stall_is_timed_on_the_device(built, monkeypatch)
     passing the wait, the wait the stream's stall there; eagerly (``funcol``) and through the ops
     compiled graphs call (the kernels of ``integrations.compiled``)."""
     late_ms = 60
-    monkeypatch.setenv("EMUSTREAM_COMM_STREAM", "1")  # the group's own stream, as NCCL's
-    results = workers.run_emu_ranks(workers.funcol_device_wait, 2, timeout=120, late_ms=late_ms, steps=4)
-    for rank, r in enumerate(results):
-        assert r["errors"] == [], rank
+    for rank, r in enumerate(_late_rank_1(monkeypatch, workers.funcol_device_wait, late_ms)):
         rows = r["rows"]
         assert [x["op"] for x in rows] == ["funcol.all_reduce"] * 4 + ["compiled.all_reduce"] * 4 + [
             "funcol.all_reduce"

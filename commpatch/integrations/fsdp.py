@@ -11,7 +11,9 @@ module whose parameters moved) and the phase (``backward`` inside the autograd e
 current one). Cost: a few attribute reads per FSDP unit per step.
 
 - FSDP2: ``FSDPParamGroup.unshard`` and ``FSDPParamGroup.post_backward``; the unit is the module
-  passed to ``fully_shard``.
+  passed to ``fully_shard``. On an accelerator, FSDP2's copy-out makes the current stream wait for
+  the all-gather's event (the host returns at once): ``FSDPParamGroup.wait_for_unshard`` is
+  wrapped to time that stall on the device (``Stalls``), the all-gather row's wait.
 - FSDP1: ``_runtime_utils._unshard`` and ``_runtime_utils._reduce_grad``; the unit is the
   ``FullyShardedDataParallel`` instance that owns the handle (named like its forward rows).
 """
@@ -20,8 +22,10 @@ from __future__ import annotations
 
 import weakref
 
+from ..data.ops import OP_NAMES
 from ..data.schema import P_BACKWARD
 from ..record import state as _runtime
+from ..record.rows import peek_seq
 from . import modules
 from .base import Integration, Needs, when_imported
 
@@ -75,8 +79,94 @@ def _patch_fsdp2(ctx, module) -> None:
             note_settings(log, group)
         return group.modules[0]
 
-    ctx.patches.wrap(cls, "unshard", lambda orig: _attributed(orig, unit))
+    stalls = Stalls(log, ctx.timing)
+    ctx.patches.wrap(cls, "unshard", lambda orig: stalls.issuing(_attributed(orig, unit)))
     ctx.patches.wrap(cls, "post_backward", lambda orig: _attributed(orig, lambda group, args: group.modules[0]))
+    if hasattr(cls, "wait_for_unshard"):
+        ctx.patches.wrap(cls, "wait_for_unshard", stalls.waiting)
+
+
+class Stalls:
+    """The stall of the training thread's stream at FSDP2's wait for an all-gather, on an accelerator.
+
+    FSDP2 issues a unit's all-gather (one ``all_gather_single`` / ``all_gather_into_tensor``, sync, on its all-gather
+    stream) in ``unshard`` and records an event after it; ``wait_for_unshard`` makes the current
+    stream wait for that event before the copy-out. The host returns from both at once, so the
+    stream's wait is what the step is held up by there, and the row's own device duration (on the
+    all-gather stream) says nothing of it. Noted at ``unshard`` (the one row it issued, found in
+    ``Log.pending``: a device row in flight), timed at ``wait_for_unshard``: an event on the
+    current stream, the same wait on the all-gather's event that FSDP2 makes next (made twice: the
+    second passes at once, nothing runs on that stream between them), an event after it; the
+    stall between the two is the row's wait (``Timing.stall_mark`` / ``stall_end``). Not timed: an
+    ``unshard(async_op=True)`` (a ``Work`` FSDP2 waits on), CPU tensors (gloo: the thread waits in
+    the call), a stream that is capturing."""
+
+    def __init__(self, log, timing) -> None:
+        self.log, self.timing = log, timing
+        self.issued: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> (id(result), seq, device key)
+        self.codes = {
+            OP_NAMES.index(name) for name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base")
+        }
+
+    def issuing(self, orig):
+        state = _runtime.STATE
+
+        def unshard(group, *args, **kwargs):
+            if not state.recording or self.timing is None:
+                return orig(group, *args, **kwargs)
+            first = peek_seq()
+            out = orig(group, *args, **kwargs)
+            try:
+                self.note(group, first)
+            except Exception as exc:  # noqa: BLE001 - a stall not timed never breaks FSDP
+                _runtime.fail("fsdp.stall", exc)
+            return out
+
+        return unshard
+
+    def note(self, group, first: int) -> None:
+        result = getattr(group, "_all_gather_result", None)
+        if result is None or peek_seq() != first + 1:  # no collective, or calls of other threads too
+            return
+        pending = self.log.pending.get(first)
+        output = result.all_gather_output
+        if pending is None or pending.op not in self.codes or output.is_cpu or result.all_gather_event is None:
+            return
+        self.issued[group] = (id(result), first, (output.device.type, output.device.index))
+
+    def waiting(self, orig):
+        state = _runtime.STATE
+
+        def wait_for_unshard(group, *args, **kwargs):
+            entry = self.issued.pop(group, None) if self.issued else None
+            if entry is not None and state.recording:
+                try:
+                    self.stall(group, *entry)
+                except Exception as exc:  # noqa: BLE001
+                    _runtime.fail("fsdp.stall", exc)
+            return orig(group, *args, **kwargs)
+
+        return wait_for_unshard
+
+    def stall(self, group, rid: int, seq: int, key) -> None:
+        import torch
+
+        result = getattr(group, "_all_gather_result", None)
+        if result is None or id(result) != rid or result.all_gather_work is not None:
+            return
+        event = result.all_gather_event
+        # the stream FSDP2 makes wait, through its own device module (torch.cuda's streams take
+        # torch.cuda's events; torch.Stream's do not)
+        handle = getattr(group, "device_handle", None) or getattr(torch, key[0], None)
+        mark = self.timing.stall_mark(key) if event is not None and handle is not None else None
+        if mark is None:
+            return
+        try:
+            handle.current_stream().wait_event(event)  # as foreach_all_gather_copy_out does next
+        except Exception:
+            self.timing.cancel((key, mark))
+            raise
+        self.timing.stall_end(seq, key, mark)
 
 
 def note_settings(log, group) -> None:
@@ -171,10 +261,16 @@ def _attributed(orig, unit_of):
 INTEGRATION = Integration(
     name="fsdp",
     gaps=cpu_gap,
-    patches="FSDP2 FSDPParamGroup.unshard / post_backward; FSDP1 _runtime_utils._unshard / _reduce_grad",
+    patches="FSDP2 FSDPParamGroup.unshard / post_backward / wait_for_unshard; FSDP1 _runtime_utils._unshard / _reduce_grad",
     relies_on=tuple(
         Needs("|".join(f"{m}.FSDPParamGroup.{a}" for m in FSDP2), "FSDP2's module attribution")
         for a in ("unshard", "post_backward")
+    )
+    + (
+        Needs(
+            "|".join(f"{m}.FSDPParamGroup.wait_for_unshard" for m in FSDP2),
+            "the stall of FSDP2's stream at its all-gathers on an accelerator",
+        ),
     )
     + tuple(Needs(f"{FSDP1}.{f}", "FSDP1's module attribution") for f in ("_unshard", "_reduce_grad"))
     + (Needs("torch._C._current_graph_task_id"),),

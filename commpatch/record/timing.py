@@ -18,6 +18,9 @@
   Functional collectives on a device (``integrations.base.Waits``): the end event after the
   ``wait_tensor`` on their result, on the stream that waits, and an event just before that wait:
   the stream's stall between the two is the row's wait (``device_mark``, ``device_waited``).
+  A stream's wait for a collective timed on its own (FSDP2's copy-out waiting for its all-gather's
+  event, ``integrations.fsdp``): events just before and after that wait, the stall between them
+  the row's wait (``stall_mark``, ``stall_end``).
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
 Durations land in ``Log.done`` (seq -> ns) and are flushed to the rank log by ``Log.flush``.
@@ -52,6 +55,7 @@ class Timing:
         self.in_chains = 0  # items in self.chains
         self.examined = 0  # items taken in or queried by resolves (the tests' probe of their cost)
         self.nccl_pending: list = []  # (seq, work, device key, start_event)
+        self.stalls: deque = deque()  # (seq, device key, mark event, end event): streams' waits (stall_end)
         self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
         self.at_wait: dict[int, tuple] = {}  # id(work) -> (work, seq, start): timed at its wait (``waited``)
@@ -61,6 +65,7 @@ class Timing:
         self.lock = threading.Lock()
         self.apis, self.pools, self.last_end, self.chains, self.in_chains = {}, {}, {}, {}, 0
         self.dev_pending[:], self.nccl_pending[:] = [], []
+        self.stalls = deque()
         self.at_wait = {}
 
     # ---- CPU ------------------------------------------------------------------------
@@ -192,13 +197,30 @@ class Timing:
         """Before the training thread makes its stream wait for a functional collective's result
         (``started``: its measurement, ``device_start``'s): an event recorded on the current stream,
         where the stream's stall for the collective begins; None while the stream is capturing."""
-        key = started[0]
-        api = self.apis[key]
-        if api.capturing_now():
+        return self.stall_mark(started[0])
+
+    def stall_mark(self, key):
+        """An event recorded on device ``key``'s current stream (where a stall begins), or None:
+        the stream is capturing, or no measurement was ever made on that device."""
+        api = self.apis.get(key)
+        if api is None or api.capturing_now():
             return None
         ev = self._event(key, api)
         api.record(ev)
         return ev
+
+    def stall_end(self, seq: int, key, mark) -> None:
+        """The current stream has been made to wait for the collective of row ``seq``, whose own
+        duration is measured apart (``mark``: ``stall_mark``'s event, just before that wait): an
+        end event recorded now; the stream's stall, ``mark`` to it, becomes the row's wait
+        (``Log.waits``). Nothing while the stream is capturing."""
+        api = self.apis[key]
+        if api.capturing_now():
+            self._free(key, mark)
+            return
+        end_ev = self._event(key, api)
+        api.record(end_ev)
+        self.stalls.append((seq, key, mark, end_ev))
 
     def device_waited(self, seq: int, gid: int, started, mark) -> None:
         """The current stream has been made to wait for the result of the functional collective
@@ -267,13 +289,14 @@ class Timing:
     def resolve(self, block: bool = False) -> None:
         """Fold finished measurements into the log; ``block`` waits for device ones (read/exit).
         Nothing is queried or synchronized on a device whose current stream is capturing."""
-        if not (self.dev_pending or self.in_chains or self.nccl_pending):
+        if not (self.dev_pending or self.in_chains or self.nccl_pending or self.stalls):
             return
         with self.lock:
             try:
                 capturing = {key for key, api in self.apis.items() if api.capturing_now()}
                 self._resolve_device(block, capturing)
                 self._resolve_nccl(block, capturing)
+                self._resolve_stalls(block, capturing)
             except Exception as exc:  # noqa: BLE001
                 _runtime.fail("timing.resolve", exc)
 
@@ -338,7 +361,23 @@ class Timing:
 
     def in_flight(self) -> int:
         """Device measurements not yet resolved."""
-        return len(self.dev_pending) + self.in_chains
+        return len(self.dev_pending) + self.in_chains + len(self.stalls)
+
+    def _resolve_stalls(self, block: bool, capturing) -> None:
+        """Streams' waits, in the order they were recorded, up to the first not yet complete (they
+        sit on the training thread's streams, which pass them in about that order)."""
+        stalls, waits = self.stalls, self.log.waits
+        while stalls:
+            seq, key, mark, end_ev = stalls[0]
+            if key in capturing:
+                return
+            if block:
+                end_ev.synchronize()
+            if not end_ev.query():
+                return
+            stalls.popleft()
+            waits.append((seq, int(mark.elapsed_time(end_ev) * 1e6)))
+            self._free(key, mark, end_ev)
 
     def _resolve_nccl(self, block: bool, capturing) -> None:
         keep, done = [], self.log.done

@@ -576,3 +576,43 @@ def funcol_device_wait(rank, world_size, late_ms=60, steps=4):
         "captured_in_flight": captured,
         "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
     }
+
+
+def fsdp2_device_stall(rank, world_size, late_ms=60, steps=4):
+    """FSDP2 on the device (two units and the root), the group on a stream of its own
+    (``pg.COMM_STREAM_ENV``, as NCCL's): rank 1 queues ``late_ms`` of device work before each step,
+    so its first all-gather of the step starts late and rank 0's stream stalls where FSDP2's copy-out
+    waits for it, while both hosts return at once. Returns the all-gather rows and the steps table."""
+    import torch
+
+    import commpatch
+    from commpatch.analysis import per_step
+    from tests import emulated_device as emu
+    from tests.torch_compat import fully_shard as _fully_shard
+
+    fully_shard = _fully_shard()
+    commpatch.enable(output="none")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to("emu")
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        x = torch.randn(8, 64, device="emu")
+        for _ in range(steps):
+            if rank == 1:
+                emu.sleep(x, late_ms)  # its device is busy: its all-gather starts late
+            model(x).sum().backward()
+            commpatch.step()
+        torch.accelerator.synchronize()
+        df = commpatch.log()
+        steps_table = per_step(df[df["step"] < steps])
+    finally:
+        commpatch.disable()
+    gathers = df[df["op"].isin(("all_gather_single", "all_gather_into_tensor"))]
+    return {
+        "rows": _rows(gathers, ("op", "device", "timing", "duration_us", "wait_us", "step")),
+        "ops": sorted(set(df["op"].astype(str))),
+        "steps": steps_table[["step", "exposed_us", "overlap_unknown_us"]].to_dict("records"),
+        "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
+    }
