@@ -285,6 +285,30 @@ def test_fsdp2_stall_at_its_all_gather_is_timed_on_the_device(built, monkeypatch
             assert max(wait) * 0.99 <= exposed[step] <= sum(wait) * 1.01, (rank, step, exposed, wait)
 
 
+def test_an_async_calls_work_wait_stall_is_timed_on_the_device(built, monkeypatch):
+    """A user's ``async_op=True`` call on an accelerator: ``Work.wait()`` makes the current stream
+    wait (the host returns at once), so its rows' waits were unknown ("overlap unknown") while rank
+    0's stream stalled ~60 ms per step in the wait for rank 1's late all-reduce. The stall is now
+    timed on the device between events around the wait (the work noted weakly: a work dropped
+    unwaited leaves nothing behind)."""
+    late_ms = 60
+    for rank, r in enumerate(_late_rank_1(monkeypatch, workers.async_work_device_wait, late_ms)):
+        rows = r["rows"]
+        assert len(rows) == 6 and {(x["op"], x["async_op"], x["device"], x["timing"]) for x in rows} == {
+            ("all_reduce", True, "emu", "device_event")
+        }, rows
+        *rows, dropped, twice = rows
+        assert math.isnan(dropped["wait_us"]) and r["noted_after_drop"] == 0, (dropped, r)
+        assert twice["wait_us"] >= 0, twice  # waited twice: the first wait's stall, once
+        exposed = {s["step"]: s["exposed_us"] for s in r["steps"]}
+        for x in rows[1:]:  # step 0: the group's first call (connections, streams)
+            if rank == 0:  # its stream waited for rank 1's late all-reduce at each wait
+                assert late_ms * 0.8 <= x["wait_us"] / 1e3 <= late_ms * 1.5, (rank, x)
+            else:  # rank 1 was the late one: its stream found the result ready
+                assert x["wait_us"] / 1e3 < late_ms * 0.25, (rank, x)
+            assert exposed[x["step"]] == pytest.approx(x["wait_us"]), (rank, x, exposed)
+
+
 def test_resolving_stays_linear_while_the_device_is_far_behind(built):
     """2,000 calls issued while the device is 3 s behind the host: every measurement stays in flight.
     Resolving early (to give events back to the pool) walked every one of them for each new event,

@@ -155,16 +155,22 @@ class Patcher:
 
     # ---- async works without a future (gloo's send / recv): timed at the thread's wait ------
     def _wrap_work_wait(self) -> None:
-        """``Work.wait`` stamps the row of a work ``Timing`` keeps for it (``Timing.waited``); any
-        other work's wait is the original's, after one dict lookup."""
+        """``Work.wait`` stamps the row of a work ``Timing`` keeps for it (``Timing.waited``), or
+        times the stall of the current stream in it for an async call on an accelerator
+        (``Timing.wait_begin`` / ``wait_end``); any other work's wait is the original's, after two
+        dict lookups."""
         work = getattr(sys.modules.get("torch._C._distributed_c10d"), "Work", None)
         if work is None:
             return
         timing, pc = self.timing, time.perf_counter_ns
 
+        dev_waits = timing.dev_waits
+
         def make(orig):
             def wait(self, *args, **kwargs):
                 if id(self) not in timing.at_wait:
+                    if id(self) in dev_waits:  # an async call on an accelerator: the stream's stall
+                        return _device_wait(self, orig, args, kwargs)
                     return orig(self, *args, **kwargs)
                 began = pc()
                 out = orig(self, *args, **kwargs)
@@ -176,6 +182,20 @@ class Patcher:
 
             wait._torchdynamo_inline = orig  # dynamo traces the original (integrations.base.invisible_to_dynamo)
             return wait
+
+        def _device_wait(work, orig, args, kwargs):
+            try:
+                begun = timing.wait_begin(work)
+            except Exception as exc:  # noqa: BLE001 - device events unusable: the wait is not timed
+                _runtime.fail("work_wait", exc)
+                begun = None
+            out = orig(work, *args, **kwargs)
+            if begun is not None:
+                try:
+                    timing.wait_end(begun)
+                except Exception as exc:  # noqa: BLE001
+                    _runtime.fail("work_wait", exc)
+            return out
 
         self.patches.wrap(work, "wait", make)
 

@@ -20,7 +20,8 @@
   the stream's stall between the two is the row's wait (``device_mark``, ``device_waited``).
   A stream's wait for a collective timed on its own (FSDP2's copy-out waiting for its all-gather's
   event, ``integrations.fsdp``): events just before and after that wait, the stall between them
-  the row's wait (``stall_mark``, ``stall_end``).
+  the row's wait (``stall_mark``, ``stall_end``); so is the stream's wait in a ``Work.wait()`` on an
+  async call's work (``wait_begin``, ``wait_end``: ``Patcher`` wraps ``Work.wait``).
 - ``nccl``: ``work._get_duration()`` once an async NCCL work completed, when collective
   timing is enabled (``TORCH_NCCL_ENABLE_TIMING=1``).
 Durations land in ``Log.done`` (seq -> ns) and are flushed to the rank log by ``Log.flush``.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 
 from ..data.schema import T_DEVICE, T_FUTURE, T_NCCL, T_NONE, T_WAIT
@@ -59,6 +61,9 @@ class Timing:
         self.last_end: dict = {}  # (device key, gid) -> end event of the group's last resolved call
         self.no_future: set[int] = set()  # op codes whose CPU Work has no future (gloo p2p)
         self.at_wait: dict[int, tuple] = {}  # id(work) -> (work, seq, start): timed at its wait (``waited``)
+        # id(work) -> (weak reference, seq, device key): an async call on an accelerator, whose
+        # ``Work.wait()`` makes the current stream wait: the stall there is its row's wait
+        self.dev_waits: dict[int, tuple] = {}
         self.nccl_timing = os.environ.get("TORCH_NCCL_ENABLE_TIMING", "0") not in ("0", "")
 
     def after_fork(self) -> None:
@@ -67,6 +72,7 @@ class Timing:
         self.dev_pending[:], self.nccl_pending[:] = [], []
         self.stalls = deque()
         self.at_wait = {}
+        self.dev_waits.clear()  # (the same dict: Patcher's Work.wait looks into it)
 
     # ---- CPU ------------------------------------------------------------------------
     def future(self, seq: int, start: int, work, op: int) -> int:
@@ -159,10 +165,35 @@ class Timing:
         if work is None:
             self.cancel(started)
             return T_NONE
+        if not isinstance(work, list):
+            self._stall_at_wait(work, seq, key)
         if self.nccl_timing and hasattr(work, "_get_duration") and self._nccl_group(gid):
             self.nccl_pending.append((seq, work, key, start_ev))
             return T_NCCL
         return self.device_after(seq, gid, started, self._future_of(work, -1))
+
+    def _stall_at_wait(self, work, seq: int, key) -> None:
+        """Note an async call's work on an accelerator for its ``Work.wait()`` (``wait_begin``),
+        weakly: a work dropped unwaited takes its entry with it (a work keeps its tensors alive)."""
+        waits, i = self.dev_waits, id(work)
+        if len(waits) >= AT_WAIT_MAX:  # (works kept alive elsewhere, never waited for)
+            waits.clear()
+        waits[i] = (weakref.ref(work, lambda _ref, i=i: waits.pop(i, None)), seq, key)
+
+    def wait_begin(self, work):
+        """Before ``work.wait()`` on an async call noted by ``_stall_at_wait``: (seq, device key, an
+        event on the current stream where its stall begins), or None (not noted, waited before, the
+        stream capturing)."""
+        entry = self.dev_waits.pop(id(work), None)
+        if entry is None or entry[0]() is not work:
+            return None
+        mark = self.stall_mark(entry[2])
+        return None if mark is None else (entry[1], entry[2], mark)
+
+    def wait_end(self, begun) -> None:
+        """``work.wait()`` has returned (``begun``: ``wait_begin``'s): the current stream waits for
+        the collective from here; the stall is the row's wait (``stall_end``)."""
+        self.stall_end(*begun)
 
     def device_after(self, seq: int, gid: int, started, fut) -> int:
         """End the measurement when ``fut`` (a device-aware future: a Work's, or a DDP comm hook's)

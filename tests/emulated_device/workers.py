@@ -616,3 +616,45 @@ def fsdp2_device_stall(rank, world_size, late_ms=60, steps=4):
         "steps": steps_table[["step", "exposed_us", "overlap_unknown_us"]].to_dict("records"),
         "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
     }
+
+
+def async_work_device_wait(rank, world_size, late_ms=60, steps=4):
+    """A user's ``async_op=True`` all-reduce on the device and its ``Work.wait()``, the group on a
+    stream of its own (``pg.COMM_STREAM_ENV``, as NCCL's): rank 1 queues ``late_ms`` of device work
+    before each, so rank 0's stream stalls in the wait while its host returns at once. Then one
+    work dropped unwaited and one waited twice. Returns the rows and the steps table."""
+    import torch
+    import torch.distributed as dist
+
+    import commpatch
+    from commpatch.analysis import per_step
+    from commpatch.session import default
+    from tests import emulated_device as emu
+
+    commpatch.enable(output="none")
+    try:
+        x = torch.ones(1024, device="emu")
+        for _ in range(steps):
+            if rank == 1:
+                emu.sleep(x, late_ms)  # its device is busy: its collective starts late
+            work = dist.all_reduce(x, async_op=True)
+            emu.sleep(x, 5)  # compute queued before the result is used
+            work.wait()
+            emu.sleep(x, 5)
+            commpatch.step()
+        dist.all_reduce(x, async_op=True)  # dropped unwaited: its entry goes with it
+        noted_after_drop = len(default().timing.dev_waits)
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()
+        work.wait()  # a second wait passes at once: one stall noted
+        torch.accelerator.synchronize()
+        df = commpatch.log()
+        steps_table = per_step(df[df["step"] < steps])
+    finally:
+        commpatch.disable()
+    return {
+        "rows": _rows(df, ("op", "async_op", "device", "timing", "duration_us", "wait_us", "step")),
+        "steps": steps_table[["step", "exposed_us", "overlap_unknown_us"]].to_dict("records"),
+        "noted_after_drop": noted_after_drop,
+        "errors": emu.take_errors() + [f"{k}: {v}" for k, v in commpatch.internal_errors().items()],
+    }
