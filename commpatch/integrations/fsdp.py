@@ -97,9 +97,10 @@ class Stalls:
     ``Log.pending``: a device row in flight), timed at ``wait_for_unshard``: an event on the
     current stream, the same wait on the all-gather's event that FSDP2 makes next (made twice: the
     second passes at once, nothing runs on that stream between them), an event after it; the
-    stall between the two is the row's wait (``Timing.stall_mark`` / ``stall_end``). Not timed: an
-    ``unshard(async_op=True)`` (a ``Work`` FSDP2 waits on), CPU tensors (gloo: the thread waits in
-    the call), a stream that is capturing."""
+    stall between the two is the row's wait (``Timing.stall_mark`` / ``stall_end``). Left to the
+    ``Work.wait()`` timing (``Timing.wait_begin``): an ``unshard(async_op=True)``, whose ``Work``
+    FSDP2 waits on. Not timed: CPU tensors (gloo: the thread waits in the call), a stream that is
+    capturing."""
 
     def __init__(self, log, timing) -> None:
         self.log, self.timing = log, timing
